@@ -1,0 +1,54 @@
+"""fastattn: fast exact scaled dot-product attention for NumPy on multicore CPUs.
+
+    out = fastattn.attention(q, k, v, mask=None, causal=False, scale=None)
+
+computes softmax(q k^T * scale + mask) v with a fused C kernel (streaming
+softmax, O(n * d) memory, OpenMP threads, SIMD chosen at run time).
+`fastattn.reference` is the plain NumPy version of the same semantics.
+
+Where things are:
+    fastattn/_api.py      the public functions: validation and conversion
+    fastattn/_core.pyx    the Cython binding to the C core
+    fastattn/reference.py the NumPy reference (the tests' oracle)
+    src_c/                the C kernels (start at src_c/fastattn.h)
+"""
+
+import os as _os
+import warnings as _warnings
+
+from . import _core, reference
+from ._api import attention, softmax
+
+__version__ = "0.1.0"
+__all__ = ["attention", "softmax", "reference", "show_config", "__version__"]
+
+
+def _choose_isa():
+    """FASTATTN_ISA=generic forces the portable path; =avx2 asks for AVX2
+    (with a warning if this CPU cannot run it); unset or 'auto': the best."""
+    want = _os.environ.get("FASTATTN_ISA", "auto").strip().lower()
+    if want in ("", "auto"):
+        return
+    if want not in ("generic", "avx2"):
+        _warnings.warn(f"FASTATTN_ISA={want!r} is not one of auto, generic, avx2; using "
+                       f"{_core.isa_name()}", RuntimeWarning, stacklevel=2)
+        return
+    if not _core.isa_available(want):
+        _warnings.warn(f"FASTATTN_ISA={want!r} is not available on this CPU; using "
+                       f"{_core.isa_name()}", RuntimeWarning, stacklevel=2)
+        return
+    _core.set_isa(want)
+
+
+_choose_isa()
+
+
+def show_config():
+    """Print the version, the SIMD path chosen at run time, OpenMP and threads."""
+    print(f"fastattn {__version__}")
+    print(f"  SIMD path:      {_core.isa_name()} (available: "
+          f"{', '.join(n for n in ('avx2', 'generic') if _core.isa_available(n))}; "
+          f"FASTATTN_ISA={_os.environ.get('FASTATTN_ISA', 'auto')})")
+    print(f"  OpenMP:         {'yes' if _core.openmp_enabled() else 'no (single-threaded build)'}")
+    print(f"  threads:        {_core.max_threads()} (OMP_NUM_THREADS="
+          f"{_os.environ.get('OMP_NUM_THREADS', 'unset')})")

@@ -1,0 +1,216 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""Binding to the C core (src_c/).
+
+Takes arrays that fastattn/_api.py has already validated, broadcast and
+converted, fills the C argument structs with their pointers and element
+strides, and calls the C core with the GIL released.  Nothing here checks
+shapes: _api.py does.
+"""
+from libc.stdint cimport int64_t
+cimport numpy as cnp
+
+cnp.import_array()
+
+cdef extern from "fastattn.h" nogil:
+    enum:
+        FA_MAX_DIMS
+        FA_OK
+        FA_ENOMEM
+        FA_EINVAL
+        FA_F32
+        FA_F64
+        FA_MASK_NONE
+        FA_MASK_BOOL
+        FA_MASK_ADD
+
+    ctypedef struct fa_attention_args:
+        int n_lead
+        int64_t lead_shape[FA_MAX_DIMS]
+        int64_t q_lead[FA_MAX_DIMS]
+        int64_t k_lead[FA_MAX_DIMS]
+        int64_t v_lead[FA_MAX_DIMS]
+        int64_t o_lead[FA_MAX_DIMS]
+        int64_t m_lead[FA_MAX_DIMS]
+        int64_t lse_lead[FA_MAX_DIMS]
+        int64_t nq, nk, dk, dv
+        int64_t q_rs, k_rs, v_rs, o_rs
+        int64_t m_rs, m_cs
+        int64_t lse_rs
+        const void *q
+        const void *k
+        const void *v
+        const void *mask
+        void *out
+        void *lse
+        int dtype
+        int mask_kind
+        int causal
+        double scale
+        int num_threads
+
+    ctypedef struct fa_softmax_args:
+        int n_lead
+        int64_t lead_shape[FA_MAX_DIMS]
+        int64_t x_lead[FA_MAX_DIMS]
+        int64_t o_lead[FA_MAX_DIMS]
+        int64_t n, x_s, o_s
+        const void *x
+        void *out
+        int dtype
+        int num_threads
+
+    int fa_attention(const fa_attention_args *a)
+    int fa_softmax(const fa_softmax_args *a)
+    const char *fa_isa_name()
+    int fa_set_isa(const char *name)
+    int fa_isa_available(const char *name)
+    int fa_openmp_enabled()
+    int fa_max_threads()
+
+cdef extern from "internal.h" nogil:
+    int fa_exp(int dtype, const void *x, void *y, int64_t n)
+
+MASK_NONE = FA_MASK_NONE
+MASK_BOOL = FA_MASK_BOOL
+MASK_ADD = FA_MASK_ADD
+
+
+cdef int _dtype_code(cnp.ndarray a) except -1:
+    if a.dtype.num == cnp.NPY_FLOAT32:
+        return FA_F32
+    if a.dtype.num == cnp.NPY_FLOAT64:
+        return FA_F64
+    raise TypeError(f"internal: the C core takes float32 or float64, got {a.dtype}")
+
+
+cdef inline int64_t _estride(cnp.ndarray a, int axis):
+    # element stride of an axis (the Python layer guarantees divisibility)
+    return cnp.PyArray_STRIDES(a)[axis] // cnp.PyArray_ITEMSIZE(a)
+
+
+cdef int _check(int status) except -1:
+    if status == FA_OK:
+        return 0
+    if status == FA_ENOMEM:
+        raise MemoryError("fastattn: could not allocate the per-thread scratch")
+    raise ValueError(f"fastattn: the C core rejected its arguments (status {status})")
+
+
+def attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask_kind,
+              cnp.ndarray out, object lse, bint causal, double scale, int num_threads):
+    """Fill `out` (and `lse`) with attention.  All arrays have the same number
+    of leading dims (broadcast, stride 0 allowed); q, k, v, out have unit
+    stride on the last axis; mask is (..., nq, nk) with any strides."""
+    cdef fa_attention_args a
+    cdef int nl = q.ndim - 2
+    cdef int d
+    cdef cnp.ndarray m_arr, l_arr
+    if nl > FA_MAX_DIMS:
+        raise ValueError(f"at most {FA_MAX_DIMS} leading dims")
+    a.n_lead = nl
+    for d in range(nl):
+        a.lead_shape[d] = q.shape[d]
+        a.q_lead[d] = _estride(q, d)
+        a.k_lead[d] = _estride(k, d)
+        a.v_lead[d] = _estride(v, d)
+        a.o_lead[d] = _estride(out, d)
+        a.m_lead[d] = 0
+        a.lse_lead[d] = 0
+    a.nq = q.shape[nl]
+    a.dk = q.shape[nl + 1]
+    a.nk = k.shape[nl]
+    a.dv = v.shape[nl + 1]
+    a.q_rs = _estride(q, nl)
+    a.k_rs = _estride(k, nl)
+    a.v_rs = _estride(v, nl)
+    a.o_rs = _estride(out, nl)
+    a.q = cnp.PyArray_DATA(q)
+    a.k = cnp.PyArray_DATA(k)
+    a.v = cnp.PyArray_DATA(v)
+    a.out = cnp.PyArray_DATA(out)
+    a.dtype = _dtype_code(q)
+    a.mask_kind = mask_kind
+    a.mask = NULL
+    a.m_rs = 0
+    a.m_cs = 0
+    if mask_kind != FA_MASK_NONE:
+        m_arr = <cnp.ndarray>mask
+        for d in range(nl):
+            a.m_lead[d] = _estride(m_arr, d)
+        a.m_rs = _estride(m_arr, nl)
+        a.m_cs = _estride(m_arr, nl + 1)
+        a.mask = cnp.PyArray_DATA(m_arr)
+    a.lse = NULL
+    a.lse_rs = 0
+    if lse is not None:
+        l_arr = <cnp.ndarray>lse
+        for d in range(nl):
+            a.lse_lead[d] = _estride(l_arr, d)
+        a.lse_rs = _estride(l_arr, nl)
+        a.lse = cnp.PyArray_DATA(l_arr)
+    a.causal = causal
+    a.scale = scale
+    a.num_threads = num_threads
+    cdef int status
+    with nogil:
+        status = fa_attention(&a)
+    _check(status)
+
+
+def softmax(cnp.ndarray x, cnp.ndarray out, int num_threads):
+    """Softmax along the last axis of x into out (same shape, same dtype)."""
+    cdef fa_softmax_args a
+    cdef int nl = x.ndim - 1
+    cdef int d
+    if nl > FA_MAX_DIMS:
+        raise ValueError(f"at most {FA_MAX_DIMS} leading dims")
+    a.n_lead = nl
+    for d in range(nl):
+        a.lead_shape[d] = x.shape[d]
+        a.x_lead[d] = _estride(x, d)
+        a.o_lead[d] = _estride(out, d)
+    a.n = x.shape[nl]
+    a.x_s = _estride(x, nl)
+    a.o_s = _estride(out, nl)
+    a.x = cnp.PyArray_DATA(x)
+    a.out = cnp.PyArray_DATA(out)
+    a.dtype = _dtype_code(x)
+    a.num_threads = num_threads
+    cdef int status
+    with nogil:
+        status = fa_softmax(&a)
+    _check(status)
+
+
+def vexp(cnp.ndarray x):
+    """The SIMD exp of the chosen path, elementwise (for the tests).
+    x: 1-D contiguous float32 or float64."""
+    cdef cnp.ndarray y = cnp.PyArray_EMPTY(1, x.shape, x.dtype.num, 0)
+    cdef int dt = _dtype_code(x)
+    cdef int64_t n = x.shape[0]
+    with nogil:
+        fa_exp(dt, cnp.PyArray_DATA(x), cnp.PyArray_DATA(y), n)
+    return y
+
+
+def isa_name():
+    return fa_isa_name().decode()
+
+
+def set_isa(str name):
+    """Choose the SIMD path; ValueError if this CPU or build cannot run it."""
+    if fa_set_isa(name.encode()) != FA_OK:
+        raise ValueError(f"SIMD path {name!r} is not available on this CPU or build")
+
+
+def isa_available(str name):
+    return bool(fa_isa_available(name.encode()))
+
+
+def openmp_enabled():
+    return bool(fa_openmp_enabled())
+
+
+def max_threads():
+    """The OpenMP default team size of the calling thread (1 without OpenMP)."""
+    return fa_max_threads()

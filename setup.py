@@ -1,0 +1,74 @@
+"""Build of fastattn's compiled core: src_c/*.c plus the Cython binding.
+
+OpenMP: probed by compiling and linking a test program with -fopenmp.  When it
+is missing the build says so and the library runs single-threaded.
+  FASTATTN_USE_OPENMP=0      build without OpenMP
+  FASTATTN_REQUIRE_OPENMP=1  fail the build when OpenMP is missing (CI)
+No -march flag and no -ffast-math: the AVX2 kernels carry their own target
+pragma and are chosen at run time (src_c/dispatch.c); -ffast-math would break
+-inf masks, NaN propagation and the logsumexp output.
+"""
+import os
+import sys
+import tempfile
+from glob import glob
+
+import numpy
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+BASE_CFLAGS = ["-O3", "-fno-math-errno", "-Wall", "-Wextra"]
+NO_OMP_MSG = (
+    "\n" + "*" * 72 + "\n"
+    "fastattn: the compiler has no OpenMP support; building the SINGLE-THREADED\n"
+    "library.  Install an OpenMP runtime (libgomp with gcc, libomp with clang).\n"
+    + "*" * 72 + "\n"
+)
+
+
+def _has_openmp(compiler):
+    """Compile and link a small OpenMP program with the build's compiler."""
+    src = "#include <omp.h>\nint main(void){int n=0;\n#pragma omp parallel\n{\n#pragma omp atomic\nn++;}\nreturn omp_get_max_threads()>0?0:1;}\n"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "omp_probe.c")
+        with open(path, "w") as f:
+            f.write(src)
+        try:
+            objs = compiler.compile([path], output_dir=tmp, extra_postargs=["-fopenmp"])
+            compiler.link_executable(objs, "omp_probe", output_dir=tmp, extra_postargs=["-fopenmp"])
+        except Exception:
+            return False
+    return True
+
+
+class BuildExt(build_ext):
+    def build_extensions(self):
+        use = os.environ.get("FASTATTN_USE_OPENMP", "1") != "0"
+        omp = use and self.compiler.compiler_type != "msvc" and _has_openmp(self.compiler)
+        if omp:
+            print("fastattn: OpenMP found, building the multithreaded library")
+        elif use:
+            if os.environ.get("FASTATTN_REQUIRE_OPENMP") == "1":
+                sys.exit("fastattn: FASTATTN_REQUIRE_OPENMP=1 but OpenMP is not available")
+            print(NO_OMP_MSG)
+        else:
+            print("fastattn: FASTATTN_USE_OPENMP=0, building the single-threaded library")
+        for ext in self.extensions:
+            ext.extra_compile_args = BASE_CFLAGS + (["-fopenmp"] if omp else [])
+            ext.extra_link_args = ["-fopenmp"] if omp else []
+        super().build_extensions()
+
+
+ext = Extension(
+    "fastattn._core",
+    sources=["fastattn/_core.pyx"] + sorted(glob("src_c/*.c")),
+    include_dirs=["src_c", numpy.get_include()],
+    define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+    depends=sorted(glob("src_c/*.h")),
+)
+
+setup(
+    ext_modules=cythonize([ext], compiler_directives={"language_level": "3"}),
+    cmdclass={"build_ext": BuildExt},
+)

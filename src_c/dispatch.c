@@ -1,0 +1,78 @@
+/*
+ * Run-time choice of the SIMD path.  This file is compiled for the baseline
+ * ISA: it must run on any x86-64 (or aarch64) CPU.  The AVX2 kernels are used
+ * only when CPUID reports both AVX2 and FMA (separate bits) and the OS saves
+ * the YMM registers (checked by the compiler's __builtin_cpu_supports).
+ * The Python layer reads FASTATTN_ISA at import and calls fa_set_isa.
+ */
+#include <string.h>
+
+#include "internal.h"
+
+#define FA_TABLE(isa)                                                              \
+    {                                                                              \
+        #isa,                                                                      \
+        {0, 0}, /* lanes are filled in from the kernel files at first use */      \
+        {fa_attn_item_f32_##isa, fa_attn_item_f64_##isa},                          \
+        {fa_softmax_row_f32_##isa, fa_softmax_row_f64_##isa},                      \
+        {fa_exp_f32_##isa, fa_exp_f64_##isa},                                      \
+    }
+
+static fa_isa_table table_generic = FA_TABLE(generic);
+#ifdef FA_HAVE_AVX2_BUILD
+static fa_isa_table table_avx2 = FA_TABLE(avx2);
+#endif
+
+static const fa_isa_table *current = NULL;
+
+static int cpu_has_avx2_fma(void)
+{
+#if defined(FA_HAVE_AVX2_BUILD) && (defined(__GNUC__) || defined(__clang__))
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+    return 0;
+#endif
+}
+
+static const fa_isa_table *lookup(const char *name)
+{
+    if (table_generic.lanes[0] == 0) {
+        table_generic.lanes[0] = fa_lanes_f32_generic;
+        table_generic.lanes[1] = fa_lanes_f64_generic;
+#ifdef FA_HAVE_AVX2_BUILD
+        table_avx2.lanes[0] = fa_lanes_f32_avx2;
+        table_avx2.lanes[1] = fa_lanes_f64_avx2;
+#endif
+    }
+    if (strcmp(name, "generic") == 0) return &table_generic;
+#ifdef FA_HAVE_AVX2_BUILD
+    if (strcmp(name, "avx2") == 0 && cpu_has_avx2_fma()) return &table_avx2;
+#endif
+    return NULL;
+}
+
+int fa_isa_available(const char *name) { return lookup(name) != NULL; }
+
+int fa_set_isa(const char *name)
+{
+    const fa_isa_table *t = lookup(name);
+    if (!t) return FA_EINVAL;
+    current = t;
+    return FA_OK;
+}
+
+const fa_isa_table *fa_isa_current(void)
+{
+    if (!current) current = lookup("avx2") ? lookup("avx2") : lookup("generic");
+    return current;
+}
+
+const char *fa_isa_name(void) { return fa_isa_current()->name; }
+
+int fa_exp(int dtype, const void *x, void *y, int64_t n)
+{
+    if (dtype != FA_F32 && dtype != FA_F64) return FA_EINVAL;
+    fa_isa_current()->exp[dtype](x, y, n);
+    return FA_OK;
+}

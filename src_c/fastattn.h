@@ -1,0 +1,110 @@
+/*
+ * fastattn C core: exact scaled dot-product attention and softmax.
+ *
+ *     out = softmax(q . k^T * scale + mask) . v
+ *
+ * The Python layer (fastattn/_api.py) validates shapes and dtypes, broadcasts the
+ * leading dims and converts dtypes; the Cython binding (fastattn/_core.pyx) fills
+ * the argument structs below and calls in with the GIL released.  The C core
+ * trusts its arguments: it never exits or aborts, and it reports allocation
+ * failure through its return status.
+ *
+ * Dimension legend (every kernel comment uses these letters):
+ *   lead   the broadcast leading dims (batch, heads, ...), flattened to one index
+ *   nq     query rows            nk     key/value rows
+ *   dk     query/key width       dv     value width
+ *   bq     query rows in a tile  bk     key rows in a tile
+ *   bqp    bq rounded up to the SIMD tile width (2 vectors)
+ *
+ * All strides are in elements (not bytes) and may be zero (broadcast) or
+ * negative.  The last axis of q, k, v and out is contiguous (stride 1); the
+ * Python layer copies an operand whose last axis is not.
+ *
+ * Files:
+ *   fastattn.h        this header: argument structs, status codes, entry points
+ *   attention.c       drivers: work split, OpenMP, per-thread scratch
+ *   dispatch.c        run-time choice of the SIMD path (CPUID, FASTATTN_ISA)
+ *   kernel_body.h     the kernels, written once with GCC vector extensions
+ *   kernels_*.c       kernel_body.h compiled per dtype and per ISA
+ */
+#ifndef FASTATTN_H
+#define FASTATTN_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define FA_MAX_DIMS 64
+
+/* Status codes returned by every entry point. */
+enum {
+    FA_OK = 0,
+    FA_ENOMEM = 1,  /* a scratch allocation failed */
+    FA_EINVAL = 2,  /* an argument the Python layer should have rejected */
+};
+
+/* Compute dtypes. */
+enum { FA_F32 = 0, FA_F64 = 1 };
+
+/* Mask kinds. */
+enum {
+    FA_MASK_NONE = 0,
+    FA_MASK_BOOL = 1, /* uint8: nonzero = may attend */
+    FA_MASK_ADD = 2,  /* compute dtype: added to the scaled score (-inf allowed) */
+};
+
+/* Arguments of fa_attention.
+ *   q     (lead, nq, dk)    compute dtype
+ *   k     (lead, nk, dk)    compute dtype
+ *   v     (lead, nk, dv)    compute dtype
+ *   mask  (lead, nq, nk)    uint8 or compute dtype, any strides, or NULL
+ *   out   (lead, nq, dv)    compute dtype, written
+ *   lse   (lead, nq)        compute dtype, written, or NULL
+ */
+typedef struct {
+    int n_lead;                         /* number of leading dims, 0..FA_MAX_DIMS */
+    int64_t lead_shape[FA_MAX_DIMS];
+    int64_t q_lead[FA_MAX_DIMS], k_lead[FA_MAX_DIMS], v_lead[FA_MAX_DIMS];
+    int64_t o_lead[FA_MAX_DIMS], m_lead[FA_MAX_DIMS], lse_lead[FA_MAX_DIMS];
+    int64_t nq, nk, dk, dv;
+    int64_t q_rs, k_rs, v_rs, o_rs;     /* row strides */
+    int64_t m_rs, m_cs;                 /* mask strides along nq and nk */
+    int64_t lse_rs;                     /* lse stride along nq */
+    const void *q, *k, *v, *mask;
+    void *out, *lse;
+    int dtype;                          /* FA_F32 or FA_F64 */
+    int mask_kind;                      /* FA_MASK_* */
+    int causal;                         /* key j visible to query i iff j <= i + nk - nq */
+    double scale;
+    int num_threads;                    /* <= 0: the OpenMP default */
+} fa_attention_args;
+
+/* Arguments of fa_softmax: softmax along the last axis.
+ *   x     (lead, n)   compute dtype, any strides
+ *   out   (lead, n)   compute dtype, any strides; may be x itself (same strides)
+ */
+typedef struct {
+    int n_lead;
+    int64_t lead_shape[FA_MAX_DIMS];
+    int64_t x_lead[FA_MAX_DIMS], o_lead[FA_MAX_DIMS];
+    int64_t n, x_s, o_s;                /* length and strides of the softmax axis */
+    const void *x;
+    void *out;
+    int dtype;
+    int num_threads;
+} fa_softmax_args;
+
+int fa_attention(const fa_attention_args *a);
+int fa_softmax(const fa_softmax_args *a);
+
+/* SIMD path.  fa_isa_name() is the path in use; fa_set_isa() chooses one by
+ * name ("generic", "avx2") and returns FA_EINVAL when this CPU or build cannot
+ * run it; fa_isa_available() tells whether a name can be chosen. */
+const char *fa_isa_name(void);
+int fa_set_isa(const char *name);
+int fa_isa_available(const char *name);
+
+/* OpenMP: 1 when built with it; the default team size (1 without OpenMP). */
+int fa_openmp_enabled(void);
+int fa_max_threads(void);
+
+#endif /* FASTATTN_H */

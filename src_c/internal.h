@@ -1,0 +1,93 @@
+/*
+ * Internal interface between the drivers (attention.c) and the kernels
+ * (kernel_body.h, compiled once per dtype and ISA in kernels_*.c).
+ */
+#ifndef FASTATTN_INTERNAL_H
+#define FASTATTN_INTERNAL_H
+
+#include "fastattn.h"
+
+/* Tile geometry of one attention call (chosen in attention.c). */
+typedef struct {
+    int64_t bq;   /* query rows per work item */
+    int64_t bk;   /* key rows per tile */
+    int64_t bqp;  /* bq rounded up to the kernel's query-group width */
+} fa_tiles;
+
+/* One work item: query rows [i0, i0 + bq) of one leading index, against the
+ * keys [j_lo, j_hi).  Pointers are already offset to the leading index and,
+ * for q, mask, out and lse, to row i0.
+ *   q     (bq, dk)  row stride a->q_rs
+ *   k     (nk, dk)  row stride a->k_rs   (row 0, not j_lo)
+ *   v     (nk, dv)  row stride a->v_rs   (row 0, not j_lo)
+ *   mask  (bq, nk)  strides a->m_rs, a->m_cs, or NULL
+ *   out   (bq, dv)  row stride a->o_rs
+ *   lse   (bq)      stride a->lse_rs, or NULL
+ * With part != NULL the item writes its unnormalised partial result instead
+ * of out and lse, for a split-key merge:
+ *   part  (bq, dv + 2): acc[0..dv), running max, running sum
+ */
+typedef struct {
+    const void *q, *k, *v, *mask;
+    void *out, *lse;
+    void *part;
+    int64_t i0, bq;
+    int64_t j_lo, j_hi;
+} fa_item;
+
+typedef void (*fa_attn_item_fn)(const fa_attention_args *a, const fa_tiles *t,
+                                const fa_item *it, void *scratch);
+/* Softmax of one row: x (n) stride xs -> o (n) stride os.  scratch holds
+ * fa_softmax_scratch_elems(n) elements of the dtype. */
+typedef void (*fa_softmax_row_fn)(const void *x, int64_t xs, void *o, int64_t os,
+                                  int64_t n, void *scratch);
+
+/* Scalar exp of the same polynomial as the vector kernels (for tests). */
+typedef void (*fa_exp_fn)(const void *x, void *y, int64_t n);
+
+typedef struct {
+    const char *name;
+    int lanes[2];                     /* SIMD lanes for FA_F32, FA_F64 */
+    fa_attn_item_fn attn_item[2];
+    fa_softmax_row_fn softmax_row[2];
+    fa_exp_fn exp[2];
+} fa_isa_table;
+
+/* The table in use (dispatch.c). */
+const fa_isa_table *fa_isa_current(void);
+
+/* Per-thread scratch, in elements of the dtype. */
+#define FA_SOFTMAX_CHUNK 1024
+static inline int64_t fa_attn_scratch_elems(const fa_tiles *t, int64_t dk, int64_t dv)
+{
+    return t->bqp * (dk + t->bk + dv + 2);
+}
+static inline int64_t fa_softmax_scratch_elems(int64_t n)
+{
+    return FA_SOFTMAX_CHUNK + (n + FA_SOFTMAX_CHUNK - 1) / FA_SOFTMAX_CHUNK + 1;
+}
+
+/* Kernel tables defined in kernels_*.c */
+#define FA_DECLARE_ISA(isa)                                                           \
+    void fa_attn_item_f32_##isa(const fa_attention_args *, const fa_tiles *,          \
+                                const fa_item *, void *);                             \
+    void fa_attn_item_f64_##isa(const fa_attention_args *, const fa_tiles *,          \
+                                const fa_item *, void *);                             \
+    void fa_softmax_row_f32_##isa(const void *, int64_t, void *, int64_t, int64_t,    \
+                                  void *);                                            \
+    void fa_softmax_row_f64_##isa(const void *, int64_t, void *, int64_t, int64_t,    \
+                                  void *);                                            \
+    void fa_exp_f32_##isa(const void *, void *, int64_t);                             \
+    void fa_exp_f64_##isa(const void *, void *, int64_t);                             \
+    extern const int fa_lanes_f32_##isa, fa_lanes_f64_##isa;
+
+FA_DECLARE_ISA(generic)
+#if defined(__x86_64__) || defined(_M_X64)
+#define FA_HAVE_AVX2_BUILD 1
+FA_DECLARE_ISA(avx2)
+#endif
+
+/* Exposed for the tests: the chosen path's vector exp. */
+int fa_exp(int dtype, const void *x, void *y, int64_t n);
+
+#endif /* FASTATTN_INTERNAL_H */

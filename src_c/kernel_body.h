@@ -1,0 +1,416 @@
+/*
+ * The attention and softmax kernels, written once with GCC/Clang vector
+ * extensions and compiled once per (dtype, ISA) by kernels_<dtype>_<isa>.c,
+ * which define before including this file:
+ *
+ *   FA_T     float or double          FA_IT   int32_t or int64_t (same width)
+ *   FA_UT    the unsigned twin of FA_IT
+ *   FA_SUF   f32 or f64               FA_ISA  generic or avx2
+ *   FA_VB    vector bytes: 16 (SSE2/NEON) or 32 (AVX2)
+ *   FA_IS_F64  0 or 1
+ *
+ * The AVX2 file sets `#pragma GCC target("avx2,fma")` first, so the same code
+ * becomes 256-bit AVX2 with FMA there and stays baseline code elsewhere.
+ *
+ * Layout idea.  A work item is bq query rows of one leading index.  Its queries
+ * are packed once, scaled and transposed, into Qt (dk, bqp).  Scores of a key
+ * tile are computed transposed, St (bk, bqp) = K_tile . Qt, so that every
+ * softmax step (row max, exp, row sum, rescale) is a plain vertical SIMD
+ * operation across query rows, and the products read K and V rows in place as
+ * scalar broadcasts: no packing of K or V, any row stride, no horizontal sums.
+ * The output accumulator is kept transposed too, Ot (dv, bqp), and is turned
+ * back and normalised once at the end (FlashAttention-2 loop order).
+ */
+#include <math.h>
+#include <string.h>
+
+#include "internal.h"
+
+#define FA_CAT3_(a, b, c) a##_##b##_##c
+#define FA_CAT3(a, b, c) FA_CAT3_(a, b, c)
+#define FN(name) FA_CAT3(name, FA_SUF, FA_ISA)
+#define INLINE static inline __attribute__((always_inline))
+
+typedef FA_T T;
+typedef FA_IT IT;
+typedef FA_UT UT;
+enum { L = FA_VB / sizeof(T) };                    /* lanes per vector */
+enum { TW = 2 * L };                               /* query-group width of a tile */
+typedef T vec __attribute__((vector_size(FA_VB)));
+typedef IT ivec __attribute__((vector_size(FA_VB)));
+typedef UT uvec __attribute__((vector_size(FA_VB)));
+typedef T vec_u __attribute__((vector_size(FA_VB), aligned(sizeof(T)), may_alias));
+
+const int FN(fa_lanes) = L;
+
+INLINE vec vload(const T *p) { return *(const vec_u *)p; }
+INLINE void vstore(T *p, vec x) { *(vec_u *)p = x; }
+INLINE vec vset1(T x) { vec z = {0}; return z + x; }
+INLINE vec vsel(ivec m, vec a, vec b) { return (vec)(((ivec)a & m) | ((ivec)b & ~m)); }
+/* max that propagates NaN from either side */
+INLINE vec vnanmax(vec a, vec b) { return vsel((a > b) | (a != a), a, b); }
+INLINE int vall(ivec m)
+{
+    IT x[L];
+    memcpy(x, &m, sizeof x);
+    for (int i = 0; i < L; i++)
+        if (!x[i]) return 0;
+    return 1;
+}
+
+/* ---------------------------------------------------------------------------
+ * Vector exp.  n = round(x / ln 2), r = x - n ln 2 in two parts (Cody-Waite),
+ * exp(r) by polynomial, times 2^n built in the exponent bits (in two halves so
+ * that subnormal results come out right).  NaN stays NaN, -inf gives 0, +inf
+ * gives +inf.  float32: degree-7 polynomial (Cephes coefficients), about 1 ulp;
+ * float64: Taylor series to degree 13 (truncation below 1e-17), about 1 ulp.
+ * ------------------------------------------------------------------------- */
+INLINE vec vexp(vec x)
+{
+#if FA_IS_F64
+    const vec lo = vset1(-746.0), hi = vset1(709.8);
+    const T magic = 6755399441055744.0; /* 1.5 * 2^52: adding it rounds to an integer */
+    vec xc = vsel(x < lo, lo, x);
+    xc = vsel(xc > hi, hi, xc);
+    vec t = xc * 1.4426950408889634 + magic;
+    vec nf = t - magic;
+    ivec n = (ivec)t - (ivec)vset1(magic);
+    vec r = xc - nf * 6.93147180369123816490e-01;
+    r = r - nf * 1.90821492927058770002e-10;
+    vec p = vset1(1.0 / 6227020800.0);
+    p = p * r + 1.0 / 479001600.0;
+    p = p * r + 1.0 / 39916800.0;
+    p = p * r + 1.0 / 3628800.0;
+    p = p * r + 1.0 / 362880.0;
+    p = p * r + 1.0 / 40320.0;
+    p = p * r + 1.0 / 5040.0;
+    p = p * r + 1.0 / 720.0;
+    p = p * r + 1.0 / 120.0;
+    p = p * r + 1.0 / 24.0;
+    p = p * r + 1.0 / 6.0;
+    p = p * r + 0.5;
+    p = p * (r * r) + r + 1.0;
+    ivec n1 = (ivec)((uvec)(n + 2048) >> 1) - 1024;
+    ivec n2 = n - n1;
+    vec s1 = (vec)((n1 + 1023) << 52), s2 = (vec)((n2 + 1023) << 52);
+    vec y = p * s1 * s2;
+    return vsel(x > 709.79, vset1(INFINITY), y);
+#else
+    const vec lo = vset1(-104.0f), hi = vset1(88.7f);
+    const T magic = 12582912.0f; /* 1.5 * 2^23 */
+    vec xc = vsel(x < lo, lo, x);
+    xc = vsel(xc > hi, hi, xc);
+    vec t = xc * 1.44269504088896341f + magic;
+    vec nf = t - magic;
+    ivec n = (ivec)t - (ivec)vset1(magic);
+    vec r = xc - nf * 0.693359375f;
+    r = r + nf * 2.12194440e-4f;
+    vec p = vset1(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    ivec n1 = (ivec)((uvec)(n + 256) >> 1) - 128;
+    ivec n2 = n - n1;
+    vec s1 = (vec)((n1 + 127) << 23), s2 = (vec)((n2 + 127) << 23);
+    vec y = p * s1 * s2;
+    return vsel(x > 88.72f, vset1(INFINITY), y);
+#endif
+}
+
+/* exp of n values, x (n) -> y (n): the same polynomial, for the tests. */
+void FN(fa_exp)(const void *x_, void *y_, int64_t n)
+{
+    const T *x = x_;
+    T *y = y_;
+    int64_t i = 0;
+    for (; i + L <= n; i += L) vstore(y + i, vexp(vload(x + i)));
+    if (i < n) {
+        T buf[L] = {0};
+        memcpy(buf, x + i, (size_t)(n - i) * sizeof(T));
+        vec e = vexp(vload(buf));
+        memcpy(buf, &e, sizeof buf);
+        memcpy(y + i, buf, (size_t)(n - i) * sizeof(T));
+    }
+}
+
+/* ---------------------------------------------------------------------------
+ * Register-blocked micro-kernels.  R rows of one operand times two vectors
+ * (TW query columns) of the other: 2R accumulators (12 at R = 6, plus two
+ * loads and a broadcast: 15 of the 16 AVX2 registers).
+ * ------------------------------------------------------------------------- */
+
+/* St[r][0..TW) = sum_c kr[r][c] * Qt[c][0..TW)   for r < R
+ *   st  (R, TW)   row stride bqp
+ *   kr  (R, dk)   row stride krs
+ *   qt  (dk, TW)  row stride bqp */
+INLINE void qk_tile(const int R, T *restrict st, int64_t bqp, const T *restrict kr,
+                    int64_t krs, const T *restrict qt, int64_t dk)
+{
+    vec a0[6], a1[6];
+    _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) a0[r] = a1[r] = vset1(0);
+    for (int64_t c = 0; c < dk; c++) {
+        const vec b0 = vload(qt + c * bqp), b1 = vload(qt + c * bqp + L);
+        _Pragma("GCC unroll 6") for (int r = 0; r < R; r++)
+        {
+            const T x = kr[r * krs + c];
+            a0[r] += x * b0;
+            a1[r] += x * b1;
+        }
+    }
+    _Pragma("GCC unroll 6") for (int r = 0; r < R; r++)
+    {
+        vstore(st + r * bqp, a0[r]);
+        vstore(st + r * bqp + L, a1[r]);
+    }
+}
+
+/* Ot[c + r][0..TW) += sum_j V[j][c + r] * Pt[j][0..TW)   for r < R
+ *   ot  (R, TW)   row stride bqp
+ *   pt  (nb, TW)  row stride bqp
+ *   vc  (nb, R)   row stride vrs (V advanced to column c) */
+INLINE void pv_tile(const int R, T *restrict ot, int64_t bqp, const T *restrict pt,
+                    const T *restrict vc, int64_t vrs, int64_t nb)
+{
+    vec a0[6], a1[6];
+    _Pragma("GCC unroll 6") for (int r = 0; r < R; r++)
+    {
+        a0[r] = vload(ot + r * bqp);
+        a1[r] = vload(ot + r * bqp + L);
+    }
+    for (int64_t j = 0; j < nb; j++) {
+        const vec p0 = vload(pt + j * bqp), p1 = vload(pt + j * bqp + L);
+        _Pragma("GCC unroll 6") for (int r = 0; r < R; r++)
+        {
+            const T x = vc[j * vrs + r];
+            a0[r] += x * p0;
+            a1[r] += x * p1;
+        }
+    }
+    _Pragma("GCC unroll 6") for (int r = 0; r < R; r++)
+    {
+        vstore(ot + r * bqp, a0[r]);
+        vstore(ot + r * bqp + L, a1[r]);
+    }
+}
+
+/* St (nb, bqp) = K[0..nb) . Qt;  K (nb, dk) row stride krs, Qt (dk, bqp). */
+static void qk_block(T *restrict St, const T *restrict K, int64_t krs, const T *restrict Qt,
+                     int64_t bqp, int64_t dk, int64_t nb)
+{
+    int64_t j = 0;
+    for (; j + 6 <= nb; j += 6)
+        for (int64_t i = 0; i < bqp; i += TW)
+            qk_tile(6, St + j * bqp + i, bqp, K + j * krs, krs, Qt + i, dk);
+    for (; j < nb; j++)
+        for (int64_t i = 0; i < bqp; i += TW)
+            qk_tile(1, St + j * bqp + i, bqp, K + j * krs, krs, Qt + i, dk);
+}
+
+/* Ot (dv, bqp) += (Pt (nb, bqp))^T-contracted with V (nb, dv) row stride vrs. */
+static void pv_block(T *restrict Ot, const T *restrict Pt, const T *restrict V, int64_t vrs,
+                     int64_t bqp, int64_t dv, int64_t nb)
+{
+    for (int64_t i = 0; i < bqp; i += TW) {
+        int64_t c = 0;
+        for (; c + 6 <= dv; c += 6) pv_tile(6, Ot + c * bqp + i, bqp, Pt + i, V + c, vrs, nb);
+        for (; c + 4 <= dv; c += 4) pv_tile(4, Ot + c * bqp + i, bqp, Pt + i, V + c, vrs, nb);
+        for (; c < dv; c++) pv_tile(1, Ot + c * bqp + i, bqp, Pt + i, V + c, vrs, nb);
+    }
+}
+
+/* ---------------------------------------------------------------------------
+ * One attention work item (see fa_item in internal.h for q, k, v, mask, out,
+ * lse and part).  Scratch, in elements of T:
+ *   Qt   (dk, bqp)  queries of the item, times scale, transposed, zero-padded
+ *   St   (bk, bqp)  scores of one key tile, transposed; then probabilities
+ *   Ot   (dv, bqp)  unnormalised output accumulator, transposed
+ *   m    (bqp)      running row max (NaN-propagating)
+ *   l    (bqp)      running row sum of exp(score - max)
+ * ------------------------------------------------------------------------- */
+void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_item *it,
+                      void *scratch)
+{
+    const int64_t bq = it->bq, bqp = tl->bqp, bk = tl->bk, dk = a->dk, dv = a->dv;
+    const T *q = it->q, *k = it->k, *v = it->v;
+    T *Qt = scratch, *St = Qt + dk * bqp, *Ot = St + bk * bqp, *m = Ot + dv * bqp, *l = m + bqp;
+    const T scale = (T)a->scale;
+
+    /* Pass 1: pack the queries. */
+    for (int64_t i = 0; i < bq; i++)
+        for (int64_t c = 0; c < dk; c++) Qt[c * bqp + i] = q[i * a->q_rs + c] * scale;
+    for (int64_t c = 0; c < dk; c++)
+        for (int64_t i = bq; i < bqp; i++) Qt[c * bqp + i] = 0;
+    memset(Ot, 0, (size_t)(dv * bqp) * sizeof(T));
+    for (int64_t i = 0; i < bqp; i++) {
+        m[i] = -INFINITY;
+        l[i] = 0;
+    }
+
+    /* Keys this item can see.  Causal: key j is visible to query i iff
+     * j <= i + off (bottom-right aligned), so nothing past the last row's limit. */
+    const int64_t off = a->nk - a->nq;
+    int64_t j_lo = it->j_lo, j_hi = it->j_hi;
+    if (a->causal && it->i0 + bq + off < j_hi) j_hi = it->i0 + bq + off;
+
+    for (int64_t j0 = j_lo; j0 < j_hi; j0 += bk) {
+        const int64_t nb = (j_hi - j0 < bk) ? j_hi - j0 : bk;
+
+        /* Pass 2: scores St = K_tile . Qt (already scaled). */
+        qk_block(St, k + j0 * a->k_rs, a->k_rs, Qt, bqp, dk, nb);
+
+        /* Pass 3: mask, then causal, on the real rows only. */
+        if (a->mask_kind == FA_MASK_BOOL) {
+            const uint8_t *mk = (const uint8_t *)it->mask + j0 * a->m_cs;
+            for (int64_t j = 0; j < nb; j++)
+                for (int64_t i = 0; i < bq; i++)
+                    if (!mk[i * a->m_rs + j * a->m_cs]) St[j * bqp + i] = -INFINITY;
+        } else if (a->mask_kind == FA_MASK_ADD) {
+            const T *mk = (const T *)it->mask + j0 * a->m_cs;
+            for (int64_t j = 0; j < nb; j++)
+                for (int64_t i = 0; i < bq; i++) St[j * bqp + i] += mk[i * a->m_rs + j * a->m_cs];
+        }
+        if (a->causal && j0 + nb - 1 > it->i0 + off) {
+            for (int64_t j = 0; j < nb; j++) {
+                int64_t hidden = j0 + j - off - it->i0; /* rows i < hidden cannot see key j0+j */
+                if (hidden > bq) hidden = bq;
+                for (int64_t i = 0; i < hidden; i++) St[j * bqp + i] = -INFINITY;
+            }
+        }
+
+        /* Pass 4: online softmax, one vector of query rows at a time. */
+        for (int64_t i = 0; i < bqp; i += L) {
+            vec bm = vset1(-INFINITY);
+            for (int64_t j = 0; j < nb; j++) bm = vnanmax(bm, vload(St + j * bqp + i));
+            const vec mo = vload(m + i), mn = vnanmax(mo, bm);
+            /* A row that has seen only -inf so far subtracts 0, so its
+             * probabilities are exp(-inf) = 0 and never NaN. */
+            const vec mu = vsel(mn == vset1(-INFINITY), vset1(0), mn);
+            const vec alpha = vexp(mo - mu);
+            vec sum = vset1(0);
+            for (int64_t j = 0; j < nb; j++) {
+                const vec p = vexp(vload(St + j * bqp + i) - mu);
+                vstore(St + j * bqp + i, p);
+                sum += p;
+            }
+            vstore(l + i, vload(l + i) * alpha + sum);
+            vstore(m + i, mn);
+            if (!vall(alpha == vset1(1))) /* rescale only when some max grew */
+                for (int64_t c = 0; c < dv; c++) vstore(Ot + c * bqp + i, vload(Ot + c * bqp + i) * alpha);
+        }
+
+        /* Pass 5: Ot += P . V_tile */
+        pv_block(Ot, St, v + j0 * a->v_rs, a->v_rs, bqp, dv, nb);
+    }
+
+    /* Pass 6: write out.  A row that saw no key (l == 0) gives zeros, lse -inf;
+     * NaN in l propagates. */
+    if (it->part) {
+        T *part = it->part;
+        for (int64_t i = 0; i < bq; i++) {
+            T *pr = part + i * (dv + 2);
+            for (int64_t c = 0; c < dv; c++) pr[c] = Ot[c * bqp + i];
+            pr[dv] = m[i];
+            pr[dv + 1] = l[i];
+        }
+        return;
+    }
+    T *out = it->out;
+    for (int64_t i = 0; i < bq; i++) {
+        const T inv = (l[i] == 0) ? 0 : 1 / l[i];
+        T *orow = out + i * a->o_rs;
+        for (int64_t c = 0; c < dv; c++) orow[c] = Ot[c * bqp + i] * inv;
+    }
+    if (it->lse) {
+        T *lse = it->lse;
+        for (int64_t i = 0; i < bq; i++)
+            lse[i * a->lse_rs] = (l[i] == 0) ? -INFINITY : m[i] + log(l[i]);
+    }
+}
+
+/* ---------------------------------------------------------------------------
+ * Streaming softmax of one row, x (n) stride xs -> o (n) stride os.
+ * Pass 1 goes over chunks of FA_SOFTMAX_CHUNK: chunk max c_m, o = exp(x - c_m),
+ * chunk sum; the chunk maxima are kept, the running max and sum merged.
+ * Pass 2 multiplies each chunk of o by exp(c_m - max) / sum.  One exp per
+ * element.  o may be x itself (each element is read before it is written).
+ * Scratch: FA_SOFTMAX_CHUNK elements (gather buffer) + one per chunk.
+ * ------------------------------------------------------------------------- */
+INLINE void chunk_exp(T *e, const T *x, int64_t n, T *cm, T *cs)
+{
+    vec bm = vset1(-INFINITY);
+    int64_t i = 0;
+    for (; i + L <= n; i += L) bm = vnanmax(bm, vload(x + i));
+    T mx[L];
+    memcpy(mx, &bm, sizeof mx);
+    T mc = mx[0];
+    for (int r = 1; r < L; r++) mc = (mx[r] > mc || mx[r] != mx[r]) ? mx[r] : mc;
+    for (; i < n; i++) mc = (x[i] > mc || x[i] != x[i]) ? x[i] : mc;
+    const T mu = (mc == -INFINITY) ? 0 : mc;
+    vec s = vset1(0);
+    for (i = 0; i + L <= n; i += L) {
+        const vec p = vexp(vload(x + i) - mu);
+        vstore(e + i, p);
+        s += p;
+    }
+    T sx[L];
+    memcpy(sx, &s, sizeof sx);
+    T sum = 0;
+    for (int r = 0; r < L; r++) sum += sx[r];
+    if (i < n) {
+        T buf[L];
+        for (int r = 0; r < L; r++) buf[r] = (i + r < n) ? x[i + r] - mu : -INFINITY;
+        const vec p = vexp(vload(buf));
+        memcpy(buf, &p, sizeof buf);
+        for (int r = 0; i + r < n; r++) {
+            e[i + r] = buf[r];
+            sum += buf[r];
+        }
+    }
+    *cm = mc; /* the raw max: -inf for an all -inf chunk, whose sum is 0 */
+    *cs = sum;
+}
+
+void FN(fa_softmax_row)(const void *x_, int64_t xs, void *o_, int64_t os, int64_t n, void *scratch)
+{
+    const T *x = x_;
+    T *o = o_;
+    T *buf = scratch, *cmax = buf + FA_SOFTMAX_CHUNK;
+    const int contiguous = (xs == 1 && os == 1);
+    T M = -INFINITY, S = 0; /* running max (NaN-propagating) and sum */
+    int64_t nc = 0;
+    for (int64_t s0 = 0; s0 < n; s0 += FA_SOFTMAX_CHUNK, nc++) {
+        const int64_t len = (n - s0 < FA_SOFTMAX_CHUNK) ? n - s0 : FA_SOFTMAX_CHUNK;
+        T cm, cs;
+        if (contiguous) {
+            chunk_exp(o + s0, x + s0, len, &cm, &cs);
+        } else {
+            for (int64_t i = 0; i < len; i++) buf[i] = x[(s0 + i) * xs];
+            chunk_exp(buf, buf, len, &cm, &cs);
+            for (int64_t i = 0; i < len; i++) o[(s0 + i) * os] = buf[i];
+        }
+        cmax[nc] = cm;
+        /* merge the chunk into (M, S); an all -inf chunk adds nothing */
+        if (cm != -INFINITY) {
+            const T Mn = (cm > M || cm != cm) ? cm : M;
+            S = (T)(S * exp(M - Mn) + cs * exp(cm - Mn));
+            M = Mn;
+        }
+    }
+    const T inv = (S == 0) ? 0 : 1 / S;
+    nc = 0;
+    for (int64_t s0 = 0; s0 < n; s0 += FA_SOFTMAX_CHUNK, nc++) {
+        const int64_t len = (n - s0 < FA_SOFTMAX_CHUNK) ? n - s0 : FA_SOFTMAX_CHUNK;
+        const T f = (S == 0) ? 0 : (T)exp(cmax[nc] - M) * inv; /* cmax -inf: 0 */
+        if (contiguous) {
+            T *oc = o + s0;
+            int64_t i = 0;
+            for (; i + L <= len; i += L) vstore(oc + i, vload(oc + i) * f);
+            for (; i < len; i++) oc[i] *= f;
+        } else {
+            for (int64_t i = 0; i < len; i++) o[(s0 + i) * os] *= f;
+        }
+    }
+}
