@@ -16,7 +16,15 @@ Where things are:
 import os as _os
 import warnings as _warnings
 
-from . import _core, reference
+try:
+    from . import _core
+except ImportError as e:  # pragma: no cover - only in an unbuilt source tree
+    raise ImportError(
+        "fastattn's compiled core (fastattn._core) is missing. If you are in fastattn's "
+        "source checkout, Python is importing the source folder instead of the installed "
+        "package: run from another directory, or build in place with `pip install -e .`."
+    ) from e
+from . import reference
 from ._api import attention, softmax
 
 __version__ = "0.1.0"

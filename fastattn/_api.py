@@ -264,7 +264,7 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, out=None,
     >>> values = np.array([10.0, 5.0, 2.0])
     >>> fruit = np.array([1.0, 0.9])
     >>> round(float(fastattn.attention(fruit, keys, values)), 3)
-    7.155
+    7.272
     """
     q = _as_array(q, "q")
     k = _as_array(k, "k")

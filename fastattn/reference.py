@@ -42,7 +42,8 @@ def softmax(x, axis=-1):
     x = x.astype(_float_dtype(x), copy=False)
     m = np.max(x, axis=axis, keepdims=True, initial=-np.inf)
     m = np.where(np.isneginf(m), 0, m)  # all -inf: exp(-inf - 0) = 0
-    e = np.exp(x - m)
+    with np.errstate(invalid="ignore"):  # inf - inf = NaN, as it should be
+        e = np.exp(x - m)
     s = np.sum(e, axis=axis, keepdims=True)
     return np.where(s == 0, 0, e / np.where(s == 0, 1, s)).astype(x.dtype, copy=False)
 
@@ -93,12 +94,14 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, return_lse=False)
     s = scores(q, k, mask=mask, causal=causal, scale=scale).astype(dt, copy=False)
     m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)
     m = np.where(np.isneginf(m), 0, m)
-    e = np.exp(s - m)
+    with np.errstate(invalid="ignore"):
+        e = np.exp(s - m)
     l = np.sum(e, axis=-1, keepdims=True)
     w = np.where(l == 0, 0, e / np.where(l == 0, 1, l))  # fully masked rows: zeros
     out = w @ v.astype(dt, copy=False)
     with np.errstate(divide="ignore"):
         lse = (m + np.log(l))[..., 0]
+    lse = np.broadcast_to(lse, out.shape[:-1]).copy()  # v's leading dims too
     if v1:
         out = out[..., 0]
     if q1:

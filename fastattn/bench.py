@@ -1,0 +1,220 @@
+"""Benchmark: fastattn against the NumPy reference and (when installed) PyTorch.
+
+    python -m fastattn.bench            the full table
+    python -m fastattn.bench --quick    a short run
+    python -m fastattn.bench --json     machine-readable output
+    python -m fastattn.bench --plot speed.png   a bar chart (needs matplotlib)
+
+Every peer runs on the same ndarrays in this process, interleaved, and the
+table reports medians, so the ratios are side by side.  PyTorch is optional
+(`pip install torch`); it runs on torch.from_numpy views with
+torch.set_num_threads equal to fastattn's thread count.  GFLOP/s counts
+2 * B * H * n_q * n_k * (d_k + d_v) (half of it when causal), and "% mm" is
+that rate over NumPy's own matrix product (2048 x 2048, same dtype), measured
+in the same run.
+"""
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+import numpy as np
+
+from . import _core, attention, reference
+
+__all__ = ["WORKLOADS", "QUICK", "main", "run"]
+
+
+# name, (B, H, n_q, n_k, d), dtype, options
+def _w(name, shape, dtype="float32", causal=False, mask=None, quick=False):
+    return dict(name=name, shape=shape, dtype=dtype, causal=causal, mask=mask, quick=quick)
+
+
+WORKLOADS = [
+    _w("B1 H8 N512 d64", (1, 8, 512, 512, 64), quick=True),
+    _w("B1 H8 N512 d64 f64", (1, 8, 512, 512, 64), "float64", quick=True),
+    _w("B1 H8 N2048 d64", (1, 8, 2048, 2048, 64), quick=True),
+    _w("B1 H8 N2048 d64 f64", (1, 8, 2048, 2048, 64), "float64", quick=True),
+    _w("B4 H8 N1024 d64", (4, 8, 1024, 1024, 64)),
+    _w("B1 H8 N4096 d64", (1, 8, 4096, 4096, 64)),
+    _w("B1 H8 N4096 d64 causal", (1, 8, 4096, 4096, 64), causal=True),
+    _w("B1 H8 N2048 d128", (1, 8, 2048, 2048, 128)),
+    _w("B32 H12 N128 d64 (BERT)", (32, 12, 128, 128, 64), quick=True),
+    _w("B1 H1 N64 d64 (overhead)", (1, 1, 64, 64, 64)),
+    _w("decode H32 Nk4096 d128", (1, 32, 1, 4096, 128), quick=True),
+    _w("B1 H8 N2048 d64 bool mask", (1, 8, 2048, 2048, 64), mask="bool"),
+]
+QUICK = [w for w in WORKLOADS if w["quick"]]
+
+
+def _median_times(fns, repeats, min_time=0.05):
+    """Run each fn of `fns` interleaved; per fn, the median seconds of one call.
+    Each sample repeats the call enough times to last about min_time."""
+    inner = []
+    for f in fns:
+        f()  # warm up
+        t0 = time.perf_counter()
+        f()
+        dt = time.perf_counter() - t0
+        inner.append(max(1, int(min_time / max(dt, 1e-7))))
+    samples = [[] for _ in fns]
+    for _ in range(repeats):
+        for i, f in enumerate(fns):
+            t0 = time.perf_counter()
+            for _ in range(inner[i]):
+                f()
+            samples[i].append((time.perf_counter() - t0) / inner[i])
+    return [float(np.median(s)) for s in samples]
+
+
+def _matmul_rate(dtype, repeats):
+    n = 2048
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((n, n)).astype(dtype)
+    b = rng.standard_normal((n, n)).astype(dtype)
+    (t,) = _median_times([lambda: a @ b], repeats)
+    return 2 * n**3 / t / 1e9
+
+
+def _torch():
+    try:
+        import torch
+    except Exception:
+        return None
+    return torch
+
+
+def _make(w, seed=0):
+    B, H, nq, nk, d = w["shape"]
+    rng = np.random.default_rng(seed)
+    dt = np.dtype(w["dtype"])
+    q = rng.standard_normal((B, H, nq, d)).astype(dt)
+    k = rng.standard_normal((B, H, nk, d)).astype(dt)
+    v = rng.standard_normal((B, H, nk, d)).astype(dt)
+    mask = rng.random((nq, nk)) < 0.9 if w["mask"] == "bool" else None
+    return q, k, v, mask
+
+
+def run(workloads, repeats=5, threads=None, with_reference=True, with_torch=True, log=None):
+    """Measure `workloads`; returns a dict with the rows and the ceilings."""
+    threads = threads or _core.max_threads()
+    torch = _torch() if with_torch else None
+    if torch is not None:
+        torch.set_num_threads(threads)
+    mm = {dt: _matmul_rate(dt, repeats) for dt in sorted({w["dtype"] for w in workloads})}
+    rows = []
+    for w in workloads:
+        q, k, v, mask = _make(w)
+        B, H, nq, nk, d = w["shape"]
+        flops = 2 * B * H * nq * nk * (d + d) / (2 if w["causal"] and nq == nk else 1)
+        fns = {"fastattn": lambda: attention(q, k, v, mask=mask, causal=w["causal"], num_threads=threads)}
+        if torch is not None:
+            tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
+            tm = torch.from_numpy(mask) if mask is not None else None
+            sdpa = torch.nn.functional.scaled_dot_product_attention
+            # PyTorch's is_causal is top-left aligned; the grid only has n_q == n_k causal rows
+            fns["torch"] = lambda: sdpa(tq, tk, tv, attn_mask=tm, is_causal=w["causal"])
+        names = list(fns)
+        times = dict(zip(names, _median_times([fns[n] for n in names], repeats)))
+        if with_reference:
+            ref_reps = 1 if flops > 5e9 else 3
+            (times["reference"],) = _median_times(
+                [lambda: reference.attention(q, k, v, mask=mask, causal=w["causal"])], ref_reps, min_time=0)
+        t = times["fastattn"]
+        row = dict(name=w["name"], shape=list(w["shape"]), dtype=w["dtype"], causal=w["causal"],
+                   mask=w["mask"], ms=t * 1e3, gflops=flops / t / 1e9,
+                   pct_mm=100 * flops / t / 1e9 / mm[w["dtype"]])
+        if "reference" in times:
+            row["reference_ms"] = times["reference"] * 1e3
+            row["x_reference"] = times["reference"] / t
+        if "torch" in times:
+            row["torch_ms"] = times["torch"] * 1e3
+            row["x_torch"] = times["torch"] / t
+        rows.append(row)
+        if log:
+            log(row)
+    return dict(
+        fastattn=sys.modules["fastattn"].__version__, isa=_core.isa_name(), threads=threads,
+        torch=getattr(torch, "__version__", None), numpy=np.__version__,
+        machine=platform.machine(), cpu_count=os.cpu_count(),
+        matmul_gflops=mm, rows=rows)
+
+
+def _fmt_row(r):
+    ref_ms = f"{r['reference_ms']:9.1f}" if "reference_ms" in r else f"{'-':>9}"
+    x_ref = f"{r['x_reference']:7.1f}x" if "x_reference" in r else f"{'-':>8}"
+    t_ms = f"{r['torch_ms']:9.2f}" if "torch_ms" in r else f"{'-':>9}"
+    x_t = f"{r['x_torch']:7.2f}x" if "x_torch" in r else f"{'-':>8}"
+    return (f"| {r['name']:<28} | {r['ms']:9.2f} | {r['gflops']:7.1f} | {r['pct_mm']:5.0f} % | "
+            f"{ref_ms} | {x_ref} | {t_ms} | {x_t} |")
+
+
+HEADER = ("| workload                     | fastattn ms | GFLOP/s | % mm  | NumPy ms  | x NumPy  "
+          "| torch ms  | x torch  |\n"
+          "| ---------------------------- | ---------: | ------: | ----: | --------: | -------: "
+          "| --------: | -------: |")
+
+
+def _plot(result, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib: pip install matplotlib") from None
+    rows = result["rows"]
+    names = [r["name"] for r in rows]
+    fig, ax = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.5))
+    y = np.arange(len(rows))
+    if all("x_torch" in r for r in rows):
+        ax.barh(y, [r["x_torch"] for r in rows], color="tab:blue")
+        ax.axvline(1.0, color="k", lw=1)
+        ax.set_xlabel("speed-up over PyTorch SDPA (time ratio, higher is better)")
+    else:
+        ax.barh(y, [r["gflops"] for r in rows], color="tab:blue")
+        ax.set_xlabel("GFLOP/s")
+    ax.set_yticks(y, names)
+    ax.invert_yaxis()
+    ax.set_title(f"fastattn {result['fastattn']} ({result['isa']}, {result['threads']} threads)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m fastattn.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="a short run on a few shapes")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--plot", metavar="FILE.png", help="write a bar chart (needs matplotlib)")
+    p.add_argument("--repeats", type=int, default=None, help="samples per peer (default 5, quick 3)")
+    p.add_argument("--threads", type=int, default=None, help="threads for fastattn and torch")
+    p.add_argument("--no-reference", action="store_true", help="skip the slow NumPy reference")
+    p.add_argument("--no-torch", action="store_true", help="do not time PyTorch even if installed")
+    args = p.parse_args(argv)
+    if args.threads is not None and args.threads <= 0:
+        p.error("--threads must be positive")
+    workloads = QUICK if args.quick else WORKLOADS
+    repeats = args.repeats or (3 if args.quick else 5)
+    if not args.json:
+        print(f"fastattn {sys.modules['fastattn'].__version__}: SIMD {_core.isa_name()}, "
+              f"{args.threads or _core.max_threads()} threads; medians of {repeats} interleaved runs")
+        print(HEADER)
+    log = None if args.json else (lambda r: print(_fmt_row(r), flush=True))
+    result = run(workloads, repeats, args.threads, not args.no_reference, not args.no_torch, log)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        mm = ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in result["matmul_gflops"].items())
+        print(f"NumPy matrix product (2048^2) in this run: {mm}; "
+              f"PyTorch: {result['torch'] or 'not installed'}")
+    if args.plot:
+        _plot(result, args.plot)
+        if not args.json:
+            print(f"wrote {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

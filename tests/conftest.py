@@ -1,0 +1,67 @@
+"""Shared test helpers: the SIMD-path fixture and the tolerance rule.
+
+Every fast result is compared with fastattn.reference evaluated in float64 on
+the same (already rounded) inputs.  Tolerances are relative to the magnitude
+of the reference output.
+"""
+
+import numpy as np
+import pytest
+
+from fastattn import _core
+from fastattn import reference as ref
+
+ISAS = [name for name in ("avx2", "generic") if _core.isa_available(name)]
+
+# relative tolerance of each compute dtype against the float64 reference
+RTOL = {np.dtype(np.float16): 2e-3, np.dtype(np.float32): 1e-5, np.dtype(np.float64): 1e-12}
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    """Run the test on each SIMD path this machine has, then restore."""
+    before = _core.isa_name()
+    _core.set_isa(request.param)
+    yield request.param
+    _core.set_isa(before)
+
+
+def tol(dtype):
+    dt = np.dtype(dtype)
+    if dt.kind != "f":
+        dt = np.dtype(np.float64)
+    return RTOL[dt]
+
+
+def assert_close(got, want, dtype, what="output"):
+    """|got - want| <= rtol * max(1, max|want|), with NaN and inf where want has them."""
+    got = np.asarray(got, dtype=np.float64)
+    want = np.asarray(want, dtype=np.float64)
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=f"{what}: NaN positions differ")
+    inf = np.isinf(want)
+    np.testing.assert_array_equal(got[inf], want[inf], err_msg=f"{what}: inf entries differ")
+    fin = np.isfinite(want)
+    if not fin.any():
+        return
+    scale = max(1.0, float(np.max(np.abs(want[fin]))))
+    err = float(np.max(np.abs(got[fin] - want[fin]), initial=0.0))
+    assert err <= tol(dtype) * scale, f"{what}: max error {err:.3g} > {tol(dtype):.1g} * {scale:.3g} ({dtype})"
+
+
+def reference64(q, k, v, **kw):
+    """The reference on float64 copies of the inputs (masks kept as they are)."""
+    c = lambda a: np.asarray(a).astype(np.float64)  # noqa: E731
+    mask = kw.pop("mask", None)
+    if mask is not None and np.asarray(mask).dtype != bool:
+        mask = c(mask)
+    return ref.attention(c(q), c(k), c(v), mask=mask, return_lse=True, **kw)
+
+
+def rand(rng, shape, dtype=np.float32, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(dtype)
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)

@@ -1,0 +1,499 @@
+"""fastattn.attention against the float64 NumPy reference."""
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from conftest import assert_close, rand, reference64
+
+import fastattn
+from fastattn import reference as ref
+
+F32, F64 = np.float32, np.float64
+
+
+def check(q, k, v, dtype=None, **kw):
+    """Run fastattn and the reference; compare output and lse."""
+    dtype = dtype or np.result_type(q, k, v)
+    out, lse = fastattn.attention(q, k, v, return_lse=True, **kw)
+    kw.pop("num_threads", None)
+    want, want_lse = reference64(q, k, v, **kw)
+    expect_dtype = np.result_type(q, k, v)
+    if expect_dtype.kind != "f":
+        expect_dtype = np.dtype(F64)
+    assert out.dtype == expect_dtype
+    assert_close(out, want, dtype)
+    assert_close(lse, want_lse, dtype, "lse")
+    return out, lse
+
+
+# ---------------------------------------------------------------------------
+# sizes, head dims, tails (every SIMD path)
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("n", [1, 7, 33, 65, 127, 129, 257, 600])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sizes(isa, rng, dtype, n, causal):
+    q, k, v = (rand(rng, (2, n, 32), dtype) for _ in range(3))
+    check(q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("d", [1, 16, 32, 64, 80, 96, 128, 256])
+def test_head_dims(isa, rng, dtype, d):
+    q, k, v = (rand(rng, (2, 45, d), dtype) for _ in range(3))
+    check(q, k, v)
+    check(q, k, v, causal=True)
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("nq,nk", [(1, 300), (5, 129), (64, 65), (200, 31), (129, 1), (70, 520)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_nq_ne_nk(isa, rng, dtype, nq, nk, causal):
+    q = rand(rng, (3, nq, 24), dtype)
+    k = rand(rng, (3, nk, 24), dtype)
+    v = rand(rng, (3, nk, 40), dtype)
+    check(q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("dk,dv", [(16, 48), (64, 1), (3, 130), (128, 64)])
+def test_dk_ne_dv(isa, rng, dk, dv):
+    q, k = rand(rng, (2, 70, dk)), rand(rng, (2, 90, dk))
+    v = rand(rng, (2, 90, dv))
+    check(q, k, v)
+    check(q, k, v, causal=True)
+
+
+def test_larger(isa, rng):
+    q, k, v = (rand(rng, (1, 2, 1100, 64)) for _ in range(3))
+    check(q, k, v, causal=True)
+    check(q.astype(F64), k.astype(F64), v.astype(F64))
+
+
+# ---------------------------------------------------------------------------
+# broadcasting of leading dims
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("qs,ks,vs", [
+    ((2, 3, 10, 8), (2, 3, 12, 8), (2, 3, 12, 5)),
+    ((2, 3, 10, 8), (1, 3, 12, 8), (2, 1, 12, 5)),
+    ((10, 8), (4, 12, 8), (12, 5)),
+    ((4, 1, 10, 8), (5, 12, 8), (1, 5, 12, 5)),
+    ((3, 1, 2, 1, 10, 8), (2, 4, 12, 8), (12, 5)),
+])
+def test_broadcast_leading(isa, rng, qs, ks, vs):
+    q, k, v = rand(rng, qs), rand(rng, ks), rand(rng, vs)
+    out, _ = check(q, k, v)
+    assert out.shape == np.broadcast_shapes(qs[:-2], ks[:-2], vs[:-2]) + (qs[-2], vs[-1])
+
+
+def test_broadcast_view_inputs(rng):
+    """Stride-0 views are read as they are."""
+    k = np.broadcast_to(rand(rng, (1, 20, 16)), (6, 20, 16))
+    v = np.broadcast_to(rand(rng, (20, 1)), (20, 16))
+    q = rand(rng, (6, 9, 16))
+    check(q, k, v)
+
+
+# ---------------------------------------------------------------------------
+# masks
+# ---------------------------------------------------------------------------
+MASK_SHAPES = [(), (37,), (1, 37), (23, 1), (23, 37), (3, 1, 37), (2, 1, 23, 37), (2, 3, 23, 37), (1, 3, 1, 1)]
+
+
+@pytest.mark.parametrize("mshape", MASK_SHAPES)
+@pytest.mark.parametrize("kind", ["bool", "float"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_mask_broadcast(isa, rng, mshape, kind, causal):
+    q, k, v = rand(rng, (2, 3, 23, 16)), rand(rng, (2, 3, 37, 16)), rand(rng, (2, 3, 37, 8))
+    if kind == "bool":
+        mask = rng.random(mshape) < 0.7
+    else:
+        mask = rng.standard_normal(mshape).astype(F32)
+        mask[rng.random(mshape) < 0.2] = -np.inf
+    check(q, k, v, mask=mask, causal=causal)
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_mask_dtype_mixed(rng, dtype):
+    """A float mask of another float dtype is used in the compute dtype."""
+    q, k, v = (rand(rng, (2, 30, 8), dtype) for _ in range(3))
+    check(q, k, v, mask=rng.standard_normal((30, 30)).astype(F64 if dtype is F32 else F32))
+    check(q, k, v, mask=rng.standard_normal((30, 30)).astype(np.float16))
+
+
+def test_mask_strided_views(rng):
+    q, k, v = rand(rng, (2, 40, 8)), rand(rng, (2, 50, 8)), rand(rng, (2, 50, 8))
+    big = rng.random((2, 100, 150)) < 0.6
+    check(q, k, v, mask=big[:, ::-2][:, :40, 1::3][:, :, :50])
+    check(q, k, v, mask=np.swapaxes(rng.random((2, 50, 40)) < 0.6, -1, -2))
+
+
+def test_large_mask_every_tile(isa, rng):
+    """A random N x N bool mask over several query blocks and key tiles."""
+    q, k, v = (rand(rng, (1, 300, 32)) for _ in range(3))
+    check(q, k, v, mask=rng.random((300, 300)) < 0.5)
+    check(q, k, v, mask=rng.random((300, 300)) < 0.5, causal=True)
+
+
+# ---------------------------------------------------------------------------
+# fully masked rows, empty key sets
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_fully_masked_rows(isa, rng, dtype):
+    q, k, v = rand(rng, (2, 70, 16), dtype), rand(rng, (2, 300, 16), dtype), rand(rng, (2, 300, 16), dtype)
+    mask = rng.random((70, 300)) < 0.5
+    mask[[0, 5, 69]] = False
+    out, lse = check(q, k, v, mask=mask)
+    assert np.all(out[:, [0, 5, 69]] == 0) and np.all(np.isneginf(lse[:, [0, 5, 69]]))
+    fmask = np.where(mask, 0.0, -np.inf).astype(dtype)
+    out2, lse2 = check(q, k, v, mask=fmask)
+    assert np.all(out2[:, [0, 5, 69]] == 0) and np.all(np.isneginf(lse2[:, [0, 5, 69]]))
+
+
+def test_causal_more_queries_than_keys(isa, rng):
+    """Bottom-right alignment: the first n_q - n_k rows see no key."""
+    q, k, v = rand(rng, (100, 8)), rand(rng, (30, 8)), rand(rng, (30, 8))
+    out, lse = check(q, k, v, causal=True)
+    assert np.all(out[:70] == 0) and np.all(np.isneginf(lse[:70]))
+    assert np.all(np.isfinite(lse[70:]))
+
+
+def test_causal_alignment_is_bottom_right(rng):
+    q, k, v = rand(rng, (2, 8)), rand(rng, (5, 8)), rand(rng, (5, 3))
+    # query 0 sees keys 0..3, query 1 sees all five (flash-attn's docstring example)
+    w0 = ref.softmax(ref.scores(q[:1], k[:4]).astype(F64))
+    want0 = w0 @ v[:4].astype(F64)
+    out = fastattn.attention(q, k, v, causal=True)
+    assert_close(out[:1], want0, F32)
+    np.testing.assert_array_equal(ref.causal_mask(2, 5), [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]])
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_no_keys(dtype):
+    q = np.ones((3, 4, 8), dtype)
+    out, lse = fastattn.attention(q, np.ones((3, 0, 8), dtype), np.ones((3, 0, 5), dtype), return_lse=True)
+    assert out.shape == (3, 4, 5) and np.all(out == 0) and np.all(np.isneginf(lse))
+
+
+@pytest.mark.parametrize("shape_q,shape_k,shape_v,expect", [
+    ((0, 4, 8), (0, 5, 8), (0, 5, 3), (0, 4, 3)),
+    ((2, 0, 8), (2, 5, 8), (2, 5, 3), (2, 0, 3)),
+    ((2, 4, 8), (2, 5, 8), (2, 5, 0), (2, 4, 0)),
+    ((2, 4, 0), (2, 5, 0), (2, 5, 3), (2, 4, 3)),
+])
+def test_empty_dims(shape_q, shape_k, shape_v, expect, rng):
+    q, k, v = rand(rng, shape_q), rand(rng, shape_k), rand(rng, shape_v)
+    out = fastattn.attention(q, k, v)
+    assert out.shape == expect
+    if out.size:
+        check(q, k, v)
+
+
+# ---------------------------------------------------------------------------
+# scale, extreme logits, NaN and inf
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("scale", [0.0, 1e-3, 0.125, 1.0, 3.0, -0.5])
+def test_scale(isa, rng, scale):
+    q, k, v = rand(rng, (2, 33, 16)), rand(rng, (2, 70, 16)), rand(rng, (2, 70, 8))
+    out, _ = check(q, k, v, scale=scale)
+    if scale == 0.0:
+        assert_close(out, v.astype(F64).mean(axis=-2, keepdims=True).repeat(33, axis=-2), F32)
+
+
+def test_default_scale_is_inverse_sqrt_dk(rng):
+    q, k, v = rand(rng, (9, 20)), rand(rng, (11, 20)), rand(rng, (11, 3))
+    np.testing.assert_array_equal(fastattn.attention(q, k, v), fastattn.attention(q, k, v, scale=1 / np.sqrt(20)))
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_extreme_logits(isa, rng, dtype):
+    """Scores near +-1e4 neither overflow nor lose the winner."""
+    n, d = 50, 8
+    k = rand(rng, (n, d), dtype)
+    q = (k[[3, 17, 40]] * (1e4 / np.sum(k[[3, 17, 40]] ** 2, axis=1, keepdims=True))).astype(dtype)
+    v = rand(rng, (n, 4), dtype)
+    out, lse = check(q, k, v, scale=1.0)
+    assert np.all(np.isfinite(out)) and np.all(lse > 5e3)
+    check(-q, k, v, scale=1.0)  # scores near -1e4
+    check(q, k, v, scale=1.0, mask=rng.standard_normal((3, n)).astype(dtype) * 1e4)
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_nan_reaches_only_its_rows(isa, rng, dtype):
+    q, k, v = rand(rng, (90, 16), dtype), rand(rng, (300, 16), dtype), rand(rng, (300, 8), dtype)
+    qn = q.copy()
+    qn[7, 3] = np.nan
+    out = fastattn.attention(qn, k, v)
+    assert np.isnan(out[7]).all() and np.isfinite(np.delete(out, 7, axis=0)).all()
+    check(qn, k, v)
+    # a NaN key is seen only by the rows that may attend it
+    kn = k.copy()
+    kn[250, 0] = np.nan
+    out = fastattn.attention(q, kn, v, causal=True)   # off = 210: rows i >= 40 see key 250
+    assert np.isfinite(out[:40]).all() and np.isnan(out[40:]).all()
+    check(q, kn, v, causal=True)
+    mask = np.ones((90, 300), bool)
+    mask[:, 250] = False
+    out = fastattn.attention(q, kn, v, mask=mask)
+    assert np.isfinite(out).all()
+    vn = v.copy()
+    vn[100, 2] = np.inf
+    out = fastattn.attention(q, k, vn)
+    assert np.isinf(out[:, 2]).all() and np.isfinite(np.delete(out, 2, axis=1)).all()
+
+
+# ---------------------------------------------------------------------------
+# dtypes
+# ---------------------------------------------------------------------------
+def test_float16(isa, rng):
+    q, k, v = (rand(rng, (2, 50, 16), np.float16) for _ in range(3))
+    out, lse = fastattn.attention(q, k, v, return_lse=True)
+    assert out.dtype == np.float16 and lse.dtype == F32
+    want, want_lse = reference64(q, k, v)
+    assert_close(out, want, np.float16)
+    assert_close(lse, want_lse, F32, "lse")
+
+
+@pytest.mark.parametrize("dts,expect", [
+    ((F32, F32, F32), F32), ((F32, F64, F32), F64), ((np.float16, F32, np.float16), F32),
+    ((np.int64, np.int64, np.int64), F64), ((np.int32, F32, np.int8), F64), ((bool, bool, bool), F64),
+    ((np.uint8, np.float16, np.float16), np.float16),
+])
+def test_result_dtype(rng, dts, expect):
+    q = (rng.standard_normal((6, 4)) * 3).astype(dts[0])
+    k = (rng.standard_normal((9, 4)) * 3).astype(dts[1])
+    v = (rng.standard_normal((9, 5)) * 3).astype(dts[2])
+    out = fastattn.attention(q, k, v)
+    assert out.dtype == np.dtype(expect) == (np.result_type(q, k, v) if np.result_type(q, k, v).kind == "f" else F64)
+    want, _ = reference64(q, k, v)
+    assert_close(out, want, expect)
+
+
+def test_integer_inputs(rng):
+    q, k, v = rng.integers(-3, 4, (2, 10, 6)), rng.integers(-3, 4, (2, 12, 6)), rng.integers(0, 9, (2, 12, 2))
+    check(q, k, v)
+
+
+def test_lists_accepted():
+    out = fastattn.attention([[1.0, 0.0]], [[1.0, 0.0], [0.0, 1.0]], [[1.0], [2.0]])
+    assert out.shape == (1, 1)
+
+
+# ---------------------------------------------------------------------------
+# 1-D forms: the key-value lookup
+# ---------------------------------------------------------------------------
+def test_fruit_lookup():
+    """The query "fruit" against apple, banana and chair (values 10, 5, 2)."""
+    keys = np.array([[1.0, 1.0], [1.0, 0.8], [0.0, -1.0]])
+    values = np.array([10.0, 5.0, 2.0])
+    fruit = np.array([1.0, 0.9])
+    out = fastattn.attention(fruit, keys, values)
+    s = keys @ fruit / np.sqrt(2)
+    w = np.exp(s) / np.exp(s).sum()
+    assert out.shape == () and out.dtype == F64
+    assert abs(float(out) - float(w @ values)) < 1e-12
+    assert w[0] > w[1] > w[2]  # apple, then banana, then chair
+
+
+def test_one_dim_forms(rng):
+    k, v2, v1 = rand(rng, (3, 7, 5)), rand(rng, (3, 7, 4)), rand(rng, (7,))
+    q1 = rand(rng, (5,))
+    q2 = q1[None, :]
+    out = fastattn.attention(q1, k, v2)
+    assert out.shape == (3, 4)
+    assert_close(out, fastattn.attention(q2, k, v2)[:, 0], F32)
+    out = fastattn.attention(q2, k, v1)
+    assert out.shape == (3, 1)
+    out, lse = fastattn.attention(q1, k, v1, return_lse=True)
+    assert out.shape == (3,) and lse.shape == (3,)
+    want, want_lse = reference64(q1, k, v1)
+    assert_close(out, want, F32)
+    assert_close(lse, want_lse, F32)
+    mask = np.array([True, False, True, True, False, True, True])
+    assert_close(fastattn.attention(q1, k, v1, mask=mask), reference64(q1, k, v1, mask=mask)[0], F32)
+
+
+# ---------------------------------------------------------------------------
+# strides and views
+# ---------------------------------------------------------------------------
+def test_transposed_views(isa, rng):
+    """(B, N, H, d) buffers read as (B, H, N, d) through strides."""
+    qb, kb, vb = rand(rng, (2, 40, 3, 16)), rand(rng, (2, 50, 3, 16)), rand(rng, (2, 50, 3, 16))
+    q, k, v = (np.swapaxes(a, 1, 2) for a in (qb, kb, vb))
+    check(q, k, v)
+    check(q, k, v, causal=True)
+
+
+def test_packed_qkv_views(rng):
+    qkv = rand(rng, (2, 30, 3, 4, 8))  # (B, N, 3, H, d)
+    q, k, v = (np.moveaxis(qkv[:, :, i], 1, 2) for i in range(3))
+    check(q, k, v)
+
+
+def test_negative_and_odd_strides(isa, rng):
+    q, k, v = rand(rng, (3, 40, 16)), rand(rng, (3, 60, 16)), rand(rng, (3, 60, 9))
+    check(q[::-1, ::-1], k[:, ::-1], v[::-1])
+    check(q[..., ::-1], k[..., ::-1], v[..., ::-1])            # last axis reversed: copied
+    check(q[:, ::3], k[:, 1::2], v[:, 1::2])
+    check(np.asfortranarray(q), np.asfortranarray(k), v)
+
+
+# ---------------------------------------------------------------------------
+# out=
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_out_contiguous(rng, dtype):
+    q, k, v = (rand(rng, (2, 20, 8), dtype) for _ in range(3))
+    out = np.empty((2, 20, 8), dtype)
+    res = fastattn.attention(q, k, v, out=out)
+    assert res is out
+    assert_close(out, reference64(q, k, v)[0], dtype)
+
+
+def test_out_strided_and_float16(rng):
+    q, k, v = rand(rng, (2, 20, 8)), rand(rng, (2, 25, 8)), rand(rng, (2, 25, 6))
+    big = np.zeros((2, 40, 12), F32)
+    out = big[:, ::2, 3:9]
+    res = fastattn.attention(q, k, v, out=out)
+    assert res is out
+    assert_close(out, reference64(q, k, v)[0], F32)
+    assert np.all(big[:, 1::2] == 0) and np.all(big[:, :, :3] == 0) and np.all(big[:, :, 9:] == 0)
+    out_t = np.zeros((2, 6, 20), F32).transpose(0, 2, 1)   # last axis not contiguous
+    fastattn.attention(q, k, v, out=out_t)
+    assert_close(out_t, reference64(q, k, v)[0], F32)
+    q16, k16, v16 = (a.astype(np.float16) for a in (q, k, v))
+    out16 = np.empty((2, 20, 6), np.float16)
+    assert fastattn.attention(q16, k16, v16, out=out16) is out16
+    assert_close(out16, reference64(q16, k16, v16)[0], np.float16)
+
+
+def test_out_aliasing_an_input(rng):
+    q, k, v = rand(rng, (2, 20, 8)), rand(rng, (2, 20, 8)), rand(rng, (2, 20, 8))
+    want = reference64(q, k, v, causal=True)[0]
+    qq = q.copy()
+    fastattn.attention(qq, k, v, causal=True, out=qq)   # out is q itself
+    assert_close(qq, want, F32)
+
+
+def test_out_one_dim_forms(rng):
+    k, v = rand(rng, (3, 7, 5)), rand(rng, (7,))
+    out = np.empty(3, F32)
+    assert fastattn.attention(rand(rng, (5,)), k, v, out=out) is out
+
+
+# ---------------------------------------------------------------------------
+# threads
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_thread_counts(isa, rng, threads):
+    q, k, v = (rand(rng, (2, 2, 300, 32)) for _ in range(3))
+    a = check(q, k, v, causal=True, num_threads=threads)[0]
+    b = fastattn.attention(q, k, v, causal=True, num_threads=1)
+    assert_close(a, b.astype(F64), F32)
+
+
+def test_concurrent_python_threads(rng):
+    cases = [tuple(rand(rng, (2, 150, 16), dt) for _ in range(3)) for dt in (F32, F64) * 4]
+    wants = [reference64(*c, causal=True)[0] for c in cases]
+    with ThreadPoolExecutor(max_workers=4) as ex:
+        for _ in range(3):
+            gots = list(ex.map(lambda c: fastattn.attention(*c, causal=True), cases))
+            for c, got, want in zip(cases, gots, wants):
+                assert_close(got, want, c[0].dtype)
+
+
+def test_gil_released(rng):
+    """Another Python thread runs while the C core works."""
+    q, k, v = (rand(rng, (4, 8, 1024, 64)) for _ in range(3))
+    count = [0]
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            count[0] += 1
+
+    t = threading.Thread(target=spin)
+    t.start()
+    try:
+        fastattn.attention(q, k, v, num_threads=1)   # warm-up: the spinner is surely running
+        before = count[0]
+        fastattn.attention(q, k, v, num_threads=1)
+        during = count[0] - before
+    finally:
+        stop.set()
+        t.join()
+    assert during > 1000, f"the other thread advanced only {during} steps during the call"
+
+
+# ---------------------------------------------------------------------------
+# inputs are never modified
+# ---------------------------------------------------------------------------
+def test_inputs_unmodified(rng):
+    q, k, v = rand(rng, (2, 30, 8)), rand(rng, (2, 40, 8)), rand(rng, (2, 40, 8))
+    mask = rng.random((30, 40)) < 0.5
+    fmask = rng.standard_normal((30, 40)).astype(F32)
+    copies = [a.copy() for a in (q, k, v, mask, fmask)]
+    fastattn.attention(q, k, v, mask=mask, causal=True, return_lse=True)
+    fastattn.attention(q, k, v, mask=fmask)
+    fastattn.attention(q.astype(np.float16), k, v, mask=fmask)
+    for a, c in zip((q, k, v, mask, fmask), copies):
+        np.testing.assert_array_equal(a, c)
+
+
+# ---------------------------------------------------------------------------
+# bad input: raised before any work, with a clear message
+# ---------------------------------------------------------------------------
+def _qkv(rng):
+    return rand(rng, (2, 5, 8)), rand(rng, (2, 6, 8)), rand(rng, (2, 6, 4))
+
+
+@pytest.mark.parametrize("change,exc,msg", [
+    (dict(k=np.zeros((2, 6, 7), F32)), ValueError, "d_k differs"),
+    (dict(v=np.zeros((2, 7, 4), F32)), ValueError, "n_k differs"),
+    (dict(k=np.zeros((3, 6, 8), F32), v=np.zeros((3, 6, 4), F32)), ValueError, "leading dims do not broadcast"),
+    (dict(k=np.zeros(8, F32)), ValueError, "k must have shape"),
+    (dict(q=np.float32(1)), ValueError, "q must have shape"),
+    (dict(v=np.float32(1)), ValueError, "v must have shape"),
+    (dict(mask=np.ones((5, 5), bool)), ValueError, "does not broadcast"),
+    (dict(mask=np.ones((3, 5, 6), bool)), ValueError, "leading dims do not broadcast"),
+    (dict(mask=np.ones((5, 6), np.int64)), TypeError, "integer dtype"),
+    (dict(mask=np.ones((5, 6), complex)), TypeError, "mask must be bool or floating"),
+    (dict(q=np.ones((2, 5, 8), complex)), TypeError, "complex"),
+    (dict(k=np.ones((2, 6, 8), object)), TypeError, "object"),
+    (dict(v=np.full((2, 6, 4), "a")), TypeError, "not supported"),
+    (dict(q=None), TypeError, "q must be an array"),
+    (dict(num_threads=0), ValueError, "num_threads"),
+    (dict(num_threads=-2), ValueError, "num_threads"),
+    (dict(num_threads=1.5), TypeError, "num_threads"),
+    (dict(num_threads=True), TypeError, "num_threads"),
+    (dict(scale=np.inf), ValueError, "scale must be finite"),
+    (dict(scale=np.nan), ValueError, "scale must be finite"),
+    (dict(scale="x"), TypeError, "scale"),
+    (dict(out=np.empty((2, 5, 5), F32)), ValueError, "out has shape"),
+    (dict(out=np.empty((2, 5, 4), F64)), TypeError, "out has dtype"),
+    (dict(out=[[0.0]]), TypeError, "out must be a numpy.ndarray"),
+])
+def test_bad_input(rng, change, exc, msg):
+    q, k, v = _qkv(rng)
+    args = dict(q=q, k=k, v=v)
+    kw = {}
+    for name, val in change.items():
+        (args if name in args else kw)[name] = val
+    with pytest.raises(exc, match=msg):
+        fastattn.attention(args["q"], args["k"], args["v"], **kw)
+
+
+def test_readonly_out(rng):
+    q, k, v = _qkv(rng)
+    out = np.empty((2, 5, 4), F32)
+    out.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        fastattn.attention(q, k, v, out=out)
+
+
+def test_longdouble_rejected(rng):
+    q, k, v = _qkv(rng)
+    if np.dtype(np.longdouble).itemsize > 8:
+        with pytest.raises(TypeError, match="float32 or float64"):
+            fastattn.attention(q.astype(np.longdouble), k, v)

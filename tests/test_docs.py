@@ -1,0 +1,31 @@
+"""The examples in the docstrings and the README run and say what they claim."""
+
+import doctest
+import pathlib
+import re
+
+import numpy as np
+
+import fastattn
+from fastattn import _api
+
+README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+
+
+def test_docstring_examples():
+    result = doctest.testmod(_api, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted >= 2 and result.failed == 0
+
+
+def test_readme_python_blocks_run():
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    assert len(blocks) >= 2
+    ns = {}
+    for block in blocks:
+        exec(compile(block, str(README), "exec"), ns)
+    # the multi-head example: shapes, and agreement with the reference
+    y, o = ns["y"], ns["o"]
+    assert y.shape == (4, 128, 256) and o.shape == (4, 8, 128, 32)
+    want = fastattn.reference.attention(*(a.astype(np.float64) for a in (ns["q"], ns["k"], ns["v"])), causal=True)
+    assert np.max(np.abs(o - want)) < 1e-5 * max(1, np.max(np.abs(want)))
+    assert abs(float(fastattn.attention(ns["fruit"], ns["keys"], ns["values"])) - 7.2718) < 1e-4

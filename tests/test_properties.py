@@ -1,0 +1,52 @@
+"""Random shapes, masks and options (hypothesis) against the reference."""
+
+import numpy as np
+from conftest import assert_close, reference64
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fastattn
+
+LEAD = st.lists(st.integers(1, 3), min_size=0, max_size=3)
+
+
+@st.composite
+def problems(draw):
+    lead = tuple(draw(LEAD))
+    # each operand keeps a random suffix of the leading dims, some set to 1 (broadcast)
+    def sub(shape):
+        n = draw(st.integers(0, len(shape)))
+        return tuple(d if draw(st.booleans()) else 1 for d in shape[len(shape) - n:])
+    nq, nk = draw(st.integers(1, 80)), draw(st.integers(0, 150))
+    dk, dv = draw(st.integers(1, 40)), draw(st.integers(1, 40))
+    dtype = draw(st.sampled_from([np.float32, np.float64]))
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal(sub(lead) + (nq, dk)).astype(dtype)
+    k = rng.standard_normal(sub(lead) + (nk, dk)).astype(dtype)
+    v = rng.standard_normal(sub(lead) + (nk, dv)).astype(dtype)
+    kw = dict(causal=draw(st.booleans()))
+    mask_kind = draw(st.sampled_from([None, "bool", "float"]))
+    if mask_kind:
+        mshape = sub(lead) + (draw(st.sampled_from([1, nq])), draw(st.sampled_from([1, nk])))
+        if mask_kind == "bool":
+            kw["mask"] = rng.random(mshape) < draw(st.floats(0.0, 1.0))
+        else:
+            m = rng.standard_normal(mshape) * 3
+            m[rng.random(mshape) < 0.3] = -np.inf
+            kw["mask"] = m.astype(dtype)
+    if draw(st.booleans()):
+        kw["scale"] = draw(st.floats(-2.0, 2.0))
+    kw["num_threads"] = draw(st.sampled_from([None, 1, 2]))
+    return q, k, v, kw
+
+
+@settings(max_examples=150, deadline=None)
+@given(problems())
+def test_random_problems(p):
+    q, k, v, kw = p
+    out, lse = fastattn.attention(q, k, v, return_lse=True, **kw)
+    kw.pop("num_threads")
+    want, want_lse = reference64(q, k, v, **kw)
+    assert_close(out, want, q.dtype)
+    assert_close(lse, want_lse, q.dtype, "lse")
