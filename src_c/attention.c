@@ -55,15 +55,46 @@ static void *scratch_alloc(size_t bytes, void **raw)
  * Dynamic scheduling evens out causal work (later query blocks see more keys).
  * ------------------------------------------------------------------------- */
 
-static void choose_tiles(const fa_attention_args *a, int lanes, fa_tiles *t)
+static void choose_tiles(const fa_attention_args *a, int lanes, int rows_kernel, fa_tiles *t)
 {
     const int64_t tw = 2 * lanes;
-    t->bq = a->nq < 64 ? a->nq : 64;
+    const int64_t bq_max = rows_kernel ? FA_ROWS_MAX : 64;
+    t->bq = a->nq < bq_max ? a->nq : bq_max;
     if (t->bq < 1) t->bq = 1;
     t->bqp = (t->bq + tw - 1) / tw * tw;
-    const int64_t bk_max = a->dtype == FA_F32 ? 256 : 128;
+    const int64_t bk_max = rows_kernel ? 64 : (a->dtype == FA_F32 ? 256 : 128);
     t->bk = a->nk < bk_max ? a->nk : bk_max;
     if (t->bk < 1) t->bk = 1;
+}
+
+/* Work item w -> (leading index, query block): pointers and row range. */
+static void fill_item(const fa_attention_args *a, const fa_tiles *t, int64_t n_qb, int64_t w,
+                      size_t esz, size_t msz, fa_item *it)
+{
+    int64_t lead = w / n_qb, qb = w % n_qb;
+    int64_t oq = 0, ok = 0, ov = 0, oo = 0, om = 0, ol = 0;
+    for (int d = a->n_lead - 1; d >= 0; d--) { /* row-major over lead_shape */
+        const int64_t i = lead % a->lead_shape[d];
+        lead /= a->lead_shape[d];
+        oq += i * a->q_lead[d];
+        ok += i * a->k_lead[d];
+        ov += i * a->v_lead[d];
+        oo += i * a->o_lead[d];
+        om += i * a->m_lead[d];
+        ol += i * a->lse_lead[d];
+    }
+    const int64_t i0 = qb * t->bq, e = (int64_t)esz;
+    it->i0 = i0;
+    it->bq = (a->nq - i0 < t->bq) ? a->nq - i0 : t->bq;
+    it->j_lo = 0;
+    it->j_hi = a->nk;
+    it->q = (const char *)a->q + (oq + i0 * a->q_rs) * e;
+    it->k = (const char *)a->k + ok * e;
+    it->v = (const char *)a->v + ov * e;
+    it->mask = a->mask ? (const char *)a->mask + (om + i0 * a->m_rs) * (int64_t)msz : NULL;
+    it->out = (char *)a->out + (oo + i0 * a->o_rs) * e;
+    it->lse = a->lse ? (char *)a->lse + (ol + i0 * a->lse_rs) * e : NULL;
+    it->part = NULL;
 }
 
 int fa_attention(const fa_attention_args *a)
@@ -75,17 +106,40 @@ int fa_attention(const fa_attention_args *a)
     if (n_lead_total == 0 || a->nq == 0) return FA_OK;
 
     const fa_isa_table *isa = fa_isa_current();
-    const fa_attn_item_fn item_fn = isa->attn_item[a->dtype];
+    const int rows_kernel = a->nq <= FA_ROWS_MAX;
+    const fa_attn_item_fn item_fn = rows_kernel ? isa->attn_item_rows[a->dtype] : isa->attn_item[a->dtype];
+    const fa_attn_merge_fn merge_fn = isa->attn_merge[a->dtype];
     const size_t esz = a->dtype == FA_F32 ? sizeof(float) : sizeof(double);
     const size_t msz = a->mask_kind == FA_MASK_BOOL ? 1 : esz;
     fa_tiles tiles;
-    choose_tiles(a, isa->lanes[a->dtype], &tiles);
+    choose_tiles(a, isa->lanes[a->dtype], rows_kernel, &tiles);
     const int64_t n_qb = (a->nq + tiles.bq - 1) / tiles.bq;
     const int64_t n_items = n_lead_total * n_qb;
-    const size_t scratch_bytes = (size_t)fa_attn_scratch_elems(&tiles, a->dk, a->dv) * esz;
+
+    /* Split the keys (flash-decoding) when there are fewer items than threads:
+     * each (item, split) writes a partial (acc, max, sum), merged afterwards. */
+    const int want = a->num_threads > 0 ? a->num_threads : fa_max_threads();
+    int64_t n_splits = 1;
+    if (n_items < want && a->nk >= 1024) {
+        n_splits = (want + n_items - 1) / n_items;
+        if (n_splits > a->nk / 512) n_splits = a->nk / 512;
+    }
+    const int64_t chunk = n_splits > 1 ? ((a->nk + n_splits - 1) / n_splits + tiles.bk - 1) / tiles.bk * tiles.bk : a->nk;
+    const int64_t part_elems = tiles.bq * (a->dv + 2);
+    void *parts = NULL;
+    if (n_splits > 1) {
+        parts = malloc((size_t)(n_items * n_splits * part_elems) * esz);
+        if (!parts) return FA_ENOMEM;
+    }
+
+    int64_t scratch_elems = rows_kernel ? fa_rows_scratch_elems(&tiles, a->dk, a->dv)
+                                        : fa_attn_scratch_elems(&tiles, a->dk, a->dv);
+    if (scratch_elems < a->dv + 2) scratch_elems = a->dv + 2;
+    const size_t scratch_bytes = (size_t)scratch_elems * esz;
     const double work = (double)n_lead_total * (double)a->nq * (double)(a->nk + 1) *
                         (double)(a->dk + a->dv + 8);
-    const int nthreads = team_size(a->num_threads, n_items, work);
+    const int64_t n_units = n_items * n_splits;
+    const int nthreads = team_size(a->num_threads, n_units, work);
     int status = FA_OK;
 
 #pragma omp parallel num_threads(nthreads)
@@ -97,38 +151,30 @@ int fa_attention(const fa_attention_args *a)
             status = FA_ENOMEM;
         }
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t w = 0; w < n_items; w++) {
+        for (int64_t u = 0; u < n_units; u++) {
             if (!scratch) continue;
-            /* decode the leading index (row-major over lead_shape) */
-            int64_t lead = w / n_qb, qb = w % n_qb;
-            int64_t oq = 0, ok = 0, ov = 0, oo = 0, om = 0, ol = 0;
-            for (int d = a->n_lead - 1; d >= 0; d--) {
-                const int64_t i = lead % a->lead_shape[d];
-                lead /= a->lead_shape[d];
-                oq += i * a->q_lead[d];
-                ok += i * a->k_lead[d];
-                ov += i * a->v_lead[d];
-                oo += i * a->o_lead[d];
-                om += i * a->m_lead[d];
-                ol += i * a->lse_lead[d];
-            }
-            const int64_t i0 = qb * tiles.bq;
+            const int64_t w = u / n_splits, sp = u % n_splits;
             fa_item it;
-            it.i0 = i0;
-            it.bq = (a->nq - i0 < tiles.bq) ? a->nq - i0 : tiles.bq;
-            it.j_lo = 0;
-            it.j_hi = a->nk;
-            it.q = (const char *)a->q + (oq + i0 * a->q_rs) * (int64_t)esz;
-            it.k = (const char *)a->k + ok * (int64_t)esz;
-            it.v = (const char *)a->v + ov * (int64_t)esz;
-            it.mask = a->mask ? (const char *)a->mask + (om + i0 * a->m_rs) * (int64_t)msz : NULL;
-            it.out = (char *)a->out + (oo + i0 * a->o_rs) * (int64_t)esz;
-            it.lse = a->lse ? (char *)a->lse + (ol + i0 * a->lse_rs) * (int64_t)esz : NULL;
-            it.part = NULL;
+            fill_item(a, &tiles, n_qb, w, esz, msz, &it);
+            if (parts) {
+                it.j_lo = sp * chunk;
+                it.j_hi = (it.j_lo + chunk < a->nk) ? it.j_lo + chunk : a->nk;
+                it.part = (char *)parts + (w * n_splits * part_elems + sp * it.bq * (a->dv + 2)) * (int64_t)esz;
+            }
             item_fn(a, &tiles, &it, scratch);
+        }
+        if (parts) { /* after the loop's barrier: merge each item's splits */
+#pragma omp for schedule(static)
+            for (int64_t w = 0; w < n_items; w++) {
+                if (!scratch) continue;
+                fa_item it;
+                fill_item(a, &tiles, n_qb, w, esz, msz, &it);
+                merge_fn(a, &it, (char *)parts + w * n_splits * part_elems * (int64_t)esz, n_splits, scratch);
+            }
         }
         free(raw);
     }
+    free(parts);
     return status;
 }
 

@@ -14,6 +14,8 @@
         #isa,                                                                      \
         {0, 0}, /* lanes are filled in from the kernel files at first use */      \
         {fa_attn_item_f32_##isa, fa_attn_item_f64_##isa},                          \
+        {fa_attn_item_rows_f32_##isa, fa_attn_item_rows_f64_##isa},                \
+        {fa_attn_merge_f32_##isa, fa_attn_merge_f64_##isa},                        \
         {fa_softmax_row_f32_##isa, fa_softmax_row_f64_##isa},                      \
         {fa_exp_f32_##isa, fa_exp_f64_##isa},                                      \
     }

@@ -37,6 +37,10 @@ typedef struct {
 
 typedef void (*fa_attn_item_fn)(const fa_attention_args *a, const fa_tiles *t,
                                 const fa_item *it, void *scratch);
+/* Merge nparts partial results (nparts, bq, dv + 2) of one item into its out
+ * and lse.  scratch: dv + 2 elements. */
+typedef void (*fa_attn_merge_fn)(const fa_attention_args *a, const fa_item *it,
+                                 const void *parts, int64_t nparts, void *scratch);
 /* Softmax of one row: x (n) stride xs -> o (n) stride os.  scratch holds
  * fa_softmax_scratch_elems(n) elements of the dtype. */
 typedef void (*fa_softmax_row_fn)(const void *x, int64_t xs, void *o, int64_t os,
@@ -48,7 +52,9 @@ typedef void (*fa_exp_fn)(const void *x, void *y, int64_t n);
 typedef struct {
     const char *name;
     int lanes[2];                     /* SIMD lanes for FA_F32, FA_F64 */
-    fa_attn_item_fn attn_item[2];
+    fa_attn_item_fn attn_item[2];      /* tiled: many query rows */
+    fa_attn_item_fn attn_item_rows[2]; /* few query rows (decode) */
+    fa_attn_merge_fn attn_merge[2];
     fa_softmax_row_fn softmax_row[2];
     fa_exp_fn exp[2];
 } fa_isa_table;
@@ -62,6 +68,12 @@ static inline int64_t fa_attn_scratch_elems(const fa_tiles *t, int64_t dk, int64
 {
     return t->bqp * (dk + t->bk + dv + 2);
 }
+/* The row kernel: bq <= FA_ROWS_MAX query rows. */
+#define FA_ROWS_MAX 4
+static inline int64_t fa_rows_scratch_elems(const fa_tiles *t, int64_t dk, int64_t dv)
+{
+    return t->bq * (dk + 8 + t->bk + dv + 2);
+}
 static inline int64_t fa_softmax_scratch_elems(int64_t n)
 {
     return FA_SOFTMAX_CHUNK + (n + FA_SOFTMAX_CHUNK - 1) / FA_SOFTMAX_CHUNK + 1;
@@ -73,6 +85,14 @@ static inline int64_t fa_softmax_scratch_elems(int64_t n)
                                 const fa_item *, void *);                             \
     void fa_attn_item_f64_##isa(const fa_attention_args *, const fa_tiles *,          \
                                 const fa_item *, void *);                             \
+    void fa_attn_item_rows_f32_##isa(const fa_attention_args *, const fa_tiles *,     \
+                                     const fa_item *, void *);                        \
+    void fa_attn_item_rows_f64_##isa(const fa_attention_args *, const fa_tiles *,     \
+                                     const fa_item *, void *);                        \
+    void fa_attn_merge_f32_##isa(const fa_attention_args *, const fa_item *,          \
+                                 const void *, int64_t, void *);                      \
+    void fa_attn_merge_f64_##isa(const fa_attention_args *, const fa_item *,          \
+                                 const void *, int64_t, void *);                      \
     void fa_softmax_row_f32_##isa(const void *, int64_t, void *, int64_t, int64_t,    \
                                   void *);                                            \
     void fa_softmax_row_f64_##isa(const void *, int64_t, void *, int64_t, int64_t,    \

@@ -196,6 +196,9 @@ INLINE void pv_tile(const int R, T *restrict ot, int64_t bqp, const T *restrict 
     }
 }
 
+static void write_rows(const fa_attention_args *a, const fa_item *it, const T *acc, int64_t ai,
+                       int64_t ac, const T *m, const T *l);
+
 /* St (nb, bqp) = K[0..nb) . Qt;  K (nb, dk) row stride krs, Qt (dk, bqp). */
 static void qk_block(T *restrict St, const T *restrict K, int64_t krs, const T *restrict Qt,
                      int64_t bqp, int64_t dk, int64_t nb)
@@ -305,13 +308,24 @@ void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_i
         pv_block(Ot, St, v + j0 * a->v_rs, a->v_rs, bqp, dv, nb);
     }
 
-    /* Pass 6: write out.  A row that saw no key (l == 0) gives zeros, lse -inf;
-     * NaN in l propagates. */
+    /* Pass 6: write out (acc element (i, c) is Ot[c * bqp + i]). */
+    write_rows(a, it, Ot, 1, bqp, m, l);
+}
+
+/* Write one item's rows from the accumulator, running max and sum:
+ * out = acc / l (zeros when l == 0), lse = m + log(l) (-inf when l == 0);
+ * or, with it->part, the unnormalised (acc, m, l) for a split-key merge.
+ *   acc  (bq, dv) element (i, c) at acc[i * ai + c * ac]
+ *   m, l (bq) */
+static void write_rows(const fa_attention_args *a, const fa_item *it, const T *acc, int64_t ai,
+                       int64_t ac, const T *m, const T *l)
+{
+    const int64_t bq = it->bq, dv = a->dv;
     if (it->part) {
         T *part = it->part;
         for (int64_t i = 0; i < bq; i++) {
             T *pr = part + i * (dv + 2);
-            for (int64_t c = 0; c < dv; c++) pr[c] = Ot[c * bqp + i];
+            for (int64_t c = 0; c < dv; c++) pr[c] = acc[i * ai + c * ac];
             pr[dv] = m[i];
             pr[dv + 1] = l[i];
         }
@@ -321,13 +335,238 @@ void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_i
     for (int64_t i = 0; i < bq; i++) {
         const T inv = (l[i] == 0) ? 0 : 1 / l[i];
         T *orow = out + i * a->o_rs;
-        for (int64_t c = 0; c < dv; c++) orow[c] = Ot[c * bqp + i] * inv;
+        for (int64_t c = 0; c < dv; c++) orow[c] = acc[i * ai + c * ac] * inv;
     }
     if (it->lse) {
         T *lse = it->lse;
-        for (int64_t i = 0; i < bq; i++)
-            lse[i * a->lse_rs] = (l[i] == 0) ? -INFINITY : m[i] + log(l[i]);
+        for (int64_t i = 0; i < bq; i++) lse[i * a->lse_rs] = (l[i] == 0) ? -INFINITY : m[i] + log(l[i]);
     }
+}
+
+/* Merge the split-key partial results of one item (flash-decoding):
+ *   parts  (nparts, bq, dv + 2): acc, running max m, running sum l per row
+ * M = max_p m_p;  l = sum_p exp(m_p - M) l_p;  acc = sum_p exp(m_p - M) acc_p.
+ * Parts that saw no key (l_p == 0) add nothing; NaN propagates.
+ * Scratch: dv + 2 elements. */
+void FN(fa_attn_merge)(const fa_attention_args *a, const fa_item *it, const void *parts_,
+                       int64_t nparts, void *scratch)
+{
+    const T *parts = parts_;
+    const int64_t bq = it->bq, dv = a->dv, ps = bq * (dv + 2);
+    T *acc = scratch;
+    fa_item row = *it;
+    for (int64_t i = 0; i < bq; i++) {
+        T M = -INFINITY;
+        for (int64_t p = 0; p < nparts; p++) {
+            const T mp = parts[p * ps + i * (dv + 2) + dv];
+            const T lp = parts[p * ps + i * (dv + 2) + dv + 1];
+            if (lp != 0 || lp != lp) M = (mp > M || mp != mp) ? mp : M;
+        }
+        T lsum = 0;
+        for (int64_t c = 0; c < dv; c++) acc[c] = 0;
+        for (int64_t p = 0; p < nparts; p++) {
+            const T *pr = parts + p * ps + i * (dv + 2);
+            if (pr[dv + 1] == 0) continue;
+            const T w = (T)exp(pr[dv] - M);
+            lsum += w * pr[dv + 1];
+            for (int64_t c = 0; c < dv; c++) acc[c] += w * pr[c];
+        }
+        row.bq = 1;
+        row.out = it->out ? (T *)it->out + i * a->o_rs : NULL;
+        row.lse = it->lse ? (T *)it->lse + i * a->lse_rs : NULL;
+        row.part = NULL;
+        write_rows(a, &row, acc, 0, 1, &M, &lsum);
+    }
+}
+
+/* ---------------------------------------------------------------------------
+ * Few query rows (decode): bq <= FA_ROWS_MAX rows against a long key range.
+ * Per key tile: scores by dot products along dk (K row read once for all
+ * rows), the online softmax vectorised along the keys, then acc += p . V row
+ * by row (V row read once).  Memory-bound by design: K and V stream through
+ * once.  Scratch, in elements of T:
+ *   Qs   (bq, dkp)  the rows, times scale, zero-padded to dkp (multiple of L)
+ *   S    (bq, bk)   scores of one key tile; then probabilities
+ *   A    (bq, dv)   unnormalised output accumulator
+ *   m, l (bq)
+ * ------------------------------------------------------------------------- */
+INLINE T hsum(vec x)
+{
+    T t[L];
+    memcpy(t, &x, sizeof t);
+    T s = 0;
+    for (int i = 0; i < L; i++) s += t[i];
+    return s;
+}
+
+/* Scores of a key tile for bq rows: S[i][j] = Qs[i] . K[j]   for j < nb
+ *   S   (bq, ls)    Qs (bq, dkp) zero-padded rows
+ *   K   (nb, dk)    row stride krs
+ * Four keys at a time, two accumulators each: eight independent FMA chains. */
+static void rows_scores(T *restrict S, int64_t ls, const T *restrict Qs, int64_t dkp, int64_t bq,
+                        const T *restrict K, int64_t krs, int64_t dk, int64_t nb)
+{
+    const int64_t dkv = dk / L * L;
+    int64_t j = 0;
+    for (; j + 4 <= nb; j += 4) {
+        const T *k0 = K + j * krs, *k1 = k0 + krs, *k2 = k1 + krs, *k3 = k2 + krs;
+        for (int64_t i = 0; i < bq; i++) {
+            const T *qi = Qs + i * dkp;
+            vec a0 = vset1(0), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+            int64_t c = 0;
+            for (; c + 2 * L <= dkv; c += 2 * L) {
+                const vec x = vload(qi + c), y = vload(qi + c + L);
+                a0 += x * vload(k0 + c); b0 += y * vload(k0 + c + L);
+                a1 += x * vload(k1 + c); b1 += y * vload(k1 + c + L);
+                a2 += x * vload(k2 + c); b2 += y * vload(k2 + c + L);
+                a3 += x * vload(k3 + c); b3 += y * vload(k3 + c + L);
+            }
+            for (; c < dkv; c += L) {
+                const vec x = vload(qi + c);
+                a0 += x * vload(k0 + c); a1 += x * vload(k1 + c);
+                a2 += x * vload(k2 + c); a3 += x * vload(k3 + c);
+            }
+            T s0 = hsum(a0 + b0), s1 = hsum(a1 + b1), s2 = hsum(a2 + b2), s3 = hsum(a3 + b3);
+            for (; c < dk; c++) {
+                s0 += qi[c] * k0[c]; s1 += qi[c] * k1[c];
+                s2 += qi[c] * k2[c]; s3 += qi[c] * k3[c];
+            }
+            T *si = S + i * ls + j;
+            si[0] = s0; si[1] = s1; si[2] = s2; si[3] = s3;
+        }
+    }
+    for (; j < nb; j++) {
+        const T *kj = K + j * krs;
+        for (int64_t i = 0; i < bq; i++) {
+            const T *qi = Qs + i * dkp;
+            vec a0 = vset1(0), b0 = a0;
+            int64_t c = 0;
+            for (; c + 2 * L <= dkv; c += 2 * L) {
+                a0 += vload(qi + c) * vload(kj + c);
+                b0 += vload(qi + c + L) * vload(kj + c + L);
+            }
+            for (; c < dkv; c += L) a0 += vload(qi + c) * vload(kj + c);
+            T s = hsum(a0 + b0);
+            for (; c < dk; c++) s += qi[c] * kj[c];
+            S[i * ls + j] = s;
+        }
+    }
+}
+
+/* a[0..NV*L) += sum_j p[j] * V[j][0..NV*L): NV accumulators stay in registers. */
+INLINE void rows_pv_chunk(const int NV, T *restrict a, const T *restrict p, const T *restrict V,
+                          int64_t vrs, int64_t nb)
+{
+    vec acc[8];
+    _Pragma("GCC unroll 8") for (int x = 0; x < NV; x++) acc[x] = vload(a + x * L);
+    for (int64_t j = 0; j < nb; j++) {
+        const T pj = p[j];
+        const T *vj = V + j * vrs;
+        _Pragma("GCC unroll 8") for (int x = 0; x < NV; x++) acc[x] += pj * vload(vj + x * L);
+    }
+    _Pragma("GCC unroll 8") for (int x = 0; x < NV; x++) vstore(a + x * L, acc[x]);
+}
+
+/* a (dv) += sum_j p[j] * V[j]   for j < nb;  V (nb, dv) row stride vrs */
+static void rows_pv(T *restrict a, const T *restrict p, const T *restrict V, int64_t vrs, int64_t dv,
+                    int64_t nb)
+{
+    const int64_t nvec = dv / L;
+    int64_t c = 0;
+    for (; c + 8 * L <= nvec * L; c += 8 * L) rows_pv_chunk(8, a + c, p, V + c, vrs, nb);
+    switch (nvec - c / L) {
+    case 7: rows_pv_chunk(7, a + c, p, V + c, vrs, nb); break;
+    case 6: rows_pv_chunk(6, a + c, p, V + c, vrs, nb); break;
+    case 5: rows_pv_chunk(5, a + c, p, V + c, vrs, nb); break;
+    case 4: rows_pv_chunk(4, a + c, p, V + c, vrs, nb); break;
+    case 3: rows_pv_chunk(3, a + c, p, V + c, vrs, nb); break;
+    case 2: rows_pv_chunk(2, a + c, p, V + c, vrs, nb); break;
+    case 1: rows_pv_chunk(1, a + c, p, V + c, vrs, nb); break;
+    default: break;
+    }
+    for (c = nvec * L; c < dv; c++) {
+        T s = a[c];
+        for (int64_t j = 0; j < nb; j++) s += p[j] * V[j * vrs + c];
+        a[c] = s;
+    }
+}
+
+void FN(fa_attn_item_rows)(const fa_attention_args *a, const fa_tiles *tl, const fa_item *it,
+                           void *scratch)
+{
+    const int64_t bq = it->bq, bk = tl->bk, dk = a->dk, dv = a->dv;
+    const int64_t dkp = (dk + L - 1) / L * L, dkv = dk / L * L;
+    const T *q = it->q, *k = it->k, *v = it->v;
+    T *Qs = scratch, *S = Qs + bq * dkp, *A = S + bq * bk, *m = A + bq * dv, *l = m + bq;
+    const T scale = (T)a->scale;
+    for (int64_t i = 0; i < bq; i++) {
+        for (int64_t c = 0; c < dk; c++) Qs[i * dkp + c] = q[i * a->q_rs + c] * scale;
+        for (int64_t c = dk; c < dkp; c++) Qs[i * dkp + c] = 0;
+        m[i] = -INFINITY;
+        l[i] = 0;
+    }
+    memset(A, 0, (size_t)(bq * dv) * sizeof(T));
+
+    const int64_t off = a->nk - a->nq;
+    int64_t j_lo = it->j_lo, j_hi = it->j_hi;
+    if (a->causal && it->i0 + bq + off < j_hi) j_hi = it->i0 + bq + off;
+
+    for (int64_t j0 = j_lo; j0 < j_hi; j0 += bk) {
+        const int64_t nb = (j_hi - j0 < bk) ? j_hi - j0 : bk;
+        rows_scores(S, bk, Qs, dkp, bq, k + j0 * a->k_rs, a->k_rs, dk, nb);
+        for (int64_t i = 0; i < bq; i++) {
+            T *si = S + i * bk;
+            const int64_t gi = it->i0 + i;
+            if (a->mask_kind == FA_MASK_BOOL) {
+                const uint8_t *mk = (const uint8_t *)it->mask + i * a->m_rs + j0 * a->m_cs;
+                for (int64_t j = 0; j < nb; j++)
+                    if (!mk[j * a->m_cs]) si[j] = -INFINITY;
+            } else if (a->mask_kind == FA_MASK_ADD) {
+                const T *mk = (const T *)it->mask + i * a->m_rs + j0 * a->m_cs;
+                for (int64_t j = 0; j < nb; j++) si[j] += mk[j * a->m_cs];
+            }
+            if (a->causal) /* key j0 + j is hidden from row gi iff j0 + j > gi + off */
+                for (int64_t j = (gi + off + 1 - j0 > 0) ? gi + off + 1 - j0 : 0; j < nb; j++)
+                    si[j] = -INFINITY;
+            /* online softmax of row i over this tile */
+            T bm = -INFINITY;
+            for (int64_t j = 0; j < nb; j++) bm = (si[j] > bm || si[j] != si[j]) ? si[j] : bm;
+            const T mo = m[i], mn = (bm > mo || bm != bm || mo != mo) ? (mo != mo ? mo : bm) : mo;
+            const T mu = (mn == -INFINITY) ? 0 : mn;
+            T sum = 0;
+            {
+                vec vs = vset1(0);
+                int64_t j = 0;
+                for (; j + L <= nb; j += L) {
+                    const vec p = vexp(vload(si + j) - mu);
+                    vstore(si + j, p);
+                    vs += p;
+                }
+                if (j < nb) {
+                    T buf[L];
+                    for (int r = 0; r < L; r++) buf[r] = (j + r < nb) ? si[j + r] - mu : -INFINITY;
+                    const vec p = vexp(vload(buf));
+                    vs += p;
+                    memcpy(buf, &p, sizeof buf);
+                    for (int r = 0; j + r < nb; r++) si[j + r] = buf[r];
+                }
+                sum = hsum(vs);
+            }
+            T alpha_buf[L];
+            {
+                const vec al = vexp(vset1(mo - mu));
+                memcpy(alpha_buf, &al, sizeof alpha_buf);
+            }
+            const T alpha = alpha_buf[0];
+            l[i] = l[i] * alpha + sum;
+            m[i] = mn;
+            if (alpha != 1)
+                for (int64_t c = 0; c < dv; c++) A[i * dv + c] *= alpha;
+        }
+        /* A += P . V_tile */
+        for (int64_t i = 0; i < bq; i++) rows_pv(A + i * dv, S + i * bk, v + j0 * a->v_rs, a->v_rs, dv, nb);
+    }
+    write_rows(a, it, A, dv, 1, m, l);
 }
 
 /* ---------------------------------------------------------------------------

@@ -497,3 +497,54 @@ def test_longdouble_rejected(rng):
     if np.dtype(np.longdouble).itemsize > 8:
         with pytest.raises(TypeError, match="float32 or float64"):
             fastattn.attention(q.astype(np.longdouble), k, v)
+
+
+# ---------------------------------------------------------------------------
+# few query rows (the row kernel) and split keys (flash-decoding merge)
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("nq", [1, 2, 3, 4])
+@pytest.mark.parametrize("nk", [1, 9, 511, 513, 1024, 1537, 5000])
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_decode_rows_and_splits(isa, rng, dtype, nq, nk, threads):
+    """One head: with 2 or 4 threads and n_k >= 1024 the keys are split across
+    threads and merged by the logsumexp rule."""
+    d = 72  # not a multiple of the vector width: exercises the dot-product tails
+    q, k, v = rand(rng, (1, nq, d), dtype), rand(rng, (1, nk, d), dtype), rand(rng, (1, nk, 40), dtype)
+    check(q, k, v, num_threads=threads)
+    check(q, k, v, causal=True, num_threads=threads)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_split_with_masks_and_empty_splits(isa, rng, threads):
+    nk = 3000
+    q, k, v = rand(rng, (2, 16)), rand(rng, (nk, 16)), rand(rng, (nk, 8))
+    mask = rng.random((2, nk)) < 0.3
+    mask[:, 1000:] = False            # later splits see no key at all
+    check(q, k, v, mask=mask, num_threads=threads)
+    fmask = np.where(rng.random((1, nk)) < 0.5, 0.0, -np.inf).astype(F32)
+    check(q, k, v, mask=fmask, num_threads=threads)
+    mask[:] = False                    # every split empty: zeros, lse -inf
+    out, lse = check(q, k, v, mask=mask, num_threads=threads)
+    assert np.all(out == 0) and np.all(np.isneginf(lse))
+    qn = q.copy()
+    qn[1, 0] = np.nan                  # NaN survives the merge, in its row only
+    out = fastattn.attention(qn, k, v, num_threads=threads)
+    assert np.isnan(out[1]).all() and np.isfinite(out[0]).all()
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_split_tiled_kernel(isa, rng, dtype):
+    """Many query rows but a single work item (n_q <= 64): the tiled kernel's
+    partial results are merged too."""
+    q, k, v = rand(rng, (40, 32), dtype), rand(rng, (4000, 32), dtype), rand(rng, (4000, 24), dtype)
+    for threads in (1, 2, 4):
+        check(q, k, v, num_threads=threads)
+        check(q, k, v, causal=True, num_threads=threads)
+
+
+def test_decode_batched_heads_with_mask(isa, rng):
+    q, k, v = rand(rng, (2, 4, 1, 64)), rand(rng, (2, 4, 700, 64)), rand(rng, (2, 4, 700, 64))
+    mask = rng.random((2, 1, 1, 700)) < 0.8
+    check(q, k, v, mask=mask)
+    check(q, k, v, mask=mask.astype(F32) - 1.0)
