@@ -66,7 +66,7 @@ const fa_isa_table *fa_isa_current(void);
 #define FA_SOFTMAX_CHUNK 1024
 static inline int64_t fa_attn_scratch_elems(const fa_tiles *t, int64_t dk, int64_t dv)
 {
-    return t->bqp * (dk + t->bk + dv + 2);
+    return t->bqp * (dk + t->bk + dv + 2 + (t->bk + 31) / 32);
 }
 /* The row kernel: bq <= FA_ROWS_MAX query rows. */
 #define FA_ROWS_MAX 4

@@ -26,6 +26,10 @@
 
 #include "internal.h"
 
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h> /* movemask for the bool-mask bit words (SSE2, or AVX2 in that file) */
+#endif
+
 #define FA_CAT3_(a, b, c) a##_##b##_##c
 #define FA_CAT3(a, b, c) FA_CAT3_(a, b, c)
 #define FN(name) FA_CAT3(name, FA_SUF, FA_ISA)
@@ -45,6 +49,8 @@ const int FN(fa_lanes) = L;
 
 INLINE vec vload(const T *p) { return *(const vec_u *)p; }
 INLINE void vstore(T *p, vec x) { *(vec_u *)p = x; }
+typedef IT ivec_u __attribute__((vector_size(FA_VB), aligned(sizeof(IT)), may_alias));
+INLINE ivec vload_i(const IT *p) { return *(const ivec_u *)p; }
 INLINE vec vset1(T x) { vec z = {0}; return z + x; }
 INLINE vec vsel(ivec m, vec a, vec b) { return (vec)(((ivec)a & m) | ((ivec)b & ~m)); }
 /* max that propagates NaN from either side */
@@ -68,9 +74,13 @@ INLINE int vall(ivec m)
 INLINE vec vexp(vec x)
 {
 #if FA_IS_F64
-    const vec lo = vset1(-746.0), hi = vset1(709.8);
+    const vec hi = vset1(709.8);
     const T magic = 6755399441055744.0; /* 1.5 * 2^52: adding it rounds to an integer */
-    vec xc = vsel(x < lo, lo, x);
+    /* exp(x) rounds to 0 below -745.2: such lanes (masked scores are -inf)
+     * compute exp(0) and are zeroed at the end, so that no multiply underflows
+     * (subnormal arithmetic is slow). */
+    const ivec zero = x < -745.2;
+    vec xc = vsel(zero, vset1(0), x);
     xc = vsel(xc > hi, hi, xc);
     vec t = xc * 1.4426950408889634 + magic;
     vec nf = t - magic;
@@ -94,11 +104,13 @@ INLINE vec vexp(vec x)
     ivec n2 = n - n1;
     vec s1 = (vec)((n1 + 1023) << 52), s2 = (vec)((n2 + 1023) << 52);
     vec y = p * s1 * s2;
+    y = vsel(zero, vset1(0), y);
     return vsel(x > 709.79, vset1(INFINITY), y);
 #else
-    const vec lo = vset1(-104.0f), hi = vset1(88.7f);
+    const vec hi = vset1(88.7f);
     const T magic = 12582912.0f; /* 1.5 * 2^23 */
-    vec xc = vsel(x < lo, lo, x);
+    const ivec zero = x < -103.98f; /* as for float64: exp rounds to 0 there */
+    vec xc = vsel(zero, vset1(0), x);
     xc = vsel(xc > hi, hi, xc);
     vec t = xc * 1.44269504088896341f + magic;
     vec nf = t - magic;
@@ -116,6 +128,7 @@ INLINE vec vexp(vec x)
     ivec n2 = n - n1;
     vec s1 = (vec)((n1 + 127) << 23), s2 = (vec)((n2 + 127) << 23);
     vec y = p * s1 * s2;
+    y = vsel(zero, vset1(0), y);
     return vsel(x > 88.72f, vset1(INFINITY), y);
 #endif
 }
@@ -224,6 +237,53 @@ static void pv_block(T *restrict Ot, const T *restrict Pt, const T *restrict V, 
     }
 }
 
+/* Bool mask of one tile as bit words: bit (j % 32) of W[j / 32][i] is
+ * mask[i][j0 + j] != 0, for the real rows i < bq; padded rows are all ones.
+ *   mk  (bq, nb) bytes, strides mrs, mcs (already at key j0)
+ *   W   (ceil(nb / 32), bqp) words in IT lanes
+ * Returns 0 when every entry of the tile is False, 2 when every one is True,
+ * 1 otherwise. */
+static int mask_bits(IT *restrict W, int64_t bqp, const uint8_t *restrict mk, int64_t mrs,
+                     int64_t mcs, int64_t bq, int64_t nb)
+{
+    const int64_t nw = (nb + 31) / 32;
+    uint32_t any = 0, all = 0xffffffffu;
+    for (int64_t w = 0; w < nw; w++) {
+        const int64_t len = (nb - 32 * w < 32) ? nb - 32 * w : 32;
+        const uint32_t full = len == 32 ? 0xffffffffu : ((1u << len) - 1);
+        for (int64_t i = 0; i < bq; i++) {
+            const uint8_t *row = mk + i * mrs + 32 * w * mcs;
+            uint32_t bits = 0;
+            if (mcs == 1 && len == 32) {
+#if (defined(__x86_64__) || defined(_M_X64)) && FA_VB == 32
+                const __m256i x = _mm256_loadu_si256((const __m256i *)row);
+                bits = ~(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(x, _mm256_setzero_si256()));
+#elif defined(__x86_64__) || defined(_M_X64)
+                const __m128i z = _mm_setzero_si128();
+                const uint32_t lo = (uint32_t)_mm_movemask_epi8(_mm_cmpeq_epi8(_mm_loadu_si128((const __m128i *)row), z));
+                const uint32_t hi = (uint32_t)_mm_movemask_epi8(_mm_cmpeq_epi8(_mm_loadu_si128((const __m128i *)(row + 16)), z));
+                bits = ~(lo | (hi << 16));
+#else
+                for (int b = 0; b < 4; b++) {
+                    uint64_t x;
+                    memcpy(&x, row + 8 * b, 8);
+                    /* nonzero bytes -> 0x01, then gather the 8 low bits with one multiply */
+                    x = ((((x & 0x7f7f7f7f7f7f7f7fULL) + 0x7f7f7f7f7f7f7f7fULL) | x) >> 7) & 0x0101010101010101ULL;
+                    bits |= (uint32_t)((x * 0x0102040810204080ULL) >> 56) << (8 * b);
+                }
+#endif
+            } else {
+                for (int64_t j = 0; j < len; j++) bits |= (uint32_t)(row[j * mcs] != 0) << j;
+            }
+            W[w * bqp + i] = (IT)bits;
+            any |= bits;
+            all &= bits | ~full;
+        }
+        for (int64_t i = bq; i < bqp; i++) W[w * bqp + i] = (IT)0xffffffffu;
+    }
+    return any == 0 ? 0 : (all == 0xffffffffu ? 2 : 1);
+}
+
 /* ---------------------------------------------------------------------------
  * One attention work item (see fa_item in internal.h for q, k, v, mask, out,
  * lse and part).  Scratch, in elements of T:
@@ -232,6 +292,7 @@ static void pv_block(T *restrict Ot, const T *restrict Pt, const T *restrict V, 
  *   Ot   (dv, bqp)  unnormalised output accumulator, transposed
  *   m    (bqp)      running row max (NaN-propagating)
  *   l    (bqp)      running row sum of exp(score - max)
+ *   W    (ceil(bk / 32), bqp)  a bool mask tile as bit words (IT lanes)
  * ------------------------------------------------------------------------- */
 void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_item *it,
                       void *scratch)
@@ -239,6 +300,7 @@ void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_i
     const int64_t bq = it->bq, bqp = tl->bqp, bk = tl->bk, dk = a->dk, dv = a->dv;
     const T *q = it->q, *k = it->k, *v = it->v;
     T *Qt = scratch, *St = Qt + dk * bqp, *Ot = St + bk * bqp, *m = Ot + dv * bqp, *l = m + bqp;
+    IT *W = (IT *)(l + bqp);
     const T scale = (T)a->scale;
 
     /* Pass 1: pack the queries. */
@@ -261,16 +323,21 @@ void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_i
     for (int64_t j0 = j_lo; j0 < j_hi; j0 += bk) {
         const int64_t nb = (j_hi - j0 < bk) ? j_hi - j0 : bk;
 
+        /* A bool mask tile is read once into bit words; a tile it forbids
+         * entirely is skipped, and one it allows entirely needs no masking. */
+        int bits = 0;
+        if (a->mask_kind == FA_MASK_BOOL) {
+            const int kind = mask_bits(W, bqp, (const uint8_t *)it->mask + j0 * a->m_cs, a->m_rs, a->m_cs, bq, nb);
+            if (kind == 0) continue;
+            bits = kind == 1;
+        }
+
         /* Pass 2: scores St = K_tile . Qt (already scaled). */
         qk_block(St, k + j0 * a->k_rs, a->k_rs, Qt, bqp, dk, nb);
 
-        /* Pass 3: mask, then causal, on the real rows only. */
-        if (a->mask_kind == FA_MASK_BOOL) {
-            const uint8_t *mk = (const uint8_t *)it->mask + j0 * a->m_cs;
-            for (int64_t j = 0; j < nb; j++)
-                for (int64_t i = 0; i < bq; i++)
-                    if (!mk[i * a->m_rs + j * a->m_cs]) St[j * bqp + i] = -INFINITY;
-        } else if (a->mask_kind == FA_MASK_ADD) {
+        /* Pass 3: float mask, then causal, on the real rows only (the bool mask
+         * is applied in pass 4). */
+        if (a->mask_kind == FA_MASK_ADD) {
             const T *mk = (const T *)it->mask + j0 * a->m_cs;
             for (int64_t j = 0; j < nb; j++)
                 for (int64_t i = 0; i < bq; i++) St[j * bqp + i] += mk[i * a->m_rs + j * a->m_cs];
@@ -286,7 +353,17 @@ void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_i
         /* Pass 4: online softmax, one vector of query rows at a time. */
         for (int64_t i = 0; i < bqp; i += L) {
             vec bm = vset1(-INFINITY);
-            for (int64_t j = 0; j < nb; j++) bm = vnanmax(bm, vload(St + j * bqp + i));
+            if (bits) {
+                for (int64_t j = 0; j < nb; j++) {
+                    const uvec w = (uvec)vload_i(W + (j >> 5) * bqp + i);
+                    const ivec keep = (ivec)((w >> (j & 31)) & 1) != 0;
+                    const vec s = vsel(keep, vload(St + j * bqp + i), vset1(-INFINITY));
+                    vstore(St + j * bqp + i, s);
+                    bm = vnanmax(bm, s);
+                }
+            } else {
+                for (int64_t j = 0; j < nb; j++) bm = vnanmax(bm, vload(St + j * bqp + i));
+            }
             const vec mo = vload(m + i), mn = vnanmax(mo, bm);
             /* A row that has seen only -inf so far subtracts 0, so its
              * probabilities are exp(-inf) = 0 and never NaN. */

@@ -548,3 +548,25 @@ def test_decode_batched_heads_with_mask(isa, rng):
     mask = rng.random((2, 1, 1, 700)) < 0.8
     check(q, k, v, mask=mask)
     check(q, k, v, mask=mask.astype(F32) - 1.0)
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_bool_mask_tiles(isa, rng, dtype):
+    """Bool masks are packed per key tile into bit words: tiles that forbid
+    everything are skipped, tiles that allow everything need no masking, and
+    the last word of a tile is partial."""
+    nq, nk = 150, 1100
+    q, k, v = rand(rng, (2, nq, 24), dtype), rand(rng, (2, nk, 24), dtype), rand(rng, (2, nk, 16), dtype)
+    mask = np.ones((nq, nk), bool)
+    mask[:, 0:300] = False                    # whole tiles forbidden for every row
+    mask[:64, 600:] = False                   # a forbidden block for one query block
+    mask[100:, 700:733] = rng.random((50, 33)) < 0.5   # a mixed patch crossing a word boundary
+    check(q, k, v, mask=mask)
+    check(q, k, v, mask=mask, causal=True)
+    check(q, k, v, mask=np.asfortranarray(mask))           # column-major: strided words
+    check(q, k, v, mask=mask[:, ::-1])                      # negative column stride
+    check(q, k, v, mask=np.broadcast_to(rng.random((nq, 1)) < 0.5, (nq, nk)))  # column stride 0
+    kn = k.copy()
+    kn[:, 10] = np.nan                        # NaN keys inside a skipped tile stay out
+    out = fastattn.attention(q, kn, v, mask=mask)
+    assert np.isfinite(out).all()
