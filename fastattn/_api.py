@@ -44,6 +44,8 @@ def _as_compute(a, dtype):
     """`a` in the compute dtype, with unit stride on the last axis (a copy only
     when needed; leading and row strides are read as they are)."""
     a = a.astype(dtype, copy=False)
+    if a.flags.c_contiguous:
+        return a
     if a.ndim and a.shape[-1] > 1 and a.strides[-1] != a.itemsize:
         a = np.ascontiguousarray(a)
     elif any(s % a.itemsize for s in a.strides):
@@ -311,8 +313,11 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, out=None,
                              f"(..., n_q={n_q}, n_k={n_k})" + (" (1-D q: (..., n_k))" if q1 else ""))
 
     try:
-        lead = np.broadcast_shapes(qq.shape[:-2], k.shape[:-2], vv.shape[:-2],
-                                   mm.shape[:-2] if mm is not None else ())
+        lq, lk, lv = qq.shape[:-2], k.shape[:-2], vv.shape[:-2]
+        if lq == lk == lv and mm is None:
+            lead = lq
+        else:
+            lead = np.broadcast_shapes(lq, lk, lv, mm.shape[:-2] if mm is not None else ())
     except ValueError:
         shapes = f"q {q.shape}, k {k.shape}, v {v.shape}" + (f", mask {np.shape(mask)}" if mask is not None else "")
         raise ValueError(f"leading dims do not broadcast: {shapes}") from None
@@ -326,15 +331,13 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, out=None,
     if out is not None:
         _check_out(out, res_shape, res)
 
-    qc = np.broadcast_to(_as_compute(qq, comp), lead + (n_q, d_k))
-    kc = np.broadcast_to(_as_compute(k, comp), lead + (n_k, d_k))
-    vc = np.broadcast_to(_as_compute(vv, comp), lead + (n_k, d_v))
+    # leading dims broadcast in the binding (stride 0), without views here
+    qc, kc, vc = _as_compute(qq, comp), _as_compute(k, comp), _as_compute(vv, comp)
     if mm is not None:
         mdt = np.uint8 if mask_kind == _core.MASK_BOOL else comp
         mm = mm.view(np.uint8) if mask_kind == _core.MASK_BOOL else mm.astype(comp, copy=False)
         if any(s % mm.itemsize for s in mm.strides):
             mm = np.ascontiguousarray(mm, dtype=mdt)
-        mm = np.broadcast_to(mm, lead + mm.shape[-2:])
 
     lse = np.empty(lead + (n_q,), comp) if return_lse else None
     direct = out is not None and _direct_out(out, comp) and not _overlaps(out, q, k, v, mask)
@@ -348,7 +351,7 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, out=None,
         target = np.empty(full_shape, comp)
 
     if target.size or lse is not None:
-        _core.attention(qc, kc, vc, mm, mask_kind, target, lse, causal, scale, nthreads)
+        _core.attention(qc, kc, vc, mm, mask_kind, target, lse, lead, causal, scale, nthreads)
 
     if direct:
         result = out

@@ -64,6 +64,7 @@ cdef extern from "fastattn.h" nogil:
     const char *fa_isa_name()
     int fa_set_isa(const char *name)
     int fa_isa_available(const char *name)
+    void fa_set_tiles(int64_t bq, int64_t bk)
     int fa_openmp_enabled()
     int fa_max_threads()
 
@@ -96,34 +97,46 @@ cdef int _check(int status) except -1:
     raise ValueError(f"fastattn: the C core rejected its arguments (status {status})")
 
 
+cdef inline void _lead_strides(cnp.ndarray a, int nl, int64_t *out):
+    """Element strides of a's leading dims, right-aligned to nl broadcast dims:
+    0 where a has no such dim or has size 1 there (NumPy broadcasting)."""
+    cdef int own = a.ndim - 2
+    cdef int d, od
+    for d in range(nl):
+        od = d - (nl - own)
+        if od < 0 or a.shape[od] == 1:
+            out[d] = 0
+        else:
+            out[d] = _estride(a, od)
+
+
 def attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask_kind,
-              cnp.ndarray out, object lse, bint causal, double scale, int num_threads):
-    """Fill `out` (and `lse`) with attention.  All arrays have the same number
-    of leading dims (broadcast, stride 0 allowed); q, k, v, out have unit
-    stride on the last axis; mask is (..., nq, nk) with any strides."""
+              cnp.ndarray out, object lse, tuple lead, bint causal, double scale, int num_threads):
+    """Fill `out` (and `lse`) with attention.  q, k, v, mask have shape
+    (..., rows, cols) with leading dims that broadcast to `lead`; out has shape
+    lead + (nq, dv) and lse lead + (nq,).  q, k, v, out have unit stride on the
+    last axis; the mask may have any strides."""
     cdef fa_attention_args a
-    cdef int nl = q.ndim - 2
+    cdef int nl = len(lead)
     cdef int d
     cdef cnp.ndarray m_arr, l_arr
     if nl > FA_MAX_DIMS:
         raise ValueError(f"at most {FA_MAX_DIMS} leading dims")
     a.n_lead = nl
     for d in range(nl):
-        a.lead_shape[d] = q.shape[d]
-        a.q_lead[d] = _estride(q, d)
-        a.k_lead[d] = _estride(k, d)
-        a.v_lead[d] = _estride(v, d)
-        a.o_lead[d] = _estride(out, d)
-        a.m_lead[d] = 0
-        a.lse_lead[d] = 0
-    a.nq = q.shape[nl]
-    a.dk = q.shape[nl + 1]
-    a.nk = k.shape[nl]
-    a.dv = v.shape[nl + 1]
-    a.q_rs = _estride(q, nl)
-    a.k_rs = _estride(k, nl)
-    a.v_rs = _estride(v, nl)
-    a.o_rs = _estride(out, nl)
+        a.lead_shape[d] = lead[d]
+    _lead_strides(q, nl, a.q_lead)
+    _lead_strides(k, nl, a.k_lead)
+    _lead_strides(v, nl, a.v_lead)
+    _lead_strides(out, nl, a.o_lead)
+    a.nq = q.shape[q.ndim - 2]
+    a.dk = q.shape[q.ndim - 1]
+    a.nk = k.shape[k.ndim - 2]
+    a.dv = v.shape[v.ndim - 1]
+    a.q_rs = _estride(q, q.ndim - 2)
+    a.k_rs = _estride(k, k.ndim - 2)
+    a.v_rs = _estride(v, v.ndim - 2)
+    a.o_rs = _estride(out, out.ndim - 2)
     a.q = cnp.PyArray_DATA(q)
     a.k = cnp.PyArray_DATA(k)
     a.v = cnp.PyArray_DATA(v)
@@ -133,12 +146,14 @@ def attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask
     a.mask = NULL
     a.m_rs = 0
     a.m_cs = 0
+    for d in range(nl):
+        a.m_lead[d] = 0
+        a.lse_lead[d] = 0
     if mask_kind != FA_MASK_NONE:
         m_arr = <cnp.ndarray>mask
-        for d in range(nl):
-            a.m_lead[d] = _estride(m_arr, d)
-        a.m_rs = _estride(m_arr, nl)
-        a.m_cs = _estride(m_arr, nl + 1)
+        _lead_strides(m_arr, nl, a.m_lead)
+        a.m_rs = 0 if m_arr.shape[m_arr.ndim - 2] == 1 else _estride(m_arr, m_arr.ndim - 2)
+        a.m_cs = 0 if m_arr.shape[m_arr.ndim - 1] == 1 else _estride(m_arr, m_arr.ndim - 1)
         a.mask = cnp.PyArray_DATA(m_arr)
     a.lse = NULL
     a.lse_rs = 0
@@ -191,6 +206,12 @@ def vexp(cnp.ndarray x):
     with nogil:
         fa_exp(dt, cnp.PyArray_DATA(x), cnp.PyArray_DATA(y), n)
     return y
+
+
+def _set_tiles(int64_t bq=0, int64_t bk=0):
+    """Force the tiled kernel's tile sizes (0: defaults).  Tuning and tests only;
+    not thread-safe."""
+    fa_set_tiles(bq, bk)
 
 
 def isa_name():

@@ -18,6 +18,8 @@ Semantics shared with the fast path:
 * NaN in a score that takes part reaches that row's output.
 """
 
+import math
+
 import numpy as np
 
 __all__ = ["softmax", "scores", "causal_mask", "attention", "default_scale"]
@@ -25,7 +27,7 @@ __all__ = ["softmax", "scores", "causal_mask", "attention", "default_scale"]
 
 def default_scale(d_k):
     """1/sqrt(d_k), the scale of "Attention Is All You Need" (1.0 when d_k == 0)."""
-    return 1.0 / np.sqrt(d_k) if d_k > 0 else 1.0
+    return 1.0 / math.sqrt(d_k) if d_k > 0 else 1.0
 
 
 def _float_dtype(*arrays):

@@ -55,14 +55,31 @@ static void *scratch_alloc(size_t bytes, void **raw)
  * Dynamic scheduling evens out causal work (later query blocks see more keys).
  * ------------------------------------------------------------------------- */
 
-static void choose_tiles(const fa_attention_args *a, int lanes, int rows_kernel, fa_tiles *t)
+/* Tile sizes forced by fa_set_tiles (0: the defaults below).  For tuning and
+ * for the tests, which check that results do not depend on the tiling. */
+static int64_t forced_bq = 0, forced_bk = 0;
+
+void fa_set_tiles(int64_t bq, int64_t bk)
+{
+    forced_bq = bq > 0 ? bq : 0;
+    forced_bk = bk > 0 ? bk : 0;
+}
+
+/* Query rows per item: 128 (measured best on Zen 3 for float32 and float64),
+ * halved down to 32 while that leaves fewer than four items per thread. */
+static void choose_tiles(const fa_attention_args *a, int lanes, int rows_kernel, int64_t n_lead,
+                         int threads, fa_tiles *t)
 {
     const int64_t tw = 2 * lanes;
-    const int64_t bq_max = rows_kernel ? FA_ROWS_MAX : 64;
+    int64_t bq_max = rows_kernel ? FA_ROWS_MAX : 128;
+    while (!rows_kernel && bq_max > 32 && n_lead * ((a->nq + bq_max - 1) / bq_max) < 4 * (int64_t)threads)
+        bq_max /= 2;
+    if (forced_bq && !rows_kernel) bq_max = forced_bq;
     t->bq = a->nq < bq_max ? a->nq : bq_max;
     if (t->bq < 1) t->bq = 1;
     t->bqp = (t->bq + tw - 1) / tw * tw;
-    const int64_t bk_max = rows_kernel ? 64 : (a->dtype == FA_F32 ? 256 : 128);
+    int64_t bk_max = rows_kernel ? 64 : (a->dtype == FA_F32 ? 256 : 128);
+    if (forced_bk) bk_max = forced_bk;
     t->bk = a->nk < bk_max ? a->nk : bk_max;
     if (t->bk < 1) t->bk = 1;
 }
@@ -111,14 +128,14 @@ int fa_attention(const fa_attention_args *a)
     const fa_attn_merge_fn merge_fn = isa->attn_merge[a->dtype];
     const size_t esz = a->dtype == FA_F32 ? sizeof(float) : sizeof(double);
     const size_t msz = a->mask_kind == FA_MASK_BOOL ? 1 : esz;
+    const int want = a->num_threads > 0 ? a->num_threads : fa_max_threads();
     fa_tiles tiles;
-    choose_tiles(a, isa->lanes[a->dtype], rows_kernel, &tiles);
+    choose_tiles(a, isa->lanes[a->dtype], rows_kernel, n_lead_total, want, &tiles);
     const int64_t n_qb = (a->nq + tiles.bq - 1) / tiles.bq;
     const int64_t n_items = n_lead_total * n_qb;
 
     /* Split the keys (flash-decoding) when there are fewer items than threads:
      * each (item, split) writes a partial (acc, max, sum), merged afterwards. */
-    const int want = a->num_threads > 0 ? a->num_threads : fa_max_threads();
     int64_t n_splits = 1;
     if (n_items < want && a->nk >= 1024) {
         n_splits = (want + n_items - 1) / n_items;

@@ -103,6 +103,10 @@ const char *fa_isa_name(void);
 int fa_set_isa(const char *name);
 int fa_isa_available(const char *name);
 
+/* Force the tile sizes of the tiled kernel (query rows, key rows per tile);
+ * 0 restores the defaults.  Not thread-safe: for tuning and tests only. */
+void fa_set_tiles(int64_t bq, int64_t bk);
+
 /* OpenMP: 1 when built with it; the default team size (1 without OpenMP). */
 int fa_openmp_enabled(void);
 int fa_max_threads(void);
