@@ -69,7 +69,7 @@ cdef extern from "fastattn.h" nogil:
     int fa_max_threads()
 
 cdef extern from "internal.h" nogil:
-    int fa_exp(int dtype, const void *x, void *y, int64_t n)
+    int fa_exp(int dtype, int which, const void *x, void *y, int64_t n)
 
 MASK_NONE = FA_MASK_NONE
 MASK_BOOL = FA_MASK_BOOL
@@ -197,14 +197,15 @@ def softmax(cnp.ndarray x, cnp.ndarray out, int num_threads):
     _check(status)
 
 
-def vexp(cnp.ndarray x):
-    """The SIMD exp of the chosen path, elementwise (for the tests).
+def vexp(cnp.ndarray x, bint neg=False):
+    """The SIMD exp of the chosen path, elementwise (for the tests); with
+    neg=True the attention kernels' variant for arguments <= 0.
     x: 1-D contiguous float32 or float64."""
     cdef cnp.ndarray y = cnp.PyArray_EMPTY(1, x.shape, x.dtype.num, 0)
     cdef int dt = _dtype_code(x)
     cdef int64_t n = x.shape[0]
     with nogil:
-        fa_exp(dt, cnp.PyArray_DATA(x), cnp.PyArray_DATA(y), n)
+        fa_exp(dt, neg, cnp.PyArray_DATA(x), cnp.PyArray_DATA(y), n)
     return y
 
 

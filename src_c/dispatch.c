@@ -18,6 +18,7 @@
         {fa_attn_merge_f32_##isa, fa_attn_merge_f64_##isa},                        \
         {fa_softmax_row_f32_##isa, fa_softmax_row_f64_##isa},                      \
         {fa_exp_f32_##isa, fa_exp_f64_##isa},                                      \
+        {fa_exp_neg_f32_##isa, fa_exp_neg_f64_##isa},                              \
     }
 
 static fa_isa_table table_generic = FA_TABLE(generic);
@@ -72,9 +73,9 @@ const fa_isa_table *fa_isa_current(void)
 
 const char *fa_isa_name(void) { return fa_isa_current()->name; }
 
-int fa_exp(int dtype, const void *x, void *y, int64_t n)
+int fa_exp(int dtype, int which, const void *x, void *y, int64_t n)
 {
     if (dtype != FA_F32 && dtype != FA_F64) return FA_EINVAL;
-    fa_isa_current()->exp[dtype](x, y, n);
+    (which ? fa_isa_current()->exp_neg : fa_isa_current()->exp)[dtype](x, y, n);
     return FA_OK;
 }

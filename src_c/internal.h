@@ -57,6 +57,7 @@ typedef struct {
     fa_attn_merge_fn attn_merge[2];
     fa_softmax_row_fn softmax_row[2];
     fa_exp_fn exp[2];
+    fa_exp_fn exp_neg[2];
 } fa_isa_table;
 
 /* The table in use (dispatch.c). */
@@ -99,6 +100,8 @@ static inline int64_t fa_softmax_scratch_elems(int64_t n)
                                   void *);                                            \
     void fa_exp_f32_##isa(const void *, void *, int64_t);                             \
     void fa_exp_f64_##isa(const void *, void *, int64_t);                             \
+    void fa_exp_neg_f32_##isa(const void *, void *, int64_t);                         \
+    void fa_exp_neg_f64_##isa(const void *, void *, int64_t);                         \
     extern const int fa_lanes_f32_##isa, fa_lanes_f64_##isa;
 
 FA_DECLARE_ISA(generic)
@@ -107,7 +110,8 @@ FA_DECLARE_ISA(generic)
 FA_DECLARE_ISA(avx2)
 #endif
 
-/* Exposed for the tests: the chosen path's vector exp. */
-int fa_exp(int dtype, const void *x, void *y, int64_t n);
+/* Exposed for the tests: the chosen path's vector exp (which = 0) and the
+ * attention kernels' exp for arguments <= 0 (which = 1). */
+int fa_exp(int dtype, int which, const void *x, void *y, int64_t n);
 
 #endif /* FASTATTN_INTERNAL_H */

@@ -55,6 +55,22 @@ INLINE vec vset1(T x) { vec z = {0}; return z + x; }
 INLINE vec vsel(ivec m, vec a, vec b) { return (vec)(((ivec)a & m) | ((ivec)b & ~m)); }
 /* max that propagates NaN from either side */
 INLINE vec vnanmax(vec a, vec b) { return vsel((a > b) | (a != a), a, b); }
+/* plain max: a NaN in `a` gives `b` (vmaxps semantics); used where NaN
+ * propagates another way */
+INLINE vec vmax(vec a, vec b)
+{
+#if (defined(__x86_64__) || defined(_M_X64)) && FA_VB == 32 && FA_IS_F64
+    return (vec)_mm256_max_pd((__m256d)a, (__m256d)b);
+#elif (defined(__x86_64__) || defined(_M_X64)) && FA_VB == 32
+    return (vec)_mm256_max_ps((__m256)a, (__m256)b);
+#elif (defined(__x86_64__) || defined(_M_X64)) && FA_IS_F64
+    return (vec)_mm_max_pd((__m128d)a, (__m128d)b);
+#elif defined(__x86_64__) || defined(_M_X64)
+    return (vec)_mm_max_ps((__m128)a, (__m128)b);
+#else
+    return vsel(a > b, a, b);
+#endif
+}
 INLINE int vall(ivec m)
 {
     IT x[L];
@@ -131,6 +147,72 @@ INLINE vec vexp(vec x)
     y = vsel(zero, vset1(0), y);
     return vsel(x > 88.72f, vset1(INFINITY), y);
 #endif
+}
+
+/* exp for the attention kernels, whose arguments are <= 0 (or NaN): the same
+ * reduction and polynomial, but no overflow handling and one exponent scale;
+ * results below the smallest normal number are flushed to 0 (an absolute
+ * error below 2.3e-308 / 1.2e-38 on weights that sum to 1).  NaN stays NaN,
+ * -inf gives 0.  Tested against NumPy as `vexp_neg` in the test suite. */
+INLINE vec vexp_neg(vec x)
+{
+#if FA_IS_F64
+    const ivec zero = x < -708.39; /* exp(-708.39) is about the smallest normal */
+    const vec xc = vsel(zero, vset1(0), x);
+    const T magic = 6755399441055744.0;
+    const vec t = xc * 1.4426950408889634 + magic;
+    const vec nf = t - magic;
+    const ivec n = (ivec)t - (ivec)vset1(magic);
+    vec r = xc - nf * 6.93147180369123816490e-01;
+    r = r - nf * 1.90821492927058770002e-10;
+    vec p = vset1(1.0 / 6227020800.0);
+    p = p * r + 1.0 / 479001600.0;
+    p = p * r + 1.0 / 39916800.0;
+    p = p * r + 1.0 / 3628800.0;
+    p = p * r + 1.0 / 362880.0;
+    p = p * r + 1.0 / 40320.0;
+    p = p * r + 1.0 / 5040.0;
+    p = p * r + 1.0 / 720.0;
+    p = p * r + 1.0 / 120.0;
+    p = p * r + 1.0 / 24.0;
+    p = p * r + 1.0 / 6.0;
+    p = p * r + 0.5;
+    p = p * (r * r) + r + 1.0;
+    const vec y = p * (vec)((n + 1023) << 52);
+#else
+    const ivec zero = x < -87.33f; /* exp(-87.33) is about the smallest normal */
+    const vec xc = vsel(zero, vset1(0), x);
+    const T magic = 12582912.0f;
+    const vec t = xc * 1.44269504088896341f + magic;
+    const vec nf = t - magic;
+    const ivec n = (ivec)t - (ivec)vset1(magic);
+    vec r = xc - nf * 0.693359375f;
+    r = r + nf * 2.12194440e-4f;
+    vec p = vset1(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    const vec y = p * (vec)((n + 127) << 23);
+#endif
+    return (vec)((ivec)y & ~zero);
+}
+
+void FN(fa_exp_neg)(const void *x_, void *y_, int64_t n)
+{
+    const T *x = x_;
+    T *y = y_;
+    int64_t i = 0;
+    for (; i + L <= n; i += L) vstore(y + i, vexp_neg(vload(x + i)));
+    if (i < n) {
+        T buf[L] = {0};
+        memcpy(buf, x + i, (size_t)(n - i) * sizeof(T));
+        vec e = vexp_neg(vload(buf));
+        memcpy(buf, &e, sizeof buf);
+        memcpy(y + i, buf, (size_t)(n - i) * sizeof(T));
+    }
 }
 
 /* exp of n values, x (n) -> y (n): the same polynomial, for the tests. */
@@ -359,19 +441,21 @@ void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_i
                     const ivec keep = (ivec)((w >> (j & 31)) & 1) != 0;
                     const vec s = vsel(keep, vload(St + j * bqp + i), vset1(-INFINITY));
                     vstore(St + j * bqp + i, s);
-                    bm = vnanmax(bm, s);
+                    bm = vmax(s, bm);
                 }
             } else {
-                for (int64_t j = 0; j < nb; j++) bm = vnanmax(bm, vload(St + j * bqp + i));
+                for (int64_t j = 0; j < nb; j++) bm = vmax(vload(St + j * bqp + i), bm);
             }
-            const vec mo = vload(m + i), mn = vnanmax(mo, bm);
+            const vec mo = vload(m + i), mn = vmax(bm, mo);
             /* A row that has seen only -inf so far subtracts 0, so its
-             * probabilities are exp(-inf) = 0 and never NaN. */
+             * probabilities are exp(-inf) = 0 and never NaN.  The max need not
+             * propagate NaN: a NaN score makes its p, and so l and the row's
+             * output and lse, NaN anyway. */
             const vec mu = vsel(mn == vset1(-INFINITY), vset1(0), mn);
-            const vec alpha = vexp(mo - mu);
+            const vec alpha = vexp_neg(mo - mu);
             vec sum = vset1(0);
             for (int64_t j = 0; j < nb; j++) {
-                const vec p = vexp(vload(St + j * bqp + i) - mu);
+                const vec p = vexp_neg(vload(St + j * bqp + i) - mu);
                 vstore(St + j * bqp + i, p);
                 sum += p;
             }

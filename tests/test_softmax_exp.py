@@ -162,3 +162,22 @@ def test_reference_attention_by_loops(rng):
         w = np.exp(s) / np.sum(np.exp(s))
         np.testing.assert_allclose(out[i], w @ v[idx], rtol=1e-13)
         np.testing.assert_allclose(lse[i], np.log(np.sum(np.exp(s))), rtol=1e-13)
+
+
+@pytest.mark.parametrize("dtype,lo,max_ulp", [(F32, -103.0, 1.5), (F64, -744.0, 1.0)])
+def test_vexp_neg_accuracy(isa, rng, dtype, lo, max_ulp):
+    """The attention kernels' exp (arguments <= 0): as accurate as vexp where
+    the result is a normal number; below that it may flush to exactly 0."""
+    x = np.concatenate([np.linspace(lo, 0, 200_001), -rng.exponential(5.0, 100_000),
+                        -rng.random(100_000) * 1e-3, [0.0, -0.0, -np.inf, np.nan]]).astype(dtype)
+    got = _core.vexp(x, neg=True)
+    assert got[-2] == 0 and np.isnan(got[-1])
+    x, got = x[:-2], got[:-2]
+    want = np.exp(x.astype(np.longdouble))
+    normal = want >= np.finfo(dtype).tiny
+    err = _ulp_error(got[normal], want[normal], dtype)
+    if dtype is F64 and np.finfo(np.longdouble).eps >= np.finfo(F64).eps:
+        max_ulp += 0.5
+    assert err.max() <= max_ulp, f"max {err.max():.2f} ulp at x={x[normal][err.argmax()]}"
+    sub = ~normal
+    assert np.all((got[sub] == 0) | (np.abs(got[sub] - want[sub].astype(np.float64)) <= np.finfo(dtype).tiny))
