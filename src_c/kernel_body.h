@@ -157,7 +157,7 @@ INLINE vec vexp(vec x)
 INLINE vec vexp_neg(vec x)
 {
 #if FA_IS_F64
-    const ivec zero = x < -708.39; /* exp(-708.39) is about the smallest normal */
+    const ivec zero = x < -708.3964185322641; /* ln(DBL_MIN) */
     const vec xc = vsel(zero, vset1(0), x);
     const T magic = 6755399441055744.0;
     const vec t = xc * 1.4426950408889634 + magic;
@@ -180,7 +180,7 @@ INLINE vec vexp_neg(vec x)
     p = p * (r * r) + r + 1.0;
     const vec y = p * (vec)((n + 1023) << 52);
 #else
-    const ivec zero = x < -87.33f; /* exp(-87.33) is about the smallest normal */
+    const ivec zero = x < -87.3365447f; /* ln(FLT_MIN): below it the result is subnormal */
     const vec xc = vsel(zero, vset1(0), x);
     const T magic = 12582912.0f;
     const vec t = xc * 1.44269504088896341f + magic;
