@@ -136,8 +136,16 @@ def run(workloads, repeats=5, threads=None, with_reference=True, with_torch=True
         rows.append(row)
         if log:
             log(row)
+    scaling = None
+    if threads >= 2 and any(w["name"] == "B1 H8 N2048 d64" for w in workloads):
+        q, k, v, _ = _make(WORKLOADS[2])
+        t1, tn = _median_times([lambda: attention(q, k, v, num_threads=1),
+                                lambda: attention(q, k, v, num_threads=threads)], repeats)
+        scaling = dict(workload="B1 H8 N2048 d64", one_thread_ms=t1 * 1e3, threads=threads,
+                       threads_ms=tn * 1e3, speedup=t1 / tn)
     return dict(
         fastattn=sys.modules["fastattn"].__version__, isa=_core.isa_name(), threads=threads,
+        thread_scaling=scaling,
         torch=getattr(torch, "__version__", None), numpy=np.__version__,
         machine=platform.machine(), cpu_count=os.cpu_count(),
         matmul_gflops=mm, rows=rows)
@@ -209,6 +217,10 @@ def main(argv=None):
         mm = ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in result["matmul_gflops"].items())
         print(f"NumPy matrix product (2048^2) in this run: {mm}; "
               f"PyTorch: {result['torch'] or 'not installed'}")
+        sc = result["thread_scaling"]
+        if sc:
+            print(f"Thread scaling, {sc['workload']}: 1 thread {sc['one_thread_ms']:.1f} ms, "
+                  f"{sc['threads']} threads {sc['threads_ms']:.1f} ms: {sc['speedup']:.2f}x")
     if args.plot:
         _plot(result, args.plot)
         if not args.json:
