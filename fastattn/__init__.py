@@ -7,7 +7,10 @@ softmax, O(n * d) memory, OpenMP threads, SIMD chosen at run time).
 `fastattn.reference` is the plain NumPy version of the same semantics.
 
 Where things are:
-    fastattn/_api.py      the public functions: validation and conversion
+    fastattn/_api.py      attention, attention_weights, merge_attention, softmax:
+                          validation and conversion
+    fastattn/layers.py    self_attention, multihead_attention (projections + attention)
+    fastattn/plot.py      attention_map (matplotlib, optional)
     fastattn/_core.pyx    the Cython binding to the C core
     fastattn/reference.py the NumPy reference (the tests' oracle)
     src_c/                the C kernels (start at src_c/fastattn.h)
@@ -25,10 +28,12 @@ except ImportError as e:  # pragma: no cover - only in an unbuilt source tree
         "package: run from another directory, or build in place with `pip install -e .`."
     ) from e
 from . import reference
-from ._api import attention, softmax
+from ._api import attention, attention_weights, merge_attention, softmax
+from .layers import multihead_attention, self_attention
 
 __version__ = "0.1.0"
-__all__ = ["attention", "softmax", "reference", "show_config", "__version__"]
+__all__ = ["attention", "attention_weights", "merge_attention", "softmax", "self_attention",
+           "multihead_attention", "reference", "show_config", "__version__"]
 
 
 def _choose_isa():

@@ -13,7 +13,7 @@ import numpy as np
 from . import _core
 from .reference import default_scale
 
-__all__ = ["attention", "softmax"]
+__all__ = ["attention", "attention_weights", "merge_attention", "softmax"]
 
 _F16, _F32, _F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
 
@@ -195,9 +195,269 @@ def _as_array(a, name):
     return a
 
 
-def attention(q, k, v, *, mask=None, causal=False, scale=None, out=None,
-              return_lse=False, num_threads=None):
-    """Exact scaled dot-product attention, softmax(q k^T * scale + mask) v.
+def _window(window):
+    """(left, right) with -1 for an unbounded side."""
+    if window is None:
+        return -1, -1
+    try:
+        left, right = window
+    except (TypeError, ValueError):
+        raise ValueError(f"window must be None or a pair (left, right), got {window!r}") from None
+
+    def side(x, name):
+        if x is None:
+            return -1
+        if isinstance(x, (bool, np.bool_)):
+            raise TypeError(f"window {name} must be None or an int, got a bool")
+        try:
+            x = operator.index(x)
+        except TypeError:
+            raise TypeError(f"window {name} must be None or an int, got {type(x).__name__}") from None
+        return x if x >= 0 else -1
+
+    return side(left, "left"), side(right, "right")
+
+
+def _softcap(softcap):
+    if softcap is None:
+        return 0.0
+    try:
+        c = float(softcap)
+    except (TypeError, ValueError):
+        raise TypeError(f"softcap must be None or a positive number, got {type(softcap).__name__}") from None
+    if not (c > 0 and math.isfinite(c)):
+        raise ValueError(f"softcap must be None or a positive finite number, got {softcap!r}")
+    return c
+
+
+def _split_heads(a, name, H, Hkv, core):
+    """Split the head axis (the one before the `core` trailing axes) of an
+    array broadcastable to (..., H, *core) into (..., Hkv, H // Hkv): a view."""
+    if a.ndim <= core:
+        return a
+    h = a.shape[-core - 1]
+    if h == 1:
+        return np.expand_dims(a, -core - 1)
+    if h != H:
+        raise ValueError(f"{name} has {h} heads on axis {-core - 1} (shape {a.shape}); "
+                         f"with enable_gqa it must be {H} (the query heads) or 1")
+    return a.reshape(a.shape[:-core - 1] + (Hkv, H // Hkv) + a.shape[a.ndim - core:])
+
+
+class _Prepared:
+    """Validated, converted arguments of one attention call."""
+
+
+def _prepare(q, k, v, mask, causal, scale, enable_gqa, window, softcap, alibi_slopes, kv_lengths,
+             num_threads, weights=False):
+    p = _Prepared()
+    q = _as_array(q, "q")
+    k = _as_array(k, "k")
+    v = _as_array(v, "v") if v is not None else None
+    res, comp = _dtypes(q, k) if weights else _dtypes(q, k, v)
+    if q.ndim < 1:
+        raise ValueError("q must have shape (..., n_q, d_k) or (d_k,), got a scalar")
+    if k.ndim < 2:
+        raise ValueError(f"k must have shape (..., n_k, d_k), got shape {k.shape}")
+    if v is not None and v.ndim < 1:
+        raise ValueError("v must have shape (..., n_k, d_v) or (n_k,), got a scalar")
+    p.q1, p.v1 = q.ndim == 1, (v is not None and v.ndim == 1)
+    qq = q[None, :] if p.q1 else q
+    vv = k if v is None else (v[:, None] if p.v1 else v)
+    n_q, d_k = qq.shape[-2:]
+    n_k, d_k2 = k.shape[-2:]
+    n_k2, d_v = vv.shape[-2:]
+    if d_k != d_k2:
+        raise ValueError(f"d_k differs: q has shape {q.shape} (d_k={d_k}), k has shape {k.shape} (d_k={d_k2})")
+    if n_k != n_k2:
+        raise ValueError(f"n_k differs: k has shape {k.shape} (n_k={n_k}), v has shape {v.shape} (n_k={n_k2})")
+
+    # mask: bool or float, broadcastable to (..., n_q, n_k)
+    p.mask_kind = _core.MASK_NONE
+    mm = None
+    if mask is not None:
+        mm = np.asarray(mask)
+        if mm.dtype == bool:
+            p.mask_kind = _core.MASK_BOOL
+        elif mm.dtype.kind == "f" and mm.dtype.itemsize <= 8:
+            p.mask_kind = _core.MASK_ADD
+        elif mm.dtype.kind in "iu":
+            raise TypeError(f"mask has integer dtype {mm.dtype}; use a bool mask (True = may attend) "
+                            f"or a float mask (added to the scores), e.g. mask.astype(bool)")
+        else:
+            raise TypeError(f"mask must be bool or floating, got dtype {mm.dtype}")
+        if p.q1:
+            mm = mm[..., None, :] if mm.ndim >= 1 else mm
+        if mm.ndim < 2:
+            mm = mm.reshape((1,) * (2 - mm.ndim) + mm.shape)
+        mq, mk = mm.shape[-2:]
+        if mq not in (1, n_q) or mk not in (1, n_k):
+            raise ValueError(f"mask of shape {np.shape(mask)} does not broadcast to the scores "
+                             f"(..., n_q={n_q}, n_k={n_k})" + (" (1-D q: (..., n_k))" if p.q1 else ""))
+
+    slopes = kvl = None
+    if alibi_slopes is not None:
+        slopes = np.asarray(alibi_slopes)
+        if slopes.dtype.kind not in "fiu" or slopes.dtype.itemsize > 8:
+            raise TypeError(f"alibi_slopes must be real numbers, got dtype {slopes.dtype}")
+        slopes = np.ascontiguousarray(slopes, dtype=comp)
+    if kv_lengths is not None:
+        kvl = np.asarray(kv_lengths)
+        if kvl.dtype.kind not in "iu":
+            raise TypeError(f"kv_lengths must be integers, got dtype {kvl.dtype}")
+        if kvl.size and (kvl.min() < 0 or kvl.max() > n_k):
+            raise ValueError(f"kv_lengths must lie in [0, n_k={n_k}], got values from "
+                             f"{kvl.min()} to {kvl.max()}")
+        kvl = np.ascontiguousarray(kvl, dtype=np.int64)
+
+    # grouped-query attention: query head h uses key/value head h // (H // H_kv)
+    p.gqa = None
+    if enable_gqa:
+        if qq.ndim < 3 or k.ndim < 3 or vv.ndim < 3:
+            raise ValueError(f"enable_gqa needs a head axis: q (..., H, n_q, d), k and v (..., H_kv, n_k, d); "
+                             f"got q {q.shape}, k {k.shape}" + (f", v {v.shape}" if v is not None else ""))
+        H, Hkv = qq.shape[-3], k.shape[-3]
+        if vv.shape[-3] != Hkv:
+            raise ValueError(f"k and v have different head counts: k {k.shape}, v {v.shape}")
+        if Hkv == 0 or H % Hkv:
+            raise ValueError(f"enable_gqa: the query heads ({H}) must be a multiple of the key/value heads ({Hkv})")
+        p.gqa = (H, Hkv)
+        qq = qq.reshape(qq.shape[:-3] + (Hkv, H // Hkv) + qq.shape[-2:])     # a view
+        k = np.expand_dims(k, -3)                                            # stride 0 over the group
+        vv = np.expand_dims(vv, -3)
+        if mm is not None:
+            mm = _split_heads(mm, "mask", H, Hkv, 2)
+        if slopes is not None:
+            slopes = _split_heads(slopes, "alibi_slopes", H, Hkv, 0)
+        if kvl is not None:
+            kvl = _split_heads(kvl, "kv_lengths", H, Hkv, 0)
+
+    try:
+        lq, lk, lv = qq.shape[:-2], k.shape[:-2], vv.shape[:-2]
+        if lq == lk == lv and mm is None:
+            lead = lq
+        else:
+            lead = np.broadcast_shapes(lq, lk, lv, mm.shape[:-2] if mm is not None else ())
+    except ValueError:
+        shapes = f"q {q.shape}, k {k.shape}" + (f", v {v.shape}" if v is not None else "") + \
+            (f", mask {np.shape(mask)}" if mask is not None else "")
+        raise ValueError(f"leading dims do not broadcast: {shapes}") from None
+    for arr, name in ((slopes, "alibi_slopes"), (kvl, "kv_lengths")):
+        if arr is not None:
+            try:
+                ok = np.broadcast_shapes(arr.shape, lead) == lead
+            except ValueError:
+                ok = False
+            if not ok:
+                want = lead if not p.gqa else lead[:-2] + (p.gqa[0],)
+                raise ValueError(f"{name} of shape {np.shape(alibi_slopes if name[0] == 'a' else kv_lengths)} "
+                                 f"does not broadcast to the leading dims {want}"
+                                 + (" (for (B, H, n, d) inputs, per-batch values have shape (B, 1))"
+                                    if name == "kv_lengths" else ""))
+
+    p.scale = _scale(scale, d_k)
+    p.nthreads = _num_threads(num_threads)
+    p.causal = bool(causal)
+    p.win_left, p.win_right = _window(window)
+    p.softcap = _softcap(softcap)
+    p.res, p.comp, p.lead = res, comp, lead
+    p.n_q, p.n_k, p.d_v = n_q, n_k, d_v
+    p.q, p.k, p.v = _as_compute(qq, comp), _as_compute(k, comp), _as_compute(vv, comp)
+    if mm is not None:
+        mdt = np.uint8 if p.mask_kind == _core.MASK_BOOL else comp
+        mm = mm.view(np.uint8) if p.mask_kind == _core.MASK_BOOL else mm.astype(comp, copy=False)
+        if any(s % mm.itemsize for s in mm.strides):
+            mm = np.ascontiguousarray(mm, dtype=mdt)
+    p.mask, p.slopes, p.kvl = mm, slopes, kvl
+    p.inputs = (q, k, v, mask)
+    return p
+
+
+def _merge_heads(a, gqa, core):
+    """Undo the GQA head split: (..., Hkv, g, *core) -> (..., H, *core)."""
+    if gqa is None:
+        return a
+    return a.reshape(a.shape[:a.ndim - core - 2] + (gqa[0],) + a.shape[a.ndim - core:])
+
+
+def _call(p, target, lse, weights=False):
+    _core.attention(p.q, p.k, p.v, p.mask, p.mask_kind, target, lse, p.lead, p.causal, p.scale,
+                    p.nthreads, p.softcap, p.win_left, p.win_right, p.slopes, p.kvl, weights)
+
+
+_SHARED_DOC = """
+    enable_gqa : bool, default False
+        Grouped-query attention: q is (..., H, n_q, d), k and v are
+        (..., H_kv, n_k, d) with H a multiple of H_kv; query head h uses
+        key/value head h // (H // H_kv).  K and V are read in place, never
+        repeated.  A mask, alibi_slopes or kv_lengths with a head axis have H
+        (or 1) heads there.
+    window : (left, right), optional
+        Sliding window: with p = i + n_k - n_q (query i's bottom-right aligned
+        position; kv_lengths replaces n_k), query i sees keys j with
+        p - left <= j <= p + right.  None or a negative number leaves that side
+        unbounded.  Key tiles outside every window are skipped, so the cost
+        grows with n * window, not n^2.
+    softcap : float, optional
+        A positive c turns each scaled score s into c * tanh(s / c) before the
+        mask is applied (Gemma 2).
+    alibi_slopes : array_like, optional
+        Slopes of shape (H,) or broadcastable to the leading dims; adds
+        -slope * |p - j| to the scaled scores (ALiBi).
+    kv_lengths : array_like of int, optional
+        Broadcastable to the leading dims: only the first kv_lengths[...] keys
+        exist for that leading index (a padded KV cache); causal and window
+        alignment use that length in place of n_k.  Note NumPy broadcasting:
+        for (B, H, n, d) inputs, per-batch lengths have shape (B, 1)."""
+
+
+def attention(q, k, v, *, mask=None, causal=False, scale=None, out=None, return_lse=False,
+              num_threads=None, enable_gqa=False, window=None, softcap=None, alibi_slopes=None,
+              kv_lengths=None):
+    p = _prepare(q, k, v, mask, causal, scale, enable_gqa, window, softcap, alibi_slopes, kv_lengths,
+                 num_threads)
+    full_shape = p.lead + (p.n_q, p.d_v)
+    res_lead = p.lead if p.gqa is None else p.lead[:-2] + (p.gqa[0],)
+    res_shape = res_lead + ((p.n_q,) if not p.q1 else ()) + ((p.d_v,) if not p.v1 else ())
+    if out is not None:
+        _check_out(out, res_shape, p.res)
+
+    lse = np.empty(p.lead + (p.n_q,), p.comp) if return_lse else None
+    direct = out is not None and _direct_out(out, p.comp) and not _overlaps(out, *p.inputs)
+    if direct:
+        target = out
+        if p.q1:
+            target = target[..., None, :] if not p.v1 else target[..., None]
+        if p.v1:
+            target = target[..., None]
+        if p.gqa is not None:
+            target = target.reshape(full_shape)   # splitting the head axis: a view
+    else:
+        target = np.empty(full_shape, p.comp)
+
+    if target.size or lse is not None:
+        _call(p, target, lse)
+
+    if direct:
+        result = out
+    else:
+        result = _merge_heads(target, p.gqa, 2)
+        if p.v1:
+            result = result[..., 0]
+        if p.q1:
+            result = result[..., 0, :] if not p.v1 else result[..., 0]
+        if out is None:
+            result = result.astype(p.res, copy=False)
+        else:
+            np.copyto(out, result, casting="same_kind")
+            result = out
+    if return_lse:
+        lse = _merge_heads(lse, p.gqa, 1)
+        return result, (lse[..., 0] if p.q1 else lse)
+    return result
+
+
+attention.__doc__ = """Exact scaled dot-product attention, softmax(q k^T * scale + mask) v.
 
     Computed by a fused C kernel with a streaming (online) softmax: memory is
     O(n * d) and the n_q x n_k score matrix is never built.
@@ -229,7 +489,7 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, out=None,
         (..., n_q), in the compute dtype (float32 or float64).
     num_threads : int, optional
         Threads for this call.  None uses the OpenMP default (OMP_NUM_THREADS,
-        threadpoolctl).  Must be positive.
+        threadpoolctl).  Must be positive.""" + _SHARED_DOC + """
 
     Returns
     -------
@@ -243,16 +503,18 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, out=None,
 
     Notes
     -----
-    A query row that may attend nothing (fully masked, or n_k == 0) gives
-    zeros, never NaN, and lse = -inf.  NaN or inf in an input reaches only the
-    rows that attend it.  The GIL is released during the computation.
+    A query row that may attend nothing (fully masked, n_k == 0, an empty
+    window or kv length) gives zeros, never NaN, and lse = -inf.  NaN or inf in
+    an input reaches only the rows that attend it.  The GIL is released during
+    the computation.
 
     Raises
     ------
     ValueError
         Shapes that do not fit (d_k of q and k, n_k of k and v, leading dims or
-        mask not broadcastable, out of the wrong shape), num_threads <= 0, a
-        non-finite scale.
+        mask not broadcastable, out of the wrong shape, head counts with
+        enable_gqa), num_threads <= 0, a non-finite scale, softcap <= 0,
+        kv_lengths outside [0, n_k].
     TypeError
         Complex, object, string inputs; an integer mask; out of the wrong dtype.
 
@@ -268,104 +530,114 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, out=None,
     >>> round(float(fastattn.attention(fruit, keys, values)), 3)
     7.272
     """
-    q = _as_array(q, "q")
-    k = _as_array(k, "k")
-    v = _as_array(v, "v")
-    res, comp = _dtypes(q, k, v)
-    if q.ndim < 1:
-        raise ValueError(f"q must have shape (..., n_q, d_k) or (d_k,), got a scalar")
-    if k.ndim < 2:
-        raise ValueError(f"k must have shape (..., n_k, d_k), got shape {k.shape}")
-    if v.ndim < 1:
-        raise ValueError(f"v must have shape (..., n_k, d_v) or (n_k,), got a scalar")
-    q1, v1 = q.ndim == 1, v.ndim == 1
-    qq = q[None, :] if q1 else q
-    vv = v[:, None] if v1 else v
-    n_q, d_k = qq.shape[-2:]
-    n_k, d_k2 = k.shape[-2:]
-    n_k2, d_v = vv.shape[-2:]
-    if d_k != d_k2:
-        raise ValueError(f"d_k differs: q has shape {q.shape} (d_k={d_k}), k has shape {k.shape} (d_k={d_k2})")
-    if n_k != n_k2:
-        raise ValueError(f"n_k differs: k has shape {k.shape} (n_k={n_k}), v has shape {v.shape} (n_k={n_k2})")
 
-    # mask: bool or float, broadcastable to (..., n_q, n_k)
-    mask_kind = _core.MASK_NONE
-    mm = None
-    if mask is not None:
-        mm = np.asarray(mask)
-        if mm.dtype == bool:
-            mask_kind = _core.MASK_BOOL
-        elif mm.dtype.kind == "f" and mm.dtype.itemsize <= 8:
-            mask_kind = _core.MASK_ADD
-        elif mm.dtype.kind in "iu":
-            raise TypeError(f"mask has integer dtype {mm.dtype}; use a bool mask (True = may attend) "
-                            f"or a float mask (added to the scores), e.g. mask.astype(bool)")
-        else:
-            raise TypeError(f"mask must be bool or floating, got dtype {mm.dtype}")
-        if q1:
-            mm = mm[..., None, :] if mm.ndim >= 1 else mm
-        if mm.ndim < 2:
-            mm = mm.reshape((1,) * (2 - mm.ndim) + mm.shape)
-        mq, mk = mm.shape[-2:]
-        if mq not in (1, n_q) or mk not in (1, n_k):
-            raise ValueError(f"mask of shape {np.shape(mask)} does not broadcast to the scores "
-                             f"(..., n_q={n_q}, n_k={n_k})" + (" (1-D q: (..., n_k))" if q1 else ""))
 
-    try:
-        lq, lk, lv = qq.shape[:-2], k.shape[:-2], vv.shape[:-2]
-        if lq == lk == lv and mm is None:
-            lead = lq
-        else:
-            lead = np.broadcast_shapes(lq, lk, lv, mm.shape[:-2] if mm is not None else ())
-    except ValueError:
-        shapes = f"q {q.shape}, k {k.shape}, v {v.shape}" + (f", mask {np.shape(mask)}" if mask is not None else "")
-        raise ValueError(f"leading dims do not broadcast: {shapes}") from None
+def attention_weights(q, k, *, mask=None, causal=False, scale=None, enable_gqa=False, window=None,
+                      softcap=None, alibi_slopes=None, kv_lengths=None, num_threads=None):
+    p = _prepare(q, k, None, mask, causal, scale, enable_gqa, window, softcap, alibi_slopes, kv_lengths,
+                 num_threads, weights=True)
+    target = np.zeros(p.lead + (p.n_q, p.n_k), p.comp)
+    if target.size:
+        _call(p, target, None, weights=True)
+    result = _merge_heads(target, p.gqa, 2)
+    if p.q1:
+        result = result[..., 0, :]
+    return result.astype(p.res, copy=False)
 
-    scale = _scale(scale, d_k)
-    nthreads = _num_threads(num_threads)
-    causal = bool(causal)
 
-    full_shape = lead + (n_q, d_v)
-    res_shape = lead + ((n_q,) if not q1 else ()) + ((d_v,) if not v1 else ())
-    if out is not None:
-        _check_out(out, res_shape, res)
+attention_weights.__doc__ = """The attention weights softmax(q k^T * scale + mask), from the C core.
 
-    # leading dims broadcast in the binding (stride 0), without views here
-    qc, kc, vc = _as_compute(qq, comp), _as_compute(k, comp), _as_compute(vv, comp)
-    if mm is not None:
-        mdt = np.uint8 if mask_kind == _core.MASK_BOOL else comp
-        mm = mm.view(np.uint8) if mask_kind == _core.MASK_BOOL else mm.astype(comp, copy=False)
-        if any(s % mm.itemsize for s in mm.strides):
-            mm = np.ascontiguousarray(mm, dtype=mdt)
+    Rows sum to 1; a row that may attend nothing is zero.  The result is
+    O(n_q * n_k) in memory by nature: it is meant for inspection and plots
+    (see fastattn.plot.attention_map), not for computing attention.
 
-    lse = np.empty(lead + (n_q,), comp) if return_lse else None
-    direct = out is not None and _direct_out(out, comp) and not _overlaps(out, q, k, v, mask)
-    if direct:
-        target = out
-        if q1:
-            target = target[..., None, :] if not v1 else target[..., None]
-        if v1:
-            target = target[..., None]
-    else:
-        target = np.empty(full_shape, comp)
+    Parameters
+    ----------
+    q : array_like, shape (..., n_q, d_k) or (d_k,)
+    k : array_like, shape (..., n_k, d_k)
+    mask, causal, scale, num_threads
+        As for `attention`.""" + _SHARED_DOC + """
 
-    if target.size or lse is not None:
-        _core.attention(qc, kc, vc, mm, mask_kind, target, lse, lead, causal, scale, nthreads)
+    Returns
+    -------
+    ndarray, shape (..., n_q, n_k) (a 1-D q gives (..., n_k))
+        dtype np.result_type(q, k) (integers and bool give float64).
 
-    if direct:
-        result = out
-    else:
-        result = target
-        if v1:
-            result = result[..., 0]
-        if q1:
-            result = result[..., 0, :] if not v1 else result[..., 0]
-        if out is None:
-            result = result.astype(res, copy=False)
-        else:
-            np.copyto(out, result, casting="same_kind")
-            result = out
-    if return_lse:
-        return result, (lse[..., 0] if q1 else lse)
-    return result
+    Examples
+    --------
+    >>> import numpy as np, fastattn
+    >>> w = fastattn.attention_weights(np.eye(3), np.eye(3), causal=True)
+    >>> w.sum(axis=-1)
+    array([1., 1., 1.])
+    """
+
+
+def merge_attention(outs, lses):
+    """Combine attention results over disjoint sets of keys into the result
+    over their union, by the logsumexp rule.
+
+    Parameters
+    ----------
+    outs : sequence of array_like, each (..., n_q, d_v)
+        Outputs of `attention` over each set of keys.
+    lses : sequence of array_like, each (..., n_q)
+        Their lse (`return_lse=True`).
+
+    Returns
+    -------
+    out : ndarray, shape (..., n_q, d_v)
+        sum_p exp(lse_p - lse) * out_p.  A part with lse = -inf (it saw no key)
+        contributes nothing; a row no part saw is zero.
+    lse : ndarray, shape (..., n_q)
+        log(sum_p exp(lse_p)).
+
+    This is what split-key (flash-decoding) and sequence-parallel attention
+    rest on: attention over keys K1 and K2 equals the merge of attention over
+    K1 and over K2.
+
+    Examples
+    --------
+    >>> import numpy as np, fastattn
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((4, 8)), rng.standard_normal((10, 8)), rng.standard_normal((10, 3))
+    >>> o1, l1 = fastattn.attention(q, k[:6], v[:6], return_lse=True)
+    >>> o2, l2 = fastattn.attention(q, k[6:], v[6:], return_lse=True)
+    >>> out, lse = fastattn.merge_attention([o1, o2], [l1, l2])
+    >>> bool(np.allclose(out, fastattn.attention(q, k, v)))
+    True
+    """
+    if isinstance(outs, np.ndarray) or isinstance(lses, np.ndarray):
+        outs, lses = list(outs), list(lses)
+    outs = [np.asarray(o) for o in outs]
+    lses = [np.asarray(x) for x in lses]
+    if not outs:
+        raise ValueError("merge_attention needs at least one part")
+    if len(outs) != len(lses):
+        raise ValueError(f"got {len(outs)} outputs but {len(lses)} lse arrays")
+    for a in outs + lses:
+        _check_input_dtype(a, "merge_attention input")
+    shape = outs[0].shape
+    if len(shape) < 1:
+        raise ValueError("each output must have shape (..., n_q, d_v)")
+    for i, (o, x) in enumerate(zip(outs, lses)):
+        if o.shape != shape:
+            raise ValueError(f"output {i} has shape {o.shape}, output 0 has shape {shape}")
+        if x.shape != shape[:-1]:
+            raise ValueError(f"lse {i} has shape {x.shape}; it must be the output's shape without "
+                             f"the last axis, {shape[:-1]}")
+    dt = np.result_type(*outs, *lses)
+    if dt.kind != "f":
+        dt = _F64
+    L = np.stack([x.astype(dt, copy=False) for x in lses])           # (P, ..., n_q)
+    M = np.max(L, axis=0)
+    Ms = np.where(np.isneginf(M), 0, M)
+    with np.errstate(invalid="ignore"):
+        w = np.exp(L - Ms)                                              # 0 for lse = -inf
+    s = np.sum(w, axis=0)
+    out = np.zeros(shape, dt)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        for wp, o in zip(w, outs):  # a part of weight 0 adds nothing, even where it holds NaN
+            out += np.where(wp[..., None] > 0, wp[..., None] * o, 0)
+        out = np.where(s[..., None] == 0, 0, out / np.where(s == 0, 1, s)[..., None])
+        lse = Ms + np.log(s)
+    return out.astype(dt, copy=False), lse.astype(dt, copy=False)

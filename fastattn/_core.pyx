@@ -46,6 +46,12 @@ cdef extern from "fastattn.h" nogil:
         int mask_kind
         int causal
         double scale
+        double softcap
+        int64_t win_left, win_right
+        const void *slopes
+        int64_t slope_lead[FA_MAX_DIMS]
+        const int64_t *kv_len
+        int64_t kvl_lead[FA_MAX_DIMS]
         int num_threads
 
     ctypedef struct fa_softmax_args:
@@ -60,6 +66,7 @@ cdef extern from "fastattn.h" nogil:
         int num_threads
 
     int fa_attention(const fa_attention_args *a)
+    int fa_attention_weights(const fa_attention_args *a)
     int fa_softmax(const fa_softmax_args *a)
     const char *fa_isa_name()
     int fa_set_isa(const char *name)
@@ -110,21 +117,41 @@ cdef inline void _lead_strides(cnp.ndarray a, int nl, int64_t *out):
             out[d] = _estride(a, od)
 
 
+cdef inline void _lead_strides_any(cnp.ndarray a, int nl, int core, int64_t *out):
+    """As _lead_strides for an array with `core` trailing non-leading dims."""
+    cdef int own = a.ndim - core
+    cdef int d, od
+    for d in range(nl):
+        od = d - (nl - own)
+        if od < 0 or a.shape[od] == 1:
+            out[d] = 0
+        else:
+            out[d] = _estride(a, od)
+
+
 def attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask_kind,
-              cnp.ndarray out, object lse, tuple lead, bint causal, double scale, int num_threads):
-    """Fill `out` (and `lse`) with attention.  q, k, v, mask have shape
-    (..., rows, cols) with leading dims that broadcast to `lead`; out has shape
-    lead + (nq, dv) and lse lead + (nq,).  q, k, v, out have unit stride on the
-    last axis; the mask may have any strides."""
+              cnp.ndarray out, object lse, tuple lead, bint causal, double scale, int num_threads,
+              double softcap=0.0, int64_t win_left=-1, int64_t win_right=-1, object slopes=None,
+              object kv_len=None, bint weights=False):
+    """Fill `out` (and `lse`) with attention, or with the attention weights
+    when `weights` (out is then lead + (nq, nk), zero-filled, v unused).
+    q, k, v, mask have shape (..., rows, cols) with leading dims that
+    broadcast to `lead`; out has shape lead + (nq, dv) and lse lead + (nq,);
+    slopes (compute dtype) and kv_len (int64) broadcast to `lead`.  q, k, v,
+    out have unit stride on the last axis; the mask may have any strides."""
     cdef fa_attention_args a
     cdef int nl = len(lead)
     cdef int d
-    cdef cnp.ndarray m_arr, l_arr
+    cdef cnp.ndarray m_arr, l_arr, s_arr, kl_arr
     if nl > FA_MAX_DIMS:
         raise ValueError(f"at most {FA_MAX_DIMS} leading dims")
     a.n_lead = nl
     for d in range(nl):
         a.lead_shape[d] = lead[d]
+        a.m_lead[d] = 0
+        a.lse_lead[d] = 0
+        a.slope_lead[d] = 0
+        a.kvl_lead[d] = 0
     _lead_strides(q, nl, a.q_lead)
     _lead_strides(k, nl, a.k_lead)
     _lead_strides(v, nl, a.v_lead)
@@ -132,7 +159,7 @@ def attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask
     a.nq = q.shape[q.ndim - 2]
     a.dk = q.shape[q.ndim - 1]
     a.nk = k.shape[k.ndim - 2]
-    a.dv = v.shape[v.ndim - 1]
+    a.dv = 0 if weights else v.shape[v.ndim - 1]
     a.q_rs = _estride(q, q.ndim - 2)
     a.k_rs = _estride(k, k.ndim - 2)
     a.v_rs = _estride(v, v.ndim - 2)
@@ -146,9 +173,6 @@ def attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask
     a.mask = NULL
     a.m_rs = 0
     a.m_cs = 0
-    for d in range(nl):
-        a.m_lead[d] = 0
-        a.lse_lead[d] = 0
     if mask_kind != FA_MASK_NONE:
         m_arr = <cnp.ndarray>mask
         _lead_strides(m_arr, nl, a.m_lead)
@@ -163,12 +187,28 @@ def attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask
             a.lse_lead[d] = _estride(l_arr, d)
         a.lse_rs = _estride(l_arr, nl)
         a.lse = cnp.PyArray_DATA(l_arr)
+    a.slopes = NULL
+    if slopes is not None:
+        s_arr = <cnp.ndarray>slopes
+        _lead_strides_any(s_arr, nl, 0, a.slope_lead)
+        a.slopes = cnp.PyArray_DATA(s_arr)
+    a.kv_len = NULL
+    if kv_len is not None:
+        kl_arr = <cnp.ndarray>kv_len
+        _lead_strides_any(kl_arr, nl, 0, a.kvl_lead)
+        a.kv_len = <const int64_t *>cnp.PyArray_DATA(kl_arr)
     a.causal = causal
     a.scale = scale
+    a.softcap = softcap
+    a.win_left = win_left
+    a.win_right = win_right
     a.num_threads = num_threads
     cdef int status
     with nogil:
-        status = fa_attention(&a)
+        if weights:
+            status = fa_attention_weights(&a)
+        else:
+            status = fa_attention(&a)
     _check(status)
 
 

@@ -29,8 +29,8 @@ __all__ = ["WORKLOADS", "QUICK", "main", "run"]
 
 
 # name, (B, H, n_q, n_k, d), dtype, options
-def _w(name, shape, dtype="float32", causal=False, mask=None, quick=False):
-    return dict(name=name, shape=shape, dtype=dtype, causal=causal, mask=mask, quick=quick)
+def _w(name, shape, dtype="float32", causal=False, mask=None, quick=False, **options):
+    return dict(name=name, shape=shape, dtype=dtype, causal=causal, mask=mask, quick=quick, options=options)
 
 
 WORKLOADS = [
@@ -46,6 +46,10 @@ WORKLOADS = [
     _w("B1 H1 N64 d64 (overhead)", (1, 1, 64, 64, 64)),
     _w("decode H32 Nk4096 d128", (1, 32, 1, 4096, 128), quick=True),
     _w("B1 H8 N2048 d64 bool mask", (1, 8, 2048, 2048, 64), mask="bool"),
+    _w("B1 H8 N2048 d64 GQA 8q/2kv", (1, 8, 2048, 2048, 64), gqa=2),
+    _w("B1 H8 N8192 d64 causal", (1, 8, 8192, 8192, 64), causal=True),
+    _w("  ...window (256, 0)", (1, 8, 8192, 8192, 64), causal=True, window=(256, 0)),
+    _w("decode B8 H8 Nk4096 kv_lengths", (8, 8, 1, 4096, 128), kv_lengths=True),
 ]
 QUICK = [w for w in WORKLOADS if w["quick"]]
 
@@ -88,14 +92,24 @@ def _torch():
 
 
 def _make(w, seed=0):
+    """Inputs of a workload, and fastattn's options for it."""
     B, H, nq, nk, d = w["shape"]
     rng = np.random.default_rng(seed)
     dt = np.dtype(w["dtype"])
+    opts = w.get("options", {})
+    hkv = opts.get("gqa", H)
     q = rng.standard_normal((B, H, nq, d)).astype(dt)
-    k = rng.standard_normal((B, H, nk, d)).astype(dt)
-    v = rng.standard_normal((B, H, nk, d)).astype(dt)
+    k = rng.standard_normal((B, hkv, nk, d)).astype(dt)
+    v = rng.standard_normal((B, hkv, nk, d)).astype(dt)
     mask = rng.random((nq, nk)) < 0.9 if w["mask"] == "bool" else None
-    return q, k, v, mask
+    kw = {}
+    if "gqa" in opts:
+        kw["enable_gqa"] = True
+    if "window" in opts:
+        kw["window"] = opts["window"]
+    if opts.get("kv_lengths"):
+        kw["kv_lengths"] = rng.integers(nk // 4, nk + 1, (B, 1))   # a padded cache: B sequence lengths
+    return q, k, v, mask, kw
 
 
 def run(workloads, repeats=5, threads=None, with_reference=True, with_torch=True, log=None):
@@ -107,22 +121,32 @@ def run(workloads, repeats=5, threads=None, with_reference=True, with_torch=True
     mm = {dt: _matmul_rate(dt, repeats) for dt in sorted({w["dtype"] for w in workloads})}
     rows = []
     for w in workloads:
-        q, k, v, mask = _make(w)
+        q, k, v, mask, kw = _make(w)
         B, H, nq, nk, d = w["shape"]
         flops = 2 * B * H * nq * nk * (d + d) / (2 if w["causal"] and nq == nk else 1)
-        fns = {"fastattn": lambda: attention(q, k, v, mask=mask, causal=w["causal"], num_threads=threads)}
-        if torch is not None:
+        if "window" in kw:   # the keys each query really sees
+            left = kw["window"][0]
+            flops = 2 * B * H * nq * (min(left, nk) + 1) * (d + d)
+        if "kv_lengths" in kw:
+            flops = 2 * H * nq * float(kw["kv_lengths"].sum()) * (d + d)
+        fns = {"fastattn": lambda: attention(q, k, v, mask=mask, causal=w["causal"], num_threads=threads, **kw)}
+        if torch is not None and "window" in kw:
+            pass   # PyTorch's SDPA has no sliding window: only a dense N x N mask, a different computation
+        elif torch is not None:
             tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
             tm = torch.from_numpy(mask) if mask is not None else None
             sdpa = torch.nn.functional.scaled_dot_product_attention
             # PyTorch's is_causal is top-left aligned; the grid only has n_q == n_k causal rows
-            fns["torch"] = lambda: sdpa(tq, tk, tv, attn_mask=tm, is_causal=w["causal"])
+            if "kv_lengths" in kw:   # PyTorch takes a padded cache as a key-padding bool mask
+                tm = torch.from_numpy(np.arange(nk)[None, None, None, :] < kw["kv_lengths"][:, :, None, None])
+            tkw = dict(enable_gqa=True) if "enable_gqa" in kw else {}
+            fns["torch"] = lambda: sdpa(tq, tk, tv, attn_mask=tm, is_causal=w["causal"], **tkw)
         names = list(fns)
         times = dict(zip(names, _median_times([fns[n] for n in names], repeats)))
-        if with_reference:
+        if with_reference and nq * nk <= 4096 * 4096:   # the reference builds the n_q x n_k matrix
             ref_reps = 1 if flops > 5e9 else 3
             (times["reference"],) = _median_times(
-                [lambda: reference.attention(q, k, v, mask=mask, causal=w["causal"])], ref_reps, min_time=0)
+                [lambda: reference.attention(q, k, v, mask=mask, causal=w["causal"], **kw)], ref_reps, min_time=0)
         t = times["fastattn"]
         row = dict(name=w["name"], shape=list(w["shape"]), dtype=w["dtype"], causal=w["causal"],
                    mask=w["mask"], ms=t * 1e3, gflops=flops / t / 1e9,
@@ -138,7 +162,7 @@ def run(workloads, repeats=5, threads=None, with_reference=True, with_torch=True
             log(row)
     scaling = None
     if threads >= 2 and any(w["name"] == "B1 H8 N2048 d64" for w in workloads):
-        q, k, v, _ = _make(WORKLOADS[2])
+        q, k, v, _, _ = _make(WORKLOADS[2])
         t1, tn = _median_times([lambda: attention(q, k, v, num_threads=1),
                                 lambda: attention(q, k, v, num_threads=threads)], repeats)
         scaling = dict(workload="B1 H8 N2048 d64", one_thread_ms=t1 * 1e3, threads=threads,
@@ -217,6 +241,11 @@ def main(argv=None):
         mm = ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in result["matmul_gflops"].items())
         print(f"NumPy matrix product (2048^2) in this run: {mm}; "
               f"PyTorch: {result['torch'] or 'not installed'}")
+        rows = {r["name"]: r for r in result["rows"]}
+        full, win = rows.get("B1 H8 N8192 d64 causal"), rows.get("  ...window (256, 0)")
+        if full and win:
+            print(f"Sliding window (256, 0) at N8192: {win['ms']:.1f} ms, "
+                  f"{100 * win['ms'] / full['ms']:.1f} % of plain causal ({full['ms']:.1f} ms)")
         sc = result["thread_scaling"]
         if sc:
             print(f"Thread scaling, {sc['workload']}: 1 thread {sc['one_thread_ms']:.1f} ms, "

@@ -8,21 +8,24 @@ in O(n * d) memory with a fused streaming kernel.
 Semantics shared with the fast path:
 
 * scores = (q @ k^T) * scale, with scale = 1/sqrt(d_k) by default;
+* softcap c > 0: scores -> c * tanh(scores / c);
+* ALiBi: scores -= slope * |p_i - j|, where p_i = i + kv - n_q is query i's
+  bottom-right aligned position and kv the number of keys (kv_lengths or n_k);
 * a bool mask keeps the scores where it is True (False -> -inf); a float mask
-  is added to the scaled scores (-inf allowed);
-* causal: query i may attend key j iff j <= i + (n_k - n_q), i.e. aligned
-  bottom-right (FlashAttention >= 2.1; the same as PyTorch's top-left when
-  n_q == n_k);
+  is added (-inf allowed);
+* visibility: key j exists iff j < kv; causal: j <= p_i; window (left, right):
+  p_i - left <= j <= p_i + right (None or negative: unbounded);
 * softmax subtracts the row max (numerically stable); a row whose scores are
-  all -inf (fully masked, or n_k == 0) gives zeros and lse = -inf, never NaN;
-* NaN in a score that takes part reaches that row's output.
+  all -inf (nothing visible) gives zeros and lse = -inf, never NaN;
+* grouped-query attention: query head h uses key/value head h // (H // H_kv).
 """
 
 import math
 
 import numpy as np
 
-__all__ = ["softmax", "scores", "causal_mask", "attention", "default_scale"]
+__all__ = ["softmax", "scores", "causal_mask", "attention", "attention_weights", "merge_attention",
+           "self_attention", "multihead_attention", "default_scale"]
 
 
 def default_scale(d_k):
@@ -50,25 +53,6 @@ def softmax(x, axis=-1):
     return np.where(s == 0, 0, e / np.where(s == 0, 1, s)).astype(x.dtype, copy=False)
 
 
-def scores(q, k, *, mask=None, causal=False, scale=None):
-    """Scaled, masked scores (..., n_q, n_k): the logits the softmax sees."""
-    q, k = np.asarray(q), np.asarray(k)
-    dt = _float_dtype(q, k)
-    q, k = q.astype(dt, copy=False), k.astype(dt, copy=False)
-    if scale is None:
-        scale = default_scale(q.shape[-1])
-    s = (q @ np.swapaxes(k, -1, -2)) * dt.type(scale)
-    if mask is not None:
-        mask = np.asarray(mask)
-        if mask.dtype == bool:
-            s = np.where(mask, s, -np.inf)
-        else:
-            s = s + mask.astype(dt, copy=False)
-    if causal:
-        s = np.where(causal_mask(q.shape[-2], k.shape[-2]), s, -np.inf)
-    return s
-
-
 def causal_mask(n_q, n_k):
     """Bool (n_q, n_k): True where query i may attend key j, j <= i + n_k - n_q."""
     i = np.arange(n_q)[:, None]
@@ -76,13 +60,75 @@ def causal_mask(n_q, n_k):
     return j <= i + (n_k - n_q)
 
 
-def attention(q, k, v, *, mask=None, causal=False, scale=None, return_lse=False):
+def _repeat_kv_heads(q, k):
+    """GQA: repeat k's head axis (-3) to q's head count (the reference may copy)."""
+    H, Hkv = q.shape[-3], k.shape[-3]
+    return np.repeat(k, H // Hkv, axis=-3)
+
+
+def _per_lead(x):
+    """An array broadcastable to the leading dims, as (..., 1, 1) for the scores."""
+    return np.asarray(x)[..., None, None]
+
+
+def scores(q, k, *, mask=None, causal=False, scale=None, enable_gqa=False, window=None,
+           softcap=None, alibi_slopes=None, kv_lengths=None):
+    """Scaled, modified, masked scores (..., n_q, n_k): the logits the softmax sees."""
+    q, k = np.asarray(q), np.asarray(k)
+    dt = _float_dtype(q, k)
+    q, k = q.astype(dt, copy=False), k.astype(dt, copy=False)
+    if enable_gqa:
+        k = _repeat_kv_heads(q, k)
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    if scale is None:
+        scale = default_scale(q.shape[-1])
+    with np.errstate(invalid="ignore"):  # inf * 0 in a product is NaN, as it should be
+        s = (q @ np.swapaxes(k, -1, -2)) * dt.type(scale)
+    if softcap is not None:
+        s = softcap * np.tanh(s / softcap)
+    kv = n_k if kv_lengths is None else _per_lead(kv_lengths)
+    i = np.arange(n_q)[:, None]
+    j = np.arange(n_k)[None, :]
+    p = i + kv - n_q                          # query i's bottom-right aligned position
+    if alibi_slopes is not None:
+        s = s - _per_lead(alibi_slopes).astype(dt) * np.abs(p - j)
+    if mask is not None:
+        mask = np.asarray(mask)
+        if mask.dtype == bool:
+            s = np.where(mask, s, -np.inf)
+        else:
+            s = s + mask.astype(dt, copy=False)
+    visible = j < kv
+    if causal:
+        visible = visible & (j <= p)
+    if window is not None:
+        left, right = window
+        if left is not None and left >= 0:
+            visible = visible & (j >= p - left)
+        if right is not None and right >= 0:
+            visible = visible & (j <= p + right)
+    return np.where(visible, s, -np.inf).astype(dt, copy=False)
+
+
+def attention_weights(q, k, **options):
+    """softmax(scores(q, k, **options)) with zero rows where nothing is visible."""
+    q = np.asarray(q)
+    if q.ndim == 1:
+        mask = options.pop("mask", None)
+        if mask is not None:
+            options["mask"] = np.asarray(mask)[..., None, :]
+        return attention_weights(q[None, :], k, **options)[..., 0, :]
+    return softmax(scores(q, k, **options), axis=-1)
+
+
+def attention(q, k, v, *, mask=None, causal=False, scale=None, return_lse=False, **options):
     """softmax(q k^T * scale + mask) v.
 
     q (..., n_q, d_k), k (..., n_k, d_k), v (..., n_k, d_v) -> (..., n_q, d_v);
     leading dims broadcast.  A 1-D q (d_k,) drops the n_q axis of the result,
     a 1-D v (n_k,) the d_v axis.  With return_lse, also
-    lse = log(sum(exp(scores))) of shape (..., n_q).
+    lse = log(sum(exp(scores))) of shape (..., n_q).  `options`: enable_gqa,
+    window, softcap, alibi_slopes, kv_lengths (see `scores`).
     """
     q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
     dt = _float_dtype(q, k, v)
@@ -93,7 +139,9 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, return_lse=False)
             mask = np.asarray(mask)[..., None, :]
     if v1:
         v = v[:, None]
-    s = scores(q, k, mask=mask, causal=causal, scale=scale).astype(dt, copy=False)
+    if options.get("enable_gqa"):
+        v = _repeat_kv_heads(q, v)
+    s = scores(q, k, mask=mask, causal=causal, scale=scale, **options).astype(dt, copy=False)
     m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)
     m = np.where(np.isneginf(m), 0, m)
     with np.errstate(invalid="ignore"):
@@ -110,3 +158,46 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, return_lse=False)
         out = out[..., 0, :] if not v1 else out[..., 0]
         lse = lse[..., 0]
     return (out, lse) if return_lse else out
+
+
+def merge_attention(outs, lses):
+    """Attention over the union of disjoint key sets from the parts' (out, lse):
+    lse = log(sum_p exp(lse_p)), out = sum_p exp(lse_p - lse) out_p."""
+    lses = [np.asarray(x, dtype=np.float64) for x in lses]
+    outs = [np.asarray(o, dtype=np.float64) for o in outs]
+    with np.errstate(divide="ignore"):
+        lse = np.log(sum(np.exp(x) for x in lses))      # fine for the moderate lse of the tests
+    out = np.zeros_like(outs[0])
+    for o, x in zip(outs, lses):
+        wgt = np.where(np.isneginf(x), 0.0, np.exp(x - np.where(np.isneginf(lse), 0, lse)))
+        out += np.where(wgt[..., None] > 0, wgt[..., None] * o, 0)
+    return out, lse
+
+
+def self_attention(x, w_q, w_k, w_v, *, mask=None, causal=False, scale=None):
+    """attention(x W_Q, x W_K, x W_V)."""
+    x = np.asarray(x)
+    return attention(x @ w_q, x @ w_k, x @ w_v, mask=mask, causal=causal, scale=scale)
+
+
+def multihead_attention(x, w_q, w_k, w_v, w_o, *, num_heads, num_kv_heads=None, mask=None,
+                        causal=False, scale=None):
+    """concat over heads h of attention(x W_Q[:, h], x W_K[:, g(h)], x W_V[:, g(h)]) @ W_O,
+    with head h taking columns h*d_head:(h+1)*d_head and g(h) = h // (H // H_kv)."""
+    x = np.asarray(x)
+    H = num_heads
+    Hkv = num_kv_heads or H
+    d_head = np.shape(w_q)[1] // H
+    heads = []
+    for h in range(H):
+        g = h // (H // Hkv)
+        cols_q = slice(h * d_head, (h + 1) * d_head)
+        cols_kv = slice(g * d_head, (g + 1) * d_head)
+        m = None
+        if mask is not None:
+            m = np.asarray(mask)
+            if m.ndim >= 3:
+                m = m[..., h if m.shape[-3] > 1 else 0, :, :]
+        heads.append(attention(x @ w_q[:, cols_q], x @ w_k[:, cols_kv], x @ w_v[:, cols_kv],
+                               mask=m, causal=causal, scale=scale))
+    return np.concatenate(heads, axis=-1) @ w_o

@@ -16,6 +16,7 @@
         {fa_attn_item_f32_##isa, fa_attn_item_f64_##isa},                          \
         {fa_attn_item_rows_f32_##isa, fa_attn_item_rows_f64_##isa},                \
         {fa_attn_merge_f32_##isa, fa_attn_merge_f64_##isa},                        \
+        {fa_weights_item_f32_##isa, fa_weights_item_f64_##isa},                    \
         {fa_softmax_row_f32_##isa, fa_softmax_row_f64_##isa},                      \
         {fa_exp_f32_##isa, fa_exp_f64_##isa},                                      \
         {fa_exp_neg_f32_##isa, fa_exp_neg_f64_##isa},                              \

@@ -59,6 +59,16 @@ enum {
  *   mask  (lead, nq, nk)    uint8 or compute dtype, any strides, or NULL
  *   out   (lead, nq, dv)    compute dtype, written
  *   lse   (lead, nq)        compute dtype, written, or NULL
+ *   slopes (lead)           ALiBi slopes, compute dtype, or NULL
+ *   kv_len (lead)           int64 key counts (a padded KV cache), or NULL
+ * fa_attention_weights writes out (lead, nq, nk) = the probabilities instead
+ * (dv and v unused); it expects out to be zero-filled.
+ *
+ * Which keys a query row sees.  With kv = kv_len[lead] (nk when kv_len is
+ * NULL) and the bottom-right aligned position p = i + kv - nq, row i sees keys
+ * j < kv with p - win_left <= j <= p + win_right (a negative bound is
+ * unbounded); causal caps win_right at 0.  Scores are
+ * s = softcap(q.k * scale) - slope * |p - j| + mask.
  */
 typedef struct {
     int n_lead;                         /* number of leading dims, 0..FA_MAX_DIMS */
@@ -75,6 +85,12 @@ typedef struct {
     int mask_kind;                      /* FA_MASK_* */
     int causal;                         /* key j visible to query i iff j <= i + nk - nq */
     double scale;
+    double softcap;                     /* > 0: s -> softcap * tanh(s / softcap); 0: off */
+    int64_t win_left, win_right;        /* sliding window; < 0: unbounded */
+    const void *slopes;                 /* ALiBi slopes, or NULL */
+    int64_t slope_lead[FA_MAX_DIMS];
+    const int64_t *kv_len;              /* keys per leading index, or NULL */
+    int64_t kvl_lead[FA_MAX_DIMS];
     int num_threads;                    /* <= 0: the OpenMP default */
 } fa_attention_args;
 
@@ -94,6 +110,7 @@ typedef struct {
 } fa_softmax_args;
 
 int fa_attention(const fa_attention_args *a);
+int fa_attention_weights(const fa_attention_args *a);
 int fa_softmax(const fa_softmax_args *a);
 
 /* SIMD path.  fa_isa_name() is the path in use; fa_set_isa() chooses one by

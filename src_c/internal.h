@@ -32,11 +32,15 @@ typedef struct {
     void *out, *lse;
     void *part;
     int64_t i0, bq;
-    int64_t j_lo, j_hi;
+    int64_t j_lo, j_hi;   /* the keys of this item (a split's share); j_hi <= kv */
+    int64_t kv;           /* keys that exist for this leading index */
+    int64_t off;          /* kv - nq: row i's aligned position is i + off */
+    double slope;         /* ALiBi slope of this leading index (0: none) */
 } fa_item;
 
 typedef void (*fa_attn_item_fn)(const fa_attention_args *a, const fa_tiles *t,
                                 const fa_item *it, void *scratch);
+/* fa_attention_weights: it->out is (bq, nk), row stride a->o_rs, zero-filled. */
 /* Merge nparts partial results (nparts, bq, dv + 2) of one item into its out
  * and lse.  scratch: dv + 2 elements. */
 typedef void (*fa_attn_merge_fn)(const fa_attention_args *a, const fa_item *it,
@@ -55,6 +59,7 @@ typedef struct {
     fa_attn_item_fn attn_item[2];      /* tiled: many query rows */
     fa_attn_item_fn attn_item_rows[2]; /* few query rows (decode) */
     fa_attn_merge_fn attn_merge[2];
+    fa_attn_item_fn weights_item[2];   /* probabilities (attention_weights) */
     fa_softmax_row_fn softmax_row[2];
     fa_exp_fn exp[2];
     fa_exp_fn exp_neg[2];
@@ -90,6 +95,10 @@ static inline int64_t fa_softmax_scratch_elems(int64_t n)
                                      const fa_item *, void *);                        \
     void fa_attn_item_rows_f64_##isa(const fa_attention_args *, const fa_tiles *,     \
                                      const fa_item *, void *);                        \
+    void fa_weights_item_f32_##isa(const fa_attention_args *, const fa_tiles *,       \
+                                   const fa_item *, void *);                          \
+    void fa_weights_item_f64_##isa(const fa_attention_args *, const fa_tiles *,       \
+                                   const fa_item *, void *);                          \
     void fa_attn_merge_f32_##isa(const fa_attention_args *, const fa_item *,          \
                                  const void *, int64_t, void *);                      \
     void fa_attn_merge_f64_##isa(const fa_attention_args *, const fa_item *,          \

@@ -215,6 +215,36 @@ void FN(fa_exp_neg)(const void *x_, void *y_, int64_t n)
     }
 }
 
+/* tanh for the softcap: the odd Taylor series below |x| = 0.25 (terms to
+ * x^11 for float32, x^23 for float64), (1 - e) / (1 + e) with e = exp(-2|x|)
+ * above.  NaN stays NaN; +-inf give +-1. */
+INLINE vec vtanh(vec x)
+{
+    const ivec neg = x < 0;
+    const vec ax = vsel(neg, -x, x), x2 = x * x;
+#if FA_IS_F64
+    vec p = vset1(-113927491862.0 / 2900518163668125.0);
+    p = p * x2 + 18888466084.0 / 194896477400625.0;
+    p = p * x2 - 443861162.0 / 1856156927625.0;
+    p = p * x2 + 6404582.0 / 10854718875.0;
+    p = p * x2 - 929569.0 / 638512875.0;
+    p = p * x2 + 21844.0 / 6081075.0;
+    p = p * x2 - 1382.0 / 155925.0;
+    p = p * x2 + 62.0 / 2835.0;
+#else
+    vec p = vset1(-1382.0f / 155925.0f);
+    p = p * x2 + 62.0f / 2835.0f;
+#endif
+    p = p * x2 - (T)17 / 315;
+    p = p * x2 + (T)2 / 15;
+    p = p * x2 - (T)1 / 3;
+    const vec small = x + x * (x2 * p);
+    const vec e = vexp_neg(-2 * ax);
+    vec big = (1 - e) / (1 + e);
+    big = vsel(neg, -big, big);
+    return vsel(ax < (T)0.25, small, big);
+}
+
 /* exp of n values, x (n) -> y (n): the same polynomial, for the tests. */
 void FN(fa_exp)(const void *x_, void *y_, int64_t n)
 {
@@ -367,70 +397,144 @@ static int mask_bits(IT *restrict W, int64_t bqp, const uint8_t *restrict mk, in
 }
 
 /* ---------------------------------------------------------------------------
+ * Which keys the rows of an item see (fastattn.h): row i (local) sees key j iff
+ *   j >= base + i - left   (when has_left)   and   j <= base + i + right  (when has_right)
+ * with base = i0 + off the aligned position of the item's first row; causal
+ * is right = 0.  The item's key range is the union over its rows.
+ * ------------------------------------------------------------------------- */
+typedef struct {
+    int64_t base, left, right;
+    int has_left, has_right;
+    int64_t j_lo, j_hi; /* keys any row of the item may see */
+} band_t;
+
+static band_t item_band(const fa_attention_args *a, const fa_item *it)
+{
+    band_t b;
+    b.base = it->i0 + it->off;
+    b.has_left = a->win_left >= 0;
+    b.left = a->win_left;
+    b.has_right = a->causal || a->win_right >= 0;
+    b.right = a->causal ? 0 : a->win_right;
+    b.j_lo = it->j_lo;
+    b.j_hi = it->j_hi < it->kv ? it->j_hi : it->kv;
+    if (b.has_left && b.base - b.left > b.j_lo) b.j_lo = b.base - b.left;
+    if (b.has_right && b.base + it->bq + b.right < b.j_hi) b.j_hi = b.base + it->bq + b.right;
+    return b;
+}
+
+/* Pack the item's queries, times scale, transposed and zero-padded:
+ *   Qt (dk, bqp) <- q (bq, dk) row stride q_rs */
+static void pack_queries(const fa_attention_args *a, const fa_item *it, T *Qt, int64_t bqp)
+{
+    const T *q = it->q;
+    const T scale = (T)a->scale;
+    for (int64_t i = 0; i < it->bq; i++)
+        for (int64_t c = 0; c < a->dk; c++) Qt[c * bqp + i] = q[i * a->q_rs + c] * scale;
+    for (int64_t c = 0; c < a->dk; c++)
+        for (int64_t i = it->bq; i < bqp; i++) Qt[c * bqp + i] = 0;
+}
+
+/* Scores of the key tile [j0, j0 + nb) for the item's rows:
+ *   St (nb, bqp) = K_tile . Qt (Qt already scaled), then softcap, ALiBi,
+ *   float mask and the band (causal, window), on every lane or the real rows.
+ * A bool mask is packed into bit words W (ceil(nb / 32), bqp) for the caller
+ * to apply.  Returns -1 when the bool mask forbids the whole tile (St is not
+ * computed), 1 when W must be applied, 0 otherwise. */
+static int tile_scores(const fa_attention_args *a, const fa_item *it, const band_t *b, T *St,
+                       const T *Qt, IT *W, int64_t bqp, int64_t j0, int64_t nb)
+{
+    const int64_t bq = it->bq;
+    int bits = 0;
+    if (a->mask_kind == FA_MASK_BOOL) {
+        const int kind = mask_bits(W, bqp, (const uint8_t *)it->mask + j0 * a->m_cs, a->m_rs, a->m_cs, bq, nb);
+        if (kind == 0) return -1;
+        bits = kind == 1;
+    }
+    qk_block(St, (const T *)it->k + j0 * a->k_rs, a->k_rs, Qt, bqp, a->dk, nb);
+    if (a->softcap > 0) {
+        const T c = (T)a->softcap, ic = 1 / c;
+        for (int64_t x = 0; x < nb * bqp; x += L) vstore(St + x, vtanh(vload(St + x) * ic) * c);
+    }
+    if (it->slope != 0) { /* ALiBi: s -= slope * |p - j|, p = base + i */
+        const T slope = (T)it->slope;
+        T io[L];
+        for (int r = 0; r < L; r++) io[r] = (T)r;
+        const vec iota = vload(io);
+        for (int64_t j = 0; j < nb; j++)
+            for (int64_t i = 0; i < bqp; i += L) {
+                const vec d = iota + (T)(b->base + i - (j0 + j));
+                vstore(St + j * bqp + i, vload(St + j * bqp + i) - slope * vsel(d < 0, -d, d));
+            }
+    }
+    if (a->mask_kind == FA_MASK_ADD) {
+        const T *mk = (const T *)it->mask + j0 * a->m_cs;
+        for (int64_t j = 0; j < nb; j++)
+            for (int64_t i = 0; i < bq; i++) St[j * bqp + i] += mk[i * a->m_rs + j * a->m_cs];
+    }
+    /* band: key j hides rows i < j - base - right and rows i > j - base + left */
+    const int cut_right = b->has_right && j0 + nb - 1 > b->base + b->right;
+    const int cut_left = b->has_left && j0 < b->base + bq - 1 - b->left;
+    if (cut_right || cut_left)
+        for (int64_t j = 0; j < nb; j++) {
+            const int64_t jj = j0 + j;
+            if (cut_right) {
+                int64_t hide = jj - b->base - b->right;
+                if (hide > bq) hide = bq;
+                for (int64_t i = 0; i < hide; i++) St[j * bqp + i] = -INFINITY;
+            }
+            if (cut_left)
+                for (int64_t i = (jj - b->base + b->left + 1 > 0) ? jj - b->base + b->left + 1 : 0; i < bq; i++)
+                    St[j * bqp + i] = -INFINITY;
+        }
+    return bits;
+}
+
+/* St[j][i] = -inf where the bool mask's bit is 0 (for the weights kernel;
+ * the attention kernel fuses this into its max pass). */
+static void apply_bits(T *St, const IT *W, int64_t bqp, int64_t nb)
+{
+    for (int64_t j = 0; j < nb; j++)
+        for (int64_t i = 0; i < bqp; i += L) {
+            const uvec w = (uvec)vload_i(W + (j >> 5) * bqp + i);
+            const ivec keep = (ivec)((w >> (j & 31)) & 1) != 0;
+            vstore(St + j * bqp + i, vsel(keep, vload(St + j * bqp + i), vset1(-INFINITY)));
+        }
+}
+
+/* ---------------------------------------------------------------------------
  * One attention work item (see fa_item in internal.h for q, k, v, mask, out,
  * lse and part).  Scratch, in elements of T:
  *   Qt   (dk, bqp)  queries of the item, times scale, transposed, zero-padded
  *   St   (bk, bqp)  scores of one key tile, transposed; then probabilities
  *   Ot   (dv, bqp)  unnormalised output accumulator, transposed
- *   m    (bqp)      running row max (NaN-propagating)
+ *   m    (bqp)      running row max
  *   l    (bqp)      running row sum of exp(score - max)
  *   W    (ceil(bk / 32), bqp)  a bool mask tile as bit words (IT lanes)
  * ------------------------------------------------------------------------- */
 void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_item *it,
                       void *scratch)
 {
-    const int64_t bq = it->bq, bqp = tl->bqp, bk = tl->bk, dk = a->dk, dv = a->dv;
-    const T *q = it->q, *k = it->k, *v = it->v;
+    const int64_t bqp = tl->bqp, bk = tl->bk, dk = a->dk, dv = a->dv;
     T *Qt = scratch, *St = Qt + dk * bqp, *Ot = St + bk * bqp, *m = Ot + dv * bqp, *l = m + bqp;
     IT *W = (IT *)(l + bqp);
-    const T scale = (T)a->scale;
 
     /* Pass 1: pack the queries. */
-    for (int64_t i = 0; i < bq; i++)
-        for (int64_t c = 0; c < dk; c++) Qt[c * bqp + i] = q[i * a->q_rs + c] * scale;
-    for (int64_t c = 0; c < dk; c++)
-        for (int64_t i = bq; i < bqp; i++) Qt[c * bqp + i] = 0;
+    pack_queries(a, it, Qt, bqp);
     memset(Ot, 0, (size_t)(dv * bqp) * sizeof(T));
     for (int64_t i = 0; i < bqp; i++) {
         m[i] = -INFINITY;
         l[i] = 0;
     }
 
-    /* Keys this item can see.  Causal: key j is visible to query i iff
-     * j <= i + off (bottom-right aligned), so nothing past the last row's limit. */
-    const int64_t off = a->nk - a->nq;
-    int64_t j_lo = it->j_lo, j_hi = it->j_hi;
-    if (a->causal && it->i0 + bq + off < j_hi) j_hi = it->i0 + bq + off;
+    /* Key tiles outside every row's band (causal, window, kv length) are never visited. */
+    const band_t b = item_band(a, it);
+    for (int64_t j0 = b.j_lo; j0 < b.j_hi; j0 += bk) {
+        const int64_t nb = (b.j_hi - j0 < bk) ? b.j_hi - j0 : bk;
 
-    for (int64_t j0 = j_lo; j0 < j_hi; j0 += bk) {
-        const int64_t nb = (j_hi - j0 < bk) ? j_hi - j0 : bk;
-
-        /* A bool mask tile is read once into bit words; a tile it forbids
-         * entirely is skipped, and one it allows entirely needs no masking. */
-        int bits = 0;
-        if (a->mask_kind == FA_MASK_BOOL) {
-            const int kind = mask_bits(W, bqp, (const uint8_t *)it->mask + j0 * a->m_cs, a->m_rs, a->m_cs, bq, nb);
-            if (kind == 0) continue;
-            bits = kind == 1;
-        }
-
-        /* Pass 2: scores St = K_tile . Qt (already scaled). */
-        qk_block(St, k + j0 * a->k_rs, a->k_rs, Qt, bqp, dk, nb);
-
-        /* Pass 3: float mask, then causal, on the real rows only (the bool mask
-         * is applied in pass 4). */
-        if (a->mask_kind == FA_MASK_ADD) {
-            const T *mk = (const T *)it->mask + j0 * a->m_cs;
-            for (int64_t j = 0; j < nb; j++)
-                for (int64_t i = 0; i < bq; i++) St[j * bqp + i] += mk[i * a->m_rs + j * a->m_cs];
-        }
-        if (a->causal && j0 + nb - 1 > it->i0 + off) {
-            for (int64_t j = 0; j < nb; j++) {
-                int64_t hidden = j0 + j - off - it->i0; /* rows i < hidden cannot see key j0+j */
-                if (hidden > bq) hidden = bq;
-                for (int64_t i = 0; i < hidden; i++) St[j * bqp + i] = -INFINITY;
-            }
-        }
+        /* Passes 2-3: scores with every modifier and mask except a bool mask's bits. */
+        const int bits = tile_scores(a, it, &b, St, Qt, W, bqp, j0, nb);
+        if (bits < 0) continue;
 
         /* Pass 4: online softmax, one vector of query rows at a time. */
         for (int64_t i = 0; i < bqp; i += L) {
@@ -466,11 +570,64 @@ void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_i
         }
 
         /* Pass 5: Ot += P . V_tile */
-        pv_block(Ot, St, v + j0 * a->v_rs, a->v_rs, bqp, dv, nb);
+        pv_block(Ot, St, (const T *)it->v + j0 * a->v_rs, a->v_rs, bqp, dv, nb);
     }
 
     /* Pass 6: write out (acc element (i, c) is Ot[c * bqp + i]). */
     write_rows(a, it, Ot, 1, bqp, m, l);
+}
+
+/* ---------------------------------------------------------------------------
+ * Attention weights of one item: out (bq, nk) row stride o_rs, zero-filled by
+ * the caller.  Pass A finds each row's max and sum over the visible tiles;
+ * pass B recomputes the scores and writes exp(s - max) / sum.  A row whose sum
+ * is NaN is NaN throughout.  Scratch as fa_attn_item with dv = 0.
+ * ------------------------------------------------------------------------- */
+void FN(fa_weights_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_item *it,
+                         void *scratch)
+{
+    const int64_t bq = it->bq, bqp = tl->bqp, bk = tl->bk, dk = a->dk;
+    T *Qt = scratch, *St = Qt + dk * bqp, *m = St + bk * bqp, *l = m + bqp;
+    IT *W = (IT *)(l + bqp);
+    T *out = it->out;
+    pack_queries(a, it, Qt, bqp);
+    for (int64_t i = 0; i < bqp; i++) {
+        m[i] = -INFINITY;
+        l[i] = 0;
+    }
+    const band_t b = item_band(a, it);
+    for (int pass = 0; pass < 2; pass++) {
+        for (int64_t j0 = b.j_lo; j0 < b.j_hi; j0 += bk) {
+            const int64_t nb = (b.j_hi - j0 < bk) ? b.j_hi - j0 : bk;
+            const int bits = tile_scores(a, it, &b, St, Qt, W, bqp, j0, nb);
+            if (bits < 0) continue;
+            if (bits) apply_bits(St, W, bqp, nb);
+            for (int64_t i = 0; i < bqp; i += L) {
+                if (pass == 0) {
+                    vec bm = vset1(-INFINITY);
+                    for (int64_t j = 0; j < nb; j++) bm = vmax(vload(St + j * bqp + i), bm);
+                    const vec mo = vload(m + i), mn = vmax(bm, mo);
+                    const vec mu = vsel(mn == vset1(-INFINITY), vset1(0), mn);
+                    vec sum = vset1(0);
+                    for (int64_t j = 0; j < nb; j++) sum += vexp_neg(vload(St + j * bqp + i) - mu);
+                    vstore(l + i, vload(l + i) * vexp_neg(mo - mu) + sum);
+                    vstore(m + i, mn);
+                } else {
+                    const vec mn = vload(m + i), lv = vload(l + i);
+                    const vec mu = vsel(mn == vset1(-INFINITY), vset1(0), mn);
+                    const vec inv = vsel(lv == vset1(0), vset1(0), 1 / lv);
+                    for (int64_t j = 0; j < nb; j++)
+                        vstore(St + j * bqp + i, vexp_neg(vload(St + j * bqp + i) - mu) * inv);
+                }
+            }
+            if (pass == 1)
+                for (int64_t i = 0; i < bq; i++)
+                    for (int64_t j = 0; j < nb; j++) out[i * a->o_rs + j0 + j] = St[j * bqp + i];
+        }
+    }
+    for (int64_t i = 0; i < bq; i++)
+        if (l[i] != l[i])
+            for (int64_t j = 0; j < a->nk; j++) out[i * a->o_rs + j] = l[i];
 }
 
 /* Write one item's rows from the accumulator, running max and sum:
@@ -668,16 +825,30 @@ void FN(fa_attn_item_rows)(const fa_attention_args *a, const fa_tiles *tl, const
     }
     memset(A, 0, (size_t)(bq * dv) * sizeof(T));
 
-    const int64_t off = a->nk - a->nq;
-    int64_t j_lo = it->j_lo, j_hi = it->j_hi;
-    if (a->causal && it->i0 + bq + off < j_hi) j_hi = it->i0 + bq + off;
-
-    for (int64_t j0 = j_lo; j0 < j_hi; j0 += bk) {
-        const int64_t nb = (j_hi - j0 < bk) ? j_hi - j0 : bk;
+    const band_t b = item_band(a, it);
+    for (int64_t j0 = b.j_lo; j0 < b.j_hi; j0 += bk) {
+        const int64_t nb = (b.j_hi - j0 < bk) ? b.j_hi - j0 : bk;
         rows_scores(S, bk, Qs, dkp, bq, k + j0 * a->k_rs, a->k_rs, dk, nb);
         for (int64_t i = 0; i < bq; i++) {
             T *si = S + i * bk;
-            const int64_t gi = it->i0 + i;
+            const int64_t pos = b.base + i; /* the row's aligned position */
+            if (a->softcap > 0) {
+                const T c = (T)a->softcap, ic = 1 / c;
+                int64_t j = 0;
+                for (; j + L <= nb; j += L) vstore(si + j, vtanh(vload(si + j) * ic) * c);
+                for (; j < nb; j++) {
+                    T buf[L] = {0};
+                    buf[0] = si[j] * ic;
+                    const vec t = vtanh(vload(buf));
+                    memcpy(buf, &t, sizeof buf);
+                    si[j] = buf[0] * c;
+                }
+            }
+            if (it->slope != 0)
+                for (int64_t j = 0; j < nb; j++) {
+                    const int64_t d = pos - (j0 + j);
+                    si[j] -= (T)it->slope * (T)(d < 0 ? -d : d);
+                }
             if (a->mask_kind == FA_MASK_BOOL) {
                 const uint8_t *mk = (const uint8_t *)it->mask + i * a->m_rs + j0 * a->m_cs;
                 for (int64_t j = 0; j < nb; j++)
@@ -686,9 +857,11 @@ void FN(fa_attn_item_rows)(const fa_attention_args *a, const fa_tiles *tl, const
                 const T *mk = (const T *)it->mask + i * a->m_rs + j0 * a->m_cs;
                 for (int64_t j = 0; j < nb; j++) si[j] += mk[j * a->m_cs];
             }
-            if (a->causal) /* key j0 + j is hidden from row gi iff j0 + j > gi + off */
-                for (int64_t j = (gi + off + 1 - j0 > 0) ? gi + off + 1 - j0 : 0; j < nb; j++)
+            if (b.has_right) /* key j0 + j is hidden iff j0 + j > pos + right */
+                for (int64_t j = (pos + b.right + 1 - j0 > 0) ? pos + b.right + 1 - j0 : 0; j < nb; j++)
                     si[j] = -INFINITY;
+            if (b.has_left) /* ... or j0 + j < pos - left */
+                for (int64_t j = 0; j < nb && j0 + j < pos - b.left; j++) si[j] = -INFINITY;
             /* online softmax of row i over this tile */
             T bm = -INFINITY;
             for (int64_t j = 0; j < nb; j++) bm = (si[j] > bm || si[j] != si[j]) ? si[j] : bm;

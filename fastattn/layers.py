@@ -1,0 +1,134 @@
+"""Self-attention and multi-head attention layers on top of fastattn.attention.
+
+The classic formulation: token vectors x are projected into queries, keys and
+values by W_Q, W_K, W_V; each output is a weighted sum of the values; a causal
+mask stops a token from seeing later ones; several heads run side by side and
+their outputs are combined by W_O.  The projections are NumPy matrix products
+(BLAS); the attention is the fused C kernel, reading the heads through
+strides (no copy into a per-head layout).
+"""
+
+import operator
+
+import numpy as np
+
+from ._api import _as_array, attention
+
+__all__ = ["self_attention", "multihead_attention"]
+
+
+def _weight(w, name, rows=None, cols=None):
+    w = _as_array(w, name)
+    if w.ndim != 2:
+        raise ValueError(f"{name} must be a 2-D matrix, got shape {w.shape}")
+    if rows is not None and w.shape[0] != rows:
+        raise ValueError(f"{name} has {w.shape[0]} rows; it must have d_model = {rows} (shape {w.shape})")
+    if cols is not None and w.shape[1] != cols:
+        raise ValueError(f"{name} has {w.shape[1]} columns; it must have {cols} (shape {w.shape})")
+    return w
+
+
+def _tokens(x):
+    x = _as_array(x, "x")
+    if x.ndim < 2:
+        raise ValueError(f"x must have shape (..., n, d_model), got shape {x.shape}")
+    return x
+
+
+def self_attention(x, w_q, w_k, w_v, *, mask=None, causal=False, scale=None):
+    """Single-head self-attention: attention(x W_Q, x W_K, x W_V).
+
+    Parameters
+    ----------
+    x : array_like, shape (..., n, d_model)
+        Token vectors.
+    w_q, w_k : array_like, shape (d_model, d_k)
+    w_v : array_like, shape (d_model, d_v)
+    mask, causal, scale
+        As for `fastattn.attention` (causal: a token sees itself and earlier ones).
+
+    Returns
+    -------
+    ndarray, shape (..., n, d_v)
+
+    Examples
+    --------
+    >>> import numpy as np, fastattn
+    >>> x = np.random.default_rng(0).standard_normal((3, 4))       # "I am hungry", d_model 4
+    >>> w = np.eye(4)
+    >>> fastattn.self_attention(x, w, w, w, causal=True).shape
+    (3, 4)
+    """
+    x = _tokens(x)
+    d_model = x.shape[-1]
+    w_q = _weight(w_q, "w_q", d_model)
+    w_k = _weight(w_k, "w_k", d_model, w_q.shape[1])
+    w_v = _weight(w_v, "w_v", d_model)
+    return attention(x @ w_q, x @ w_k, x @ w_v, mask=mask, causal=causal, scale=scale)
+
+
+def multihead_attention(x, w_q, w_k, w_v, w_o, *, num_heads, num_kv_heads=None, mask=None,
+                        causal=False, scale=None):
+    """Multi-head self-attention with an output projection.
+
+    Parameters
+    ----------
+    x : array_like, shape (..., n, d_model)
+    w_q : array_like, shape (d_model, num_heads * d_head)
+    w_k, w_v : array_like, shape (d_model, num_kv_heads * d_head)
+    w_o : array_like, shape (num_heads * d_head, d_model)
+    num_heads : int
+        Head h uses columns h * d_head to (h + 1) * d_head of the projections.
+    num_kv_heads : int, optional
+        Key/value heads (default num_heads).  Fewer than num_heads, dividing
+        it, is grouped-query attention (1: multi-query).
+    mask : array_like, optional
+        bool or float, broadcastable to (..., num_heads, n, n).
+    causal, scale
+        As for `fastattn.attention`; scale defaults to 1/sqrt(d_head).
+
+    Returns
+    -------
+    ndarray, shape (..., n, d_model)
+        concat_h(attention_h) @ w_o.
+
+    Examples
+    --------
+    >>> import numpy as np, fastattn
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.standard_normal((2, 5, 8))
+    >>> wq, wk, wv, wo = (rng.standard_normal((8, 8)) for _ in range(4))
+    >>> fastattn.multihead_attention(x, wq, wk, wv, wo, num_heads=2, causal=True).shape
+    (2, 5, 8)
+    """
+    x = _tokens(x)
+    d_model = x.shape[-1]
+    try:
+        H = operator.index(num_heads)
+        Hkv = H if num_kv_heads is None else operator.index(num_kv_heads)
+    except TypeError:
+        raise TypeError("num_heads and num_kv_heads must be ints") from None
+    if H <= 0 or Hkv <= 0:
+        raise ValueError(f"num_heads ({H}) and num_kv_heads ({Hkv}) must be positive")
+    if H % Hkv:
+        raise ValueError(f"num_heads ({H}) must be a multiple of num_kv_heads ({Hkv})")
+    w_q = _weight(w_q, "w_q", d_model)
+    if w_q.shape[1] % H:
+        raise ValueError(f"w_q has {w_q.shape[1]} columns, not a multiple of num_heads = {H}")
+    d_head = w_q.shape[1] // H
+    w_k = _weight(w_k, "w_k", d_model, Hkv * d_head)
+    w_v = _weight(w_v, "w_v", d_model, Hkv * d_head)
+    w_o = _weight(w_o, "w_o", H * d_head, d_model)
+
+    lead, n = x.shape[:-2], x.shape[-2]
+
+    def heads(t, h):  # (..., n, h * d_head) -> (..., h, n, d_head), a view
+        return np.swapaxes(t.reshape(lead + (n, h, d_head)), -2, -3)
+
+    q, k, v = heads(x @ w_q, H), heads(x @ w_k, Hkv), heads(x @ w_v, Hkv)
+    dtype = np.result_type(q, k, v)
+    dtype = dtype if dtype.kind == "f" else np.dtype(np.float64)
+    concat = np.empty(lead + (n, H * d_head), dtype)                 # (..., n, H * d_head)
+    attention(q, k, v, mask=mask, causal=causal, scale=scale, enable_gqa=Hkv < H,
+              out=heads(concat, H))                                   # written through strides
+    return concat @ w_o

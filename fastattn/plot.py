@@ -1,0 +1,72 @@
+"""Heatmaps of attention weights (matplotlib is an optional extra:
+`pip install "fastattn[plot]"`)."""
+
+import numpy as np
+
+__all__ = ["attention_map"]
+
+
+def _pyplot():
+    try:
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ImportError(
+            "fastattn.plot needs matplotlib, an optional extra: pip install \"fastattn[plot]\" "
+            "(or pip install matplotlib)") from None
+    return plt
+
+
+def attention_map(weights, query_labels=None, key_labels=None, ax=None, *, title=None, annotate=None):
+    """Draw attention weights as a heatmap: one row per query, one column per key.
+
+    Parameters
+    ----------
+    weights : array_like, shape (n_q, n_k)
+        For example from `fastattn.attention_weights` (one head).
+    query_labels, key_labels : sequence of str, optional
+        Token labels for the rows and the columns.
+    ax : matplotlib Axes, optional
+        Where to draw; a new figure when None.
+    title : str, optional
+    annotate : bool, optional
+        Write each weight in its cell (default: when the map has at most 20 x 20 cells).
+
+    Returns
+    -------
+    matplotlib Axes
+
+    Raises
+    ------
+    ImportError
+        When matplotlib is not installed, saying how to install it.
+    ValueError
+        When weights is not 2-D or a label list has the wrong length.
+    """
+    w = np.asarray(weights, dtype=np.float64)
+    if w.ndim != 2:
+        raise ValueError(f"weights must be 2-D (n_q, n_k), got shape {w.shape}; pick one head, "
+                         f"e.g. weights[0, h]")
+    for labels, n, name in ((query_labels, w.shape[0], "query_labels"), (key_labels, w.shape[1], "key_labels")):
+        if labels is not None and len(labels) != n:
+            raise ValueError(f"{name} has {len(labels)} labels for {n} {'rows' if name[0] == 'q' else 'columns'}")
+    plt = _pyplot()
+    if ax is None:
+        _, ax = plt.subplots(figsize=(1.0 + 0.55 * w.shape[1], 0.8 + 0.5 * w.shape[0]))
+    im = ax.imshow(w, cmap="viridis", vmin=0.0, vmax=max(1e-12, float(np.nanmax(w)) if w.size else 1.0),
+                   aspect="auto")
+    ax.figure.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
+    ax.set_xticks(range(w.shape[1]), key_labels if key_labels is not None else range(w.shape[1]),
+                  rotation=45, ha="right")
+    ax.set_yticks(range(w.shape[0]), query_labels if query_labels is not None else range(w.shape[0]))
+    ax.set_xlabel("key")
+    ax.set_ylabel("query")
+    if annotate is None:
+        annotate = w.shape[0] <= 20 and w.shape[1] <= 20
+    if annotate:
+        for i in range(w.shape[0]):
+            for j in range(w.shape[1]):
+                ax.text(j, i, f"{w[i, j]:.2f}", ha="center", va="center", fontsize=8,
+                        color="white" if w[i, j] < 0.6 * np.nanmax(w) else "black")
+    if title:
+        ax.set_title(title)
+    return ax

@@ -1,0 +1,342 @@
+"""Modern attention variants (GQA, windows, softcap, ALiBi, kv_lengths), the
+weights, merging, and the layers, each against its twin in fastattn.reference."""
+
+import numpy as np
+import pytest
+from conftest import assert_close, rand
+
+import fastattn
+from fastattn import reference as ref
+
+F32, F64 = np.float32, np.float64
+
+
+def check(q, k, v, dtype, **kw):
+    threads = kw.pop("num_threads", None)
+    out, lse = fastattn.attention(q, k, v, return_lse=True, num_threads=threads, **kw)
+    c = lambda a: np.asarray(a).astype(F64)  # noqa: E731
+    mask = kw.pop("mask", None)
+    if mask is not None and np.asarray(mask).dtype != bool:
+        mask = c(mask)
+    want, want_lse = ref.attention(c(q), c(k), c(v), mask=mask, return_lse=True, **kw)
+    assert_close(out, want, dtype)
+    assert_close(lse, want_lse, dtype, "lse")
+    return out, lse
+
+
+# shapes that go through the tiled kernel, the few-rows kernel, and the split-key merge
+PATHS = {"tiled": (150, 300, 1), "rows": (3, 300, 1), "split": (2, 2100, 2)}
+
+
+# ---------------------------------------------------------------------------
+# GQA
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("hkv", [1, 2, 6])
+@pytest.mark.parametrize("path", list(PATHS))
+def test_gqa(isa, rng, dtype, hkv, path):
+    nq, nk, threads = PATHS[path]
+    q = rand(rng, (2, 6, nq, 16), dtype)
+    k, v = rand(rng, (2, hkv, nk, 16), dtype), rand(rng, (2, hkv, nk, 12), dtype)
+    check(q, k, v, dtype, enable_gqa=True, num_threads=threads)
+    check(q, k, v, dtype, enable_gqa=True, causal=True, num_threads=threads)
+    mask = rng.random((6, nq, nk)) < 0.7       # a per-query-head mask
+    check(q, k, v, dtype, enable_gqa=True, mask=mask, num_threads=threads)
+    check(q, k, v, dtype, enable_gqa=True, mask=rng.random((1, nq, nk)) < 0.7)
+    out = fastattn.attention(q, k, v, enable_gqa=True)
+    assert out.shape == (2, 6, nq, 12)
+
+
+def test_gqa_out_lse_and_broadcast(rng):
+    q, k, v = rand(rng, (4, 5, 8)), rand(rng, (2, 7, 8)), rand(rng, (2, 7, 3))
+    out = np.empty((4, 5, 3), F32)
+    res, lse = fastattn.attention(q, k, v, enable_gqa=True, out=out, return_lse=True)
+    assert res is out and lse.shape == (4, 5)
+    want, want_lse = ref.attention(q.astype(F64), k.astype(F64), v.astype(F64), enable_gqa=True, return_lse=True)
+    assert_close(out, want, F32)
+    assert_close(lse, want_lse, F32)
+    strided = np.zeros((4, 3, 10), F32).transpose(0, 2, 1)[:, ::2]     # (4, 5, 3), any strides
+    fastattn.attention(q, k, v, enable_gqa=True, out=strided)
+    assert_close(strided, want, F32)
+
+
+@pytest.mark.parametrize("qs,ks,vs,msg", [
+    ((6, 5, 8), (4, 7, 8), (4, 7, 3), "multiple of the key/value heads"),
+    ((6, 5, 8), (2, 7, 8), (3, 7, 3), "different head counts"),
+    ((5, 8), (7, 8), (7, 3), "needs a head axis"),
+])
+def test_gqa_errors(rng, qs, ks, vs, msg):
+    with pytest.raises(ValueError, match=msg):
+        fastattn.attention(rand(rng, qs), rand(rng, ks), rand(rng, vs), enable_gqa=True)
+    with pytest.raises(ValueError, match="heads on axis"):
+        fastattn.attention(rand(rng, (6, 5, 8)), rand(rng, (2, 7, 8)), rand(rng, (2, 7, 3)), enable_gqa=True,
+                           mask=np.ones((3, 5, 7), bool))
+
+
+# ---------------------------------------------------------------------------
+# sliding windows
+# ---------------------------------------------------------------------------
+WINDOWS = [(0, 0), (5, 0), (None, 3), (3, None), (-1, 2), (40, 40), (0, 10**6), (10**6, 10**6), (None, None)]
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("path", list(PATHS))
+def test_window(isa, rng, dtype, window, path):
+    nq, nk, threads = PATHS[path]
+    q, k, v = rand(rng, (2, nq, 16), dtype), rand(rng, (2, nk, 16), dtype), rand(rng, (2, nk, 8), dtype)
+    check(q, k, v, dtype, window=window, num_threads=threads)
+    check(q, k, v, dtype, window=window, causal=True, num_threads=threads)
+    check(q, k, v, dtype, window=window, mask=rng.random((nq, nk)) < 0.8, num_threads=threads)
+
+
+def test_window_empty_rows_and_more_queries(isa, rng):
+    """n_q > n_k: a window puts early rows entirely before the first key."""
+    q, k, v = rand(rng, (300, 8)), rand(rng, (100, 8)), rand(rng, (100, 4))
+    out, lse = check(q, k, v, F32, window=(10, 0))
+    assert np.all(out[:190] == 0) and np.all(np.isneginf(lse[:190]))
+
+
+@pytest.mark.parametrize("window,exc", [((1, 2, 3), ValueError), (5, ValueError), ((1.5, 2), TypeError),
+                                        ((True, 2), TypeError)])
+def test_window_errors(rng, window, exc):
+    with pytest.raises(exc, match="window"):
+        fastattn.attention(rand(rng, (4, 8)), rand(rng, (6, 8)), rand(rng, (6, 2)), window=window)
+
+
+# ---------------------------------------------------------------------------
+# softcap, ALiBi
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("softcap", [0.1, 1.0, 5.0, 50.0])
+@pytest.mark.parametrize("path", list(PATHS))
+def test_softcap(isa, rng, dtype, softcap, path):
+    nq, nk, threads = PATHS[path]
+    q, k, v = rand(rng, (2, nq, 16), dtype, 3.0), rand(rng, (2, nk, 16), dtype), rand(rng, (2, nk, 8), dtype)
+    check(q, k, v, dtype, softcap=softcap, scale=1.0, num_threads=threads)
+    check(q, k, v, dtype, softcap=softcap, causal=True, mask=rng.random((nq, nk)) < 0.9, num_threads=threads)
+
+
+def test_softcap_extremes(rng):
+    q, k, v = rand(rng, (5, 4)), rand(rng, (9, 4)), rand(rng, (9, 2))
+    q[0] = 1e30
+    q[1] = np.inf
+    out = fastattn.attention(q, k, v, softcap=10.0)
+    want = ref.attention(q.astype(F64), k.astype(F64), v.astype(F64), softcap=10.0)
+    assert_close(out, want, F32)
+
+
+@pytest.mark.parametrize("bad,exc", [(0.0, ValueError), (-1.0, ValueError), (np.inf, ValueError), ("x", TypeError)])
+def test_softcap_errors(rng, bad, exc):
+    with pytest.raises(exc, match="softcap"):
+        fastattn.attention(rand(rng, (4, 8)), rand(rng, (6, 8)), rand(rng, (6, 2)), softcap=bad)
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("path", list(PATHS))
+def test_alibi(isa, rng, dtype, path):
+    nq, nk, threads = PATHS[path]
+    q, k, v = rand(rng, (2, 4, nq, 16), dtype), rand(rng, (2, 4, nk, 16), dtype), rand(rng, (2, 4, nk, 8), dtype)
+    slopes = 2.0 ** -np.arange(1, 5)
+    check(q, k, v, dtype, alibi_slopes=slopes, num_threads=threads)
+    check(q, k, v, dtype, alibi_slopes=slopes, causal=True, num_threads=threads)
+    check(q, k, v, dtype, alibi_slopes=rng.random((2, 4)), window=(30, 0), num_threads=threads)
+    check(q, k, v, dtype, alibi_slopes=0.5, softcap=4.0, num_threads=threads)
+
+
+def test_alibi_errors(rng):
+    q, k, v = rand(rng, (2, 3, 4, 8)), rand(rng, (2, 3, 6, 8)), rand(rng, (2, 3, 6, 2))
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        fastattn.attention(q, k, v, alibi_slopes=np.ones(5))
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        fastattn.attention(q, k, v, alibi_slopes=np.ones((4, 2, 3)))      # would grow the leading dims
+    with pytest.raises(TypeError, match="alibi_slopes"):
+        fastattn.attention(q, k, v, alibi_slopes=np.ones(3, complex))
+
+
+# ---------------------------------------------------------------------------
+# kv_lengths
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("path", list(PATHS))
+def test_kv_lengths(isa, rng, dtype, path):
+    nq, nk, threads = PATHS[path]
+    q, k, v = rand(rng, (3, 2, nq, 16), dtype), rand(rng, (3, 2, nk, 16), dtype), rand(rng, (3, 2, nk, 8), dtype)
+    lengths = np.array([[nk], [nk // 3], [0]])                  # (B, 1): per batch entry
+    out, lse = check(q, k, v, dtype, kv_lengths=lengths, num_threads=threads)
+    assert np.all(out[2] == 0) and np.all(np.isneginf(lse[2]))
+    check(q, k, v, dtype, kv_lengths=lengths, causal=True, num_threads=threads)
+    check(q, k, v, dtype, kv_lengths=rng.integers(0, nk + 1, (3, 2)), causal=True, window=(50, 0),
+          num_threads=threads)
+    # the padding beyond a length is never read: NaN there changes nothing
+    kp = k.copy()
+    kp[1, :, nk // 3:] = np.nan
+    out2 = fastattn.attention(q, kp, v, kv_lengths=lengths, num_threads=threads)
+    assert_close(out2, out.astype(F64), dtype)
+
+
+def test_kv_lengths_errors(rng):
+    q, k, v = rand(rng, (2, 3, 4, 8)), rand(rng, (2, 3, 6, 8)), rand(rng, (2, 3, 6, 2))
+    with pytest.raises(ValueError, match="kv_lengths must lie"):
+        fastattn.attention(q, k, v, kv_lengths=np.array([[7], [2]]))
+    with pytest.raises(ValueError, match="kv_lengths must lie"):
+        fastattn.attention(q, k, v, kv_lengths=-1)
+    with pytest.raises(TypeError, match="kv_lengths must be integers"):
+        fastattn.attention(q, k, v, kv_lengths=np.array([2.5, 3.0]))
+    with pytest.raises(ValueError, match=r"\(B, 1\)"):
+        fastattn.attention(q, k, v, kv_lengths=np.array([2, 3]))     # (B,) aligns with the heads
+
+
+# ---------------------------------------------------------------------------
+# attention_weights
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("kw", [dict(), dict(causal=True), dict(window=(7, 2)), dict(softcap=2.0),
+                                dict(alibi_slopes=np.array([0.5, 0.25])), dict(kv_lengths=np.array([[40], [13]])),
+                                dict(causal=True, window=(20, 0), softcap=3.0)])
+def test_attention_weights(isa, rng, dtype, kw):
+    q, k = rand(rng, (2, 2, 70, 16), dtype), rand(rng, (2, 2, 90, 16), dtype)
+    mask = rng.random((70, 90)) < 0.8
+    mask[3] = False
+    w = fastattn.attention_weights(q, k, mask=mask, **kw)
+    assert w.shape == (2, 2, 70, 90) and w.dtype == dtype
+    want = ref.attention_weights(q.astype(F64), k.astype(F64), mask=mask, **kw)
+    assert_close(w, want, dtype)
+    sums = w.astype(F64).sum(-1)
+    visible = want.sum(-1) > 0
+    assert_close(sums[visible], np.ones(visible.sum()), dtype)
+    assert np.all(w[..., 3, :] == 0)
+
+
+def test_attention_weights_gqa_1d_and_float_mask(rng):
+    q, k = rand(rng, (2, 6, 5, 8)), rand(rng, (2, 3, 11, 8))
+    w = fastattn.attention_weights(q, k, enable_gqa=True)
+    assert w.shape == (2, 6, 5, 11)
+    assert_close(w, ref.attention_weights(q.astype(F64), k.astype(F64), enable_gqa=True), F32)
+    w1 = fastattn.attention_weights(rand(rng, (8,)), rand(rng, (11, 8)), mask=np.arange(11) < 6)
+    assert w1.shape == (11,) and np.all(w1[6:] == 0) and abs(w1.sum() - 1) < 1e-6
+    fm = rng.standard_normal((5, 11)).astype(F32)
+    assert_close(fastattn.attention_weights(q, np.repeat(k, 2, axis=1), mask=fm),
+                 ref.attention_weights(q.astype(F64), np.repeat(k, 2, axis=1).astype(F64), mask=fm.astype(F64)), F32)
+
+
+def test_weights_times_v_is_attention(rng):
+    q, k, v = rand(rng, (3, 40, 8), F64), rand(rng, (3, 60, 8), F64), rand(rng, (3, 60, 5), F64)
+    w = fastattn.attention_weights(q, k, causal=True)
+    assert_close(w @ v, fastattn.attention(q, k, v, causal=True), F64)
+
+
+# ---------------------------------------------------------------------------
+# merge_attention
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("cuts", [[], [70], [30, 100], [0, 50, 50, 130]])
+def test_merge(rng, dtype, cuts):
+    """Attention over 1, 2, 3 (and an empty) key parts, merged, equals attention over all keys."""
+    q, k, v = rand(rng, (2, 20, 8), dtype), rand(rng, (2, 130, 8), dtype), rand(rng, (2, 130, 4), dtype)
+    bounds = [0] + cuts + [130]
+    parts = [fastattn.attention(q, k[:, a:b], v[:, a:b], return_lse=True, causal=False)
+             for a, b in zip(bounds[:-1], bounds[1:])]
+    out, lse = fastattn.merge_attention([p[0] for p in parts], [p[1] for p in parts])
+    want, want_lse = ref.attention(q.astype(F64), k.astype(F64), v.astype(F64), return_lse=True)
+    assert out.dtype == dtype
+    assert_close(out, want, dtype)
+    assert_close(lse, want_lse, dtype, "lse")
+    rout, rlse = ref.merge_attention([p[0] for p in parts], [p[1] for p in parts])
+    assert_close(out, rout, dtype)
+    assert_close(lse, rlse, dtype, "lse")
+
+
+def test_merge_masked_parts(rng):
+    q, k, v = rand(rng, (6, 8)), rand(rng, (40, 8)), rand(rng, (40, 4))
+    mask = np.ones((6, 40), bool)
+    mask[0, :20] = False        # row 0 sees nothing in part 1
+    mask[1] = False             # row 1 sees nothing at all
+    o1, l1 = fastattn.attention(q, k[:20], v[:20], mask=mask[:, :20], return_lse=True)
+    o2, l2 = fastattn.attention(q, k[20:], v[20:], mask=mask[:, 20:], return_lse=True)
+    o1[0] = np.nan              # a part with lse = -inf contributes nothing, even NaN
+    out, lse = fastattn.merge_attention([o1, o2], [l1, l2])
+    want, want_lse = ref.attention(q.astype(F64), k.astype(F64), v.astype(F64), mask=mask, return_lse=True)
+    assert_close(out, want, F32)
+    assert_close(lse, want_lse, F32)
+    assert np.all(out[1] == 0) and np.isneginf(lse[1])
+
+
+def test_merge_errors(rng):
+    o, l = rand(rng, (3, 4)), rand(rng, (3,))
+    with pytest.raises(ValueError, match="at least one"):
+        fastattn.merge_attention([], [])
+    with pytest.raises(ValueError, match="outputs but"):
+        fastattn.merge_attention([o, o], [l])
+    with pytest.raises(ValueError, match="lse 0 has shape"):
+        fastattn.merge_attention([o], [rand(rng, (4,))])
+    with pytest.raises(ValueError, match="output 1 has shape"):
+        fastattn.merge_attention([o, rand(rng, (3, 5))], [l, l])
+
+
+# ---------------------------------------------------------------------------
+# layers
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_self_attention(rng, dtype):
+    x = rand(rng, (2, 13, 24), dtype)
+    wq, wk, wv = rand(rng, (24, 16), dtype, 0.3), rand(rng, (24, 16), dtype, 0.3), rand(rng, (24, 10), dtype, 0.3)
+    for kw in (dict(), dict(causal=True), dict(mask=rng.random((13, 13)) < 0.7, scale=0.5)):
+        got = fastattn.self_attention(x, wq, wk, wv, **kw)
+        assert got.shape == (2, 13, 10)
+        c = lambda a: a.astype(F64)  # noqa: E731
+        assert_close(got, ref.self_attention(c(x), c(wq), c(wk), c(wv), **kw), dtype)
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("H,Hkv", [(4, 4), (4, 2), (4, 1), (3, None)])
+def test_multihead_attention(rng, dtype, H, Hkv):
+    d_head, d_model = 6, 20
+    x = rand(rng, (2, 11, d_model), dtype)
+    kv = Hkv or H
+    wq, wo = rand(rng, (d_model, H * d_head), dtype, 0.3), rand(rng, (H * d_head, d_model), dtype, 0.3)
+    wk, wv = rand(rng, (d_model, kv * d_head), dtype, 0.3), rand(rng, (d_model, kv * d_head), dtype, 0.3)
+    c = lambda a: a.astype(F64)  # noqa: E731
+    for kw in (dict(), dict(causal=True), dict(mask=rng.random((H, 11, 11)) < 0.7)):
+        got = fastattn.multihead_attention(x, wq, wk, wv, wo, num_heads=H, num_kv_heads=Hkv, **kw)
+        assert got.shape == (2, 11, d_model) and got.dtype == dtype
+        want = ref.multihead_attention(c(x), c(wq), c(wk), c(wv), c(wo), num_heads=H, num_kv_heads=Hkv, **kw)
+        assert_close(got, want, dtype)
+
+
+@pytest.mark.parametrize("change,exc,msg", [
+    (dict(x=np.ones(20)), ValueError, "x must have shape"),
+    (dict(w_q=np.ones((19, 24))), ValueError, "w_q has 19 rows"),
+    (dict(w_q=np.ones((20, 23))), ValueError, "not a multiple of num_heads"),
+    (dict(w_k=np.ones((20, 24))), ValueError, "w_k has 24 columns"),
+    (dict(w_v=np.ones((20, 12, 1))), ValueError, "2-D"),
+    (dict(w_o=np.ones((24, 21))), ValueError, "w_o has 21 columns"),
+    (dict(num_heads=0), ValueError, "positive"),
+    (dict(num_kv_heads=3), ValueError, "multiple of num_kv_heads"),
+    (dict(num_heads=2.0), TypeError, "ints"),
+])
+def test_multihead_errors(change, exc, msg):
+    args = dict(x=np.ones((5, 20)), w_q=np.ones((20, 24)), w_k=np.ones((20, 12)), w_v=np.ones((20, 12)),
+                w_o=np.ones((24, 20)), num_heads=4, num_kv_heads=2)
+    args.update(change)
+    with pytest.raises(exc, match=msg):
+        fastattn.multihead_attention(args.pop("x"), args.pop("w_q"), args.pop("w_k"), args.pop("w_v"),
+                                     args.pop("w_o"), **args)
+
+
+def test_self_attention_errors():
+    with pytest.raises(ValueError, match="w_k has 5 columns"):
+        fastattn.self_attention(np.ones((3, 4)), np.ones((4, 6)), np.ones((4, 5)), np.ones((4, 2)))
+    with pytest.raises(ValueError, match="w_v has 3 rows"):
+        fastattn.self_attention(np.ones((3, 4)), np.ones((4, 6)), np.ones((4, 6)), np.ones((3, 2)))
+
+
+def test_gqa_reads_kv_in_place(rng):
+    """K and V reach the kernel as views with a size-1 (broadcast) group axis: no copy, no repeat."""
+    from fastattn._api import _prepare
+    q, k, v = rand(rng, (2, 8, 5, 16)), rand(rng, (2, 2, 7, 16)), rand(rng, (2, 2, 7, 16))
+    p = _prepare(q, k, v, None, False, None, True, None, None, None, None, None)
+    assert p.lead == (2, 2, 4)
+    for given, seen in ((k, p.k), (v, p.v)):
+        assert np.shares_memory(given, seen) and seen.shape[-3] == 1   # size 1: broadcast (stride 0)
+    assert np.shares_memory(q, p.q)
