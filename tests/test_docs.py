@@ -13,8 +13,10 @@ README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 
 
 def test_docstring_examples():
-    result = doctest.testmod(_api, optionflags=doctest.NORMALIZE_WHITESPACE)
-    assert result.attempted >= 2 and result.failed == 0
+    from fastattn import layers
+    for mod, least in ((_api, 6), (layers, 2)):
+        result = doctest.testmod(mod, optionflags=doctest.NORMALIZE_WHITESPACE)
+        assert result.attempted >= least and result.failed == 0, mod.__name__
 
 
 def test_readme_python_blocks_run():
@@ -29,3 +31,7 @@ def test_readme_python_blocks_run():
     want = fastattn.reference.attention(*(a.astype(np.float64) for a in (ns["q"], ns["k"], ns["v"])), causal=True)
     assert np.max(np.abs(o - want)) < 1e-5 * max(1, np.max(np.abs(want)))
     assert abs(float(fastattn.attention(ns["fruit"], ns["keys"], ns["values"])) - 7.2718) < 1e-4
+    full = fastattn.attention(ns["qs"], ns["ks"], ns["vs"])
+    assert np.max(np.abs(ns["out"] - full)) < 1e-12        # the merge example
+    t = fastattn.attention(ns["qs"], ns["ks"], ns["vs"], return_lse=True)[1]
+    assert np.max(np.abs(ns["lse"] - t)) < 1e-12
