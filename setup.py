@@ -4,11 +4,13 @@ OpenMP: probed by compiling and linking a test program with -fopenmp.  When it
 is missing the build says so and the library runs single-threaded.
   FASTATTN_USE_OPENMP=0      build without OpenMP
   FASTATTN_REQUIRE_OPENMP=1  fail the build when OpenMP is missing (CI)
+  FASTATTN_EXTRA_CFLAGS, FASTATTN_EXTRA_LDFLAGS   more flags (CI: sanitizers, -Werror)
 No -march flag and no -ffast-math: the AVX2 kernels carry their own target
 pragma and are chosen at run time (src_c/dispatch.c); -ffast-math would break
 -inf masks, NaN propagation and the logsumexp output.
 """
 import os
+import shlex
 import sys
 import tempfile
 from glob import glob
@@ -29,7 +31,8 @@ NO_OMP_MSG = (
 
 def _has_openmp(compiler):
     """Compile and link a small OpenMP program with the build's compiler."""
-    src = "#include <omp.h>\nint main(void){int n=0;\n#pragma omp parallel\n{\n#pragma omp atomic\nn++;}\nreturn omp_get_max_threads()>0?0:1;}\n"
+    src = ("#include <omp.h>\nint main(void){int n=0;\n#pragma omp parallel\n{\n#pragma omp atomic\nn++;}\n"
+           "return omp_get_max_threads()>0?0:1;}\n")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "omp_probe.c")
         with open(path, "w") as f:
@@ -54,9 +57,15 @@ class BuildExt(build_ext):
             print(NO_OMP_MSG)
         else:
             print("fastattn: FASTATTN_USE_OPENMP=0, building the single-threaded library")
+        cflags = BASE_CFLAGS + (["-fopenmp"] if omp else []) + shlex.split(os.environ.get("FASTATTN_EXTRA_CFLAGS", ""))
+        ldflags = (["-fopenmp"] if omp else []) + shlex.split(os.environ.get("FASTATTN_EXTRA_LDFLAGS", ""))
+        if omp and sys.platform.startswith("linux"):
+            ldflags.append("-ldl")  # dladdr (show_config's OpenMP library) on older glibc
         for ext in self.extensions:
-            ext.extra_compile_args = BASE_CFLAGS + (["-fopenmp"] if omp else [])
-            ext.extra_link_args = ["-fopenmp"] if omp else []
+            ext.extra_compile_args = cflags
+            ext.extra_link_args = ldflags
+            ext.define_macros = [m for m in ext.define_macros if m[0] != "FA_BUILD_CFLAGS"] + [
+                ("FA_BUILD_CFLAGS", '"' + " ".join(cflags).replace('"', "") + '"')]
         super().build_extensions()
 
 

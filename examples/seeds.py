@@ -16,22 +16,26 @@ downloaded), so the pictures are the same on every run.  Needs matplotlib
 (pip install "fastattn[plot]").
 """
 
+from __future__ import annotations
+
 import argparse
 import os
 import zlib
+from typing import Optional, Sequence
 
 import numpy as np
+from numpy.typing import NDArray
 
 import fastattn
 from fastattn.plot import attention_map
 
 
-def word_vectors(words, d, seed):
+def word_vectors(words: Sequence[str], d: int, seed: int) -> NDArray[np.float64]:
     """A fixed random vector per word: the same word gets the same vector."""
     return np.stack([np.random.default_rng([seed, zlib.crc32(w.encode())]).standard_normal(d) for w in words])
 
 
-def fruit_lookup(out_dir, seed):
+def fruit_lookup(out_dir: str, seed: int) -> str:
     words = ["apple", "banana", "chair"]
     # two features, "is a fruit" and "is furniture", plus a little seeded noise
     features = {"apple": [1.0, 0.0], "banana": [0.9, 0.0], "chair": [0.0, 1.0], "fruit": [1.0, 0.0]}
@@ -50,7 +54,7 @@ def fruit_lookup(out_dir, seed):
     return path
 
 
-def i_am_hungry(out_dir, seed, d_model=8, d_k=4):
+def i_am_hungry(out_dir: str, seed: int, d_model: int = 8, d_k: int = 4) -> str:
     words = ["I", "am", "hungry"]
     x = word_vectors(words, d_model, seed)
     rng = np.random.default_rng(seed)
@@ -66,7 +70,7 @@ def i_am_hungry(out_dir, seed, d_model=8, d_k=4):
     return path
 
 
-def riley(out_dir, seed, d_model=16, heads=4):
+def riley(out_dir: str, seed: int, d_model: int = 16, heads: int = 4) -> str:
     words = "Evan's dog Riley is so hyper , she never stops moving".split()
     x = word_vectors(words, d_model, seed)
     d_head = d_model // heads
@@ -89,7 +93,7 @@ def riley(out_dir, seed, d_model=16, heads=4):
     return path
 
 
-def main(argv=None):
+def main(argv: Optional[Sequence[str]] = None) -> list[str]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=".", help="folder for the PNGs (default: here)")
     p.add_argument("--seed", type=int, default=0, help="seed of the word vectors")

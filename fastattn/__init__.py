@@ -29,14 +29,14 @@ except ImportError as e:  # pragma: no cover - only in an unbuilt source tree
     ) from e
 from . import reference
 from ._api import attention, attention_weights, merge_attention, softmax
+from ._version import __version__
 from .layers import multihead_attention, self_attention
 
-__version__ = "0.1.0"
 __all__ = ["attention", "attention_weights", "merge_attention", "softmax", "self_attention",
            "multihead_attention", "reference", "show_config", "__version__"]
 
 
-def _choose_isa():
+def _choose_isa() -> None:
     """FASTATTN_ISA=generic forces the portable path; =avx2 asks for AVX2
     (with a warning if this CPU cannot run it); unset or 'auto': the best."""
     want = _os.environ.get("FASTATTN_ISA", "auto").strip().lower()
@@ -56,12 +56,28 @@ def _choose_isa():
 _choose_isa()
 
 
-def show_config():
-    """Print the version, the SIMD path chosen at run time, OpenMP and threads."""
+def show_config() -> None:
+    """Print how fastattn was built and what it runs on, like numpy.show_config().
+
+    The version, the compiler and its flags, the SIMD path chosen at run time
+    (and the ones this CPU could take), the OpenMP runtime library and the
+    default thread count.
+
+    Examples
+    --------
+    >>> import fastattn
+    >>> fastattn.show_config()  # doctest: +SKIP
+    fastattn 0.1.0
+      compiler:       gcc 12.2.0; flags: -O3 -fno-math-errno -Wall -Wextra -fopenmp; OpenMP 201511
+      SIMD path:      avx2 (available: avx2, generic; FASTATTN_ISA=auto)
+      OpenMP:         /usr/lib/x86_64-linux-gnu/libgomp.so.1
+      threads:        2 (OMP_NUM_THREADS=unset)
+    """
     print(f"fastattn {__version__}")
+    print(f"  compiler:       {_core.build_info()}")
     print(f"  SIMD path:      {_core.isa_name()} (available: "
           f"{', '.join(n for n in ('avx2', 'generic') if _core.isa_available(n))}; "
           f"FASTATTN_ISA={_os.environ.get('FASTATTN_ISA', 'auto')})")
-    print(f"  OpenMP:         {'yes' if _core.openmp_enabled() else 'no (single-threaded build)'}")
+    print(f"  OpenMP:         {_core.openmp_library() if _core.openmp_enabled() else 'no (single-threaded build)'}")
     print(f"  threads:        {_core.max_threads()} (OMP_NUM_THREADS="
           f"{_os.environ.get('OMP_NUM_THREADS', 'unset')})")

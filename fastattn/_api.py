@@ -5,10 +5,14 @@ as ValueError (shapes, values) or TypeError (dtypes).  The C core then trusts
 its arguments.  Inputs are never modified.
 """
 
+from __future__ import annotations
+
 import math
 import operator
+from typing import Any, Literal, Optional, Sequence, Tuple, overload
 
 import numpy as np
+from numpy.typing import ArrayLike, NDArray
 
 from . import _core
 from .reference import default_scale
@@ -31,7 +35,7 @@ def _check_input_dtype(a, name):
                         f"arrays (complex, object, string and datetime are not supported)")
 
 
-def _dtypes(*arrays):
+def _dtypes(*arrays: Any) -> tuple[np.dtype[Any], np.dtype[Any]]:
     """(result dtype, compute dtype) of NumPy's promotion of the inputs."""
     res = np.result_type(*arrays)
     if res.kind != "f":  # integer and bool compute in float64, as NumPy does
@@ -40,7 +44,7 @@ def _dtypes(*arrays):
     return res, comp
 
 
-def _as_compute(a, dtype):
+def _as_compute(a: np.ndarray, dtype: Any) -> np.ndarray:
     """`a` in the compute dtype, with unit stride on the last axis (a copy only
     when needed; leading and row strides are read as they are)."""
     a = a.astype(dtype, copy=False)
@@ -108,7 +112,7 @@ def _direct_out(out, comp):
 # ---------------------------------------------------------------------------
 # softmax
 # ---------------------------------------------------------------------------
-def softmax(x, axis=-1, *, out=None):
+def softmax(x: ArrayLike, axis: int = -1, *, out: Optional[np.ndarray] = None) -> NDArray[Any]:
     """Numerically stable softmax along `axis`, computed by the C core.
 
     Parameters
@@ -148,8 +152,7 @@ def softmax(x, axis=-1, *, out=None):
     res, comp = _dtypes(x)
     if x.ndim == 0:
         raise ValueError("softmax needs at least one axis; x is a scalar")
-    axis = np.lib.array_utils.normalize_axis_index(axis, x.ndim) if hasattr(np.lib, "array_utils") \
-        else np.core.multiarray.normalize_axis_index(axis, x.ndim)
+    axis = _normalize_axis(axis, x.ndim)
     if out is not None:
         _check_out(out, x.shape, res)
     xc = np.moveaxis(_as_compute_any(x, comp), axis, -1)
@@ -165,6 +168,18 @@ def softmax(x, axis=-1, *, out=None):
         np.copyto(out, result, casting="same_kind")
         return out
     return result.astype(res, copy=False)
+
+
+def _normalize_axis(axis: Any, ndim: int) -> int:
+    if isinstance(axis, (bool, np.bool_)):
+        raise TypeError("axis must be an int, got a bool")
+    try:
+        axis = operator.index(axis)
+    except TypeError:
+        raise TypeError(f"axis must be an int, got {type(axis).__name__}") from None
+    if not -ndim <= axis < ndim:
+        raise np.exceptions.AxisError(axis, ndim)
+    return axis % ndim
 
 
 def _as_compute_any(a, dtype):
@@ -187,7 +202,7 @@ def _same_view(a, b):
 # ---------------------------------------------------------------------------
 # attention
 # ---------------------------------------------------------------------------
-def _as_array(a, name):
+def _as_array(a: Any, name: str) -> np.ndarray:
     if a is None:
         raise TypeError(f"{name} must be an array, got None")
     a = np.asarray(a)
@@ -411,9 +426,32 @@ _SHARED_DOC = """
         for (B, H, n, d) inputs, per-batch lengths have shape (B, 1)."""
 
 
-def attention(q, k, v, *, mask=None, causal=False, scale=None, out=None, return_lse=False,
-              num_threads=None, enable_gqa=False, window=None, softcap=None, alibi_slopes=None,
-              kv_lengths=None):
+Window = Tuple[Optional[int], Optional[int]]
+
+
+@overload
+def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, mask: Optional[ArrayLike] = ...,
+              causal: bool = ..., scale: Optional[float] = ..., out: Optional[np.ndarray] = ...,
+              return_lse: Literal[False] = ..., num_threads: Optional[int] = ..., enable_gqa: bool = ...,
+              window: Optional[Window] = ..., softcap: Optional[float] = ...,
+              alibi_slopes: Optional[ArrayLike] = ..., kv_lengths: Optional[ArrayLike] = ...) -> NDArray[Any]: ...
+
+
+@overload
+def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, mask: Optional[ArrayLike] = ...,
+              causal: bool = ..., scale: Optional[float] = ..., out: Optional[np.ndarray] = ...,
+              return_lse: Literal[True], num_threads: Optional[int] = ..., enable_gqa: bool = ...,
+              window: Optional[Window] = ..., softcap: Optional[float] = ...,
+              alibi_slopes: Optional[ArrayLike] = ...,
+              kv_lengths: Optional[ArrayLike] = ...) -> tuple[NDArray[Any], NDArray[Any]]: ...
+
+
+def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, mask: Optional[ArrayLike] = None,
+              causal: bool = False, scale: Optional[float] = None, out: Optional[np.ndarray] = None,
+              return_lse: bool = False, num_threads: Optional[int] = None, enable_gqa: bool = False,
+              window: Optional[Window] = None, softcap: Optional[float] = None,
+              alibi_slopes: Optional[ArrayLike] = None,
+              kv_lengths: Optional[ArrayLike] = None) -> NDArray[Any] | tuple[NDArray[Any], NDArray[Any]]:
     p = _prepare(q, k, v, mask, causal, scale, enable_gqa, window, softcap, alibi_slopes, kv_lengths,
                  num_threads)
     full_shape = p.lead + (p.n_q, p.d_v)
@@ -424,7 +462,9 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, out=None, return_
 
     lse = np.empty(p.lead + (p.n_q,), p.comp) if return_lse else None
     direct = out is not None and _direct_out(out, p.comp) and not _overlaps(out, *p.inputs)
+    target: np.ndarray
     if direct:
+        assert out is not None
         target = out
         if p.q1:
             target = target[..., None, :] if not p.v1 else target[..., None]
@@ -438,7 +478,9 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, out=None, return_
     if target.size or lse is not None:
         _call(p, target, lse)
 
+    result: np.ndarray
     if direct:
+        assert out is not None
         result = out
     else:
         result = _merge_heads(target, p.gqa, 2)
@@ -451,7 +493,7 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, out=None, return_
         else:
             np.copyto(out, result, casting="same_kind")
             result = out
-    if return_lse:
+    if lse is not None:
         lse = _merge_heads(lse, p.gqa, 1)
         return result, (lse[..., 0] if p.q1 else lse)
     return result
@@ -532,8 +574,10 @@ attention.__doc__ = """Exact scaled dot-product attention, softmax(q k^T * scale
     """
 
 
-def attention_weights(q, k, *, mask=None, causal=False, scale=None, enable_gqa=False, window=None,
-                      softcap=None, alibi_slopes=None, kv_lengths=None, num_threads=None):
+def attention_weights(q: ArrayLike, k: ArrayLike, *, mask: Optional[ArrayLike] = None, causal: bool = False,
+                      scale: Optional[float] = None, enable_gqa: bool = False, window: Optional[Window] = None,
+                      softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
+                      kv_lengths: Optional[ArrayLike] = None, num_threads: Optional[int] = None) -> NDArray[Any]:
     p = _prepare(q, k, None, mask, causal, scale, enable_gqa, window, softcap, alibi_slopes, kv_lengths,
                  num_threads, weights=True)
     target = np.zeros(p.lead + (p.n_q, p.n_k), p.comp)
@@ -572,7 +616,8 @@ attention_weights.__doc__ = """The attention weights softmax(q k^T * scale + mas
     """
 
 
-def merge_attention(outs, lses):
+def merge_attention(outs: Sequence[ArrayLike],
+                    lses: Sequence[ArrayLike]) -> tuple[NDArray[Any], NDArray[Any]]:
     """Combine attention results over disjoint sets of keys into the result
     over their union, by the logsumexp rule.
 
@@ -606,29 +651,27 @@ def merge_attention(outs, lses):
     >>> bool(np.allclose(out, fastattn.attention(q, k, v)))
     True
     """
-    if isinstance(outs, np.ndarray) or isinstance(lses, np.ndarray):
-        outs, lses = list(outs), list(lses)
-    outs = [np.asarray(o) for o in outs]
-    lses = [np.asarray(x) for x in lses]
-    if not outs:
+    parts = [np.asarray(o) for o in outs]
+    part_lses = [np.asarray(x) for x in lses]
+    if not parts:
         raise ValueError("merge_attention needs at least one part")
-    if len(outs) != len(lses):
-        raise ValueError(f"got {len(outs)} outputs but {len(lses)} lse arrays")
-    for a in outs + lses:
+    if len(parts) != len(part_lses):
+        raise ValueError(f"got {len(parts)} outputs but {len(part_lses)} lse arrays")
+    for a in parts + part_lses:
         _check_input_dtype(a, "merge_attention input")
-    shape = outs[0].shape
+    shape = parts[0].shape
     if len(shape) < 1:
         raise ValueError("each output must have shape (..., n_q, d_v)")
-    for i, (o, x) in enumerate(zip(outs, lses)):
+    for i, (o, x) in enumerate(zip(parts, part_lses)):
         if o.shape != shape:
             raise ValueError(f"output {i} has shape {o.shape}, output 0 has shape {shape}")
         if x.shape != shape[:-1]:
             raise ValueError(f"lse {i} has shape {x.shape}; it must be the output's shape without "
                              f"the last axis, {shape[:-1]}")
-    dt = np.result_type(*outs, *lses)
+    dt = np.result_type(*parts, *part_lses)
     if dt.kind != "f":
         dt = _F64
-    L = np.stack([x.astype(dt, copy=False) for x in lses])           # (P, ..., n_q)
+    L = np.stack([x.astype(dt, copy=False) for x in part_lses])           # (P, ..., n_q)
     M = np.max(L, axis=0)
     Ms = np.where(np.isneginf(M), 0, M)
     with np.errstate(invalid="ignore"):
@@ -636,7 +679,7 @@ def merge_attention(outs, lses):
     s = np.sum(w, axis=0)
     out = np.zeros(shape, dt)
     with np.errstate(invalid="ignore", divide="ignore"):
-        for wp, o in zip(w, outs):  # a part of weight 0 adds nothing, even where it holds NaN
+        for wp, o in zip(w, parts):  # a part of weight 0 adds nothing, even where it holds NaN
             out += np.where(wp[..., None] > 0, wp[..., None] * o, 0)
         out = np.where(s[..., None] == 0, 0, out / np.where(s == 0, 1, s)[..., None])
         lse = Ms + np.log(s)

@@ -74,6 +74,9 @@ cdef extern from "fastattn.h" nogil:
     void fa_set_tiles(int64_t bq, int64_t bk)
     int fa_openmp_enabled()
     int fa_max_threads()
+    int fa_last_threads()
+    const char *fa_openmp_library()
+    const char *fa_build_info()
 
 cdef extern from "internal.h" nogil:
     int fa_exp(int dtype, int which, const void *x, void *y, int64_t n)
@@ -271,6 +274,21 @@ def isa_available(str name):
 
 def openmp_enabled():
     return bool(fa_openmp_enabled())
+
+
+def last_threads():
+    """Threads the calling thread's last call to the C core ran on."""
+    return fa_last_threads()
+
+
+def openmp_library():
+    """Path of the OpenMP runtime library the core uses ("none" without OpenMP)."""
+    return fa_openmp_library().decode(errors="replace")
+
+
+def build_info():
+    """Compiler, compile flags and OpenMP version of the C core."""
+    return fa_build_info().decode(errors="replace")
 
 
 def max_threads():

@@ -112,6 +112,46 @@ def _make(w, seed=0):
     return q, k, v, mask, kw
 
 
+def _measure(w, threads, torch, repeats, with_reference, mm):
+    """One row of the table: fastattn, and its peers, on one workload."""
+    q, k, v, mask, kw = _make(w)
+    B, H, nq, nk, d = w["shape"]
+    flops = 2 * B * H * nq * nk * (d + d) / (2 if w["causal"] and nq == nk else 1)
+    if "window" in kw:   # the keys each query really sees
+        left = kw["window"][0]
+        flops = 2 * B * H * nq * (min(left, nk) + 1) * (d + d)
+    if "kv_lengths" in kw:
+        flops = 2 * H * nq * float(kw["kv_lengths"].sum()) * (d + d)
+    fns = {"fastattn": lambda: attention(q, k, v, mask=mask, causal=w["causal"], num_threads=threads, **kw)}
+    # PyTorch's SDPA has no sliding window (only a dense N x N mask, another computation): no peer there
+    if torch is not None and "window" not in kw:
+        tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
+        tm = torch.from_numpy(mask) if mask is not None else None
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        # PyTorch's is_causal is top-left aligned; the grid only has n_q == n_k causal rows
+        if "kv_lengths" in kw:   # PyTorch takes a padded cache as a key-padding bool mask
+            tm = torch.from_numpy(np.arange(nk)[None, None, None, :] < kw["kv_lengths"][:, :, None, None])
+        tkw = dict(enable_gqa=True) if "enable_gqa" in kw else {}
+        fns["torch"] = lambda: sdpa(tq, tk, tv, attn_mask=tm, is_causal=w["causal"], **tkw)
+    names = list(fns)
+    times = dict(zip(names, _median_times([fns[n] for n in names], repeats)))
+    if with_reference and nq * nk <= 4096 * 4096:   # the reference builds the n_q x n_k matrix
+        ref_reps = 1 if flops > 5e9 else 3
+        (times["reference"],) = _median_times(
+            [lambda: reference.attention(q, k, v, mask=mask, causal=w["causal"], **kw)], ref_reps, min_time=0)
+    t = times["fastattn"]
+    row = dict(name=w["name"], shape=list(w["shape"]), dtype=w["dtype"], causal=w["causal"],
+               mask=w["mask"], ms=t * 1e3, gflops=flops / t / 1e9,
+               pct_mm=100 * flops / t / 1e9 / mm[w["dtype"]])
+    if "reference" in times:
+        row["reference_ms"] = times["reference"] * 1e3
+        row["x_reference"] = times["reference"] / t
+    if "torch" in times:
+        row["torch_ms"] = times["torch"] * 1e3
+        row["x_torch"] = times["torch"] / t
+    return row
+
+
 def run(workloads, repeats=5, threads=None, with_reference=True, with_torch=True, log=None):
     """Measure `workloads`; returns a dict with the rows and the ceilings."""
     threads = threads or _core.max_threads()
@@ -121,42 +161,7 @@ def run(workloads, repeats=5, threads=None, with_reference=True, with_torch=True
     mm = {dt: _matmul_rate(dt, repeats) for dt in sorted({w["dtype"] for w in workloads})}
     rows = []
     for w in workloads:
-        q, k, v, mask, kw = _make(w)
-        B, H, nq, nk, d = w["shape"]
-        flops = 2 * B * H * nq * nk * (d + d) / (2 if w["causal"] and nq == nk else 1)
-        if "window" in kw:   # the keys each query really sees
-            left = kw["window"][0]
-            flops = 2 * B * H * nq * (min(left, nk) + 1) * (d + d)
-        if "kv_lengths" in kw:
-            flops = 2 * H * nq * float(kw["kv_lengths"].sum()) * (d + d)
-        fns = {"fastattn": lambda: attention(q, k, v, mask=mask, causal=w["causal"], num_threads=threads, **kw)}
-        if torch is not None and "window" in kw:
-            pass   # PyTorch's SDPA has no sliding window: only a dense N x N mask, a different computation
-        elif torch is not None:
-            tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
-            tm = torch.from_numpy(mask) if mask is not None else None
-            sdpa = torch.nn.functional.scaled_dot_product_attention
-            # PyTorch's is_causal is top-left aligned; the grid only has n_q == n_k causal rows
-            if "kv_lengths" in kw:   # PyTorch takes a padded cache as a key-padding bool mask
-                tm = torch.from_numpy(np.arange(nk)[None, None, None, :] < kw["kv_lengths"][:, :, None, None])
-            tkw = dict(enable_gqa=True) if "enable_gqa" in kw else {}
-            fns["torch"] = lambda: sdpa(tq, tk, tv, attn_mask=tm, is_causal=w["causal"], **tkw)
-        names = list(fns)
-        times = dict(zip(names, _median_times([fns[n] for n in names], repeats)))
-        if with_reference and nq * nk <= 4096 * 4096:   # the reference builds the n_q x n_k matrix
-            ref_reps = 1 if flops > 5e9 else 3
-            (times["reference"],) = _median_times(
-                [lambda: reference.attention(q, k, v, mask=mask, causal=w["causal"], **kw)], ref_reps, min_time=0)
-        t = times["fastattn"]
-        row = dict(name=w["name"], shape=list(w["shape"]), dtype=w["dtype"], causal=w["causal"],
-                   mask=w["mask"], ms=t * 1e3, gflops=flops / t / 1e9,
-                   pct_mm=100 * flops / t / 1e9 / mm[w["dtype"]])
-        if "reference" in times:
-            row["reference_ms"] = times["reference"] * 1e3
-            row["x_reference"] = times["reference"] / t
-        if "torch" in times:
-            row["torch_ms"] = times["torch"] * 1e3
-            row["x_torch"] = times["torch"] / t
+        row = _measure(w, threads, torch, repeats, with_reference, mm)
         rows.append(row)
         if log:
             log(row)
@@ -215,7 +220,7 @@ def _plot(result, path):
     fig.savefig(path, dpi=120)
 
 
-def main(argv=None):
+def main(argv: "list[str] | None" = None) -> int:
     p = argparse.ArgumentParser(prog="python -m fastattn.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a short run on a few shapes")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")

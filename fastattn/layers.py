@@ -8,16 +8,20 @@ their outputs are combined by W_O.  The projections are NumPy matrix products
 strides (no copy into a per-head layout).
 """
 
+from __future__ import annotations
+
 import operator
+from typing import Any, Optional
 
 import numpy as np
+from numpy.typing import ArrayLike, NDArray
 
 from ._api import _as_array, attention
 
 __all__ = ["self_attention", "multihead_attention"]
 
 
-def _weight(w, name, rows=None, cols=None):
+def _weight(w: Any, name: str, rows: Optional[int] = None, cols: Optional[int] = None) -> np.ndarray:
     w = _as_array(w, name)
     if w.ndim != 2:
         raise ValueError(f"{name} must be a 2-D matrix, got shape {w.shape}")
@@ -28,14 +32,16 @@ def _weight(w, name, rows=None, cols=None):
     return w
 
 
-def _tokens(x):
+def _tokens(x: Any) -> np.ndarray:
     x = _as_array(x, "x")
     if x.ndim < 2:
         raise ValueError(f"x must have shape (..., n, d_model), got shape {x.shape}")
     return x
 
 
-def self_attention(x, w_q, w_k, w_v, *, mask=None, causal=False, scale=None):
+def self_attention(x: ArrayLike, w_q: ArrayLike, w_k: ArrayLike, w_v: ArrayLike, *,
+                   mask: Optional[ArrayLike] = None, causal: bool = False,
+                   scale: Optional[float] = None) -> NDArray[Any]:
     """Single-head self-attention: attention(x W_Q, x W_K, x W_V).
 
     Parameters
@@ -67,8 +73,9 @@ def self_attention(x, w_q, w_k, w_v, *, mask=None, causal=False, scale=None):
     return attention(x @ w_q, x @ w_k, x @ w_v, mask=mask, causal=causal, scale=scale)
 
 
-def multihead_attention(x, w_q, w_k, w_v, w_o, *, num_heads, num_kv_heads=None, mask=None,
-                        causal=False, scale=None):
+def multihead_attention(x: ArrayLike, w_q: ArrayLike, w_k: ArrayLike, w_v: ArrayLike, w_o: ArrayLike, *,
+                        num_heads: int, num_kv_heads: Optional[int] = None, mask: Optional[ArrayLike] = None,
+                        causal: bool = False, scale: Optional[float] = None) -> NDArray[Any]:
     """Multi-head self-attention with an output projection.
 
     Parameters

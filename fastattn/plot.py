@@ -1,7 +1,12 @@
 """Heatmaps of attention weights (matplotlib is an optional extra:
 `pip install "fastattn[plot]"`)."""
 
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
 import numpy as np
+from numpy.typing import ArrayLike
 
 __all__ = ["attention_map"]
 
@@ -16,7 +21,9 @@ def _pyplot():
     return plt
 
 
-def attention_map(weights, query_labels=None, key_labels=None, ax=None, *, title=None, annotate=None):
+def attention_map(weights: ArrayLike, query_labels: Optional[Sequence[str]] = None,
+                  key_labels: Optional[Sequence[str]] = None, ax: Any = None, *, title: Optional[str] = None,
+                  annotate: Optional[bool] = None) -> Any:
     """Draw attention weights as a heatmap: one row per query, one column per key.
 
     Parameters

@@ -20,25 +20,29 @@ Semantics shared with the fast path:
 * grouped-query attention: query head h uses key/value head h // (H // H_kv).
 """
 
+from __future__ import annotations
+
 import math
+from typing import Any, Optional, Sequence
 
 import numpy as np
+from numpy.typing import ArrayLike, NDArray
 
 __all__ = ["softmax", "scores", "causal_mask", "attention", "attention_weights", "merge_attention",
            "self_attention", "multihead_attention", "default_scale"]
 
 
-def default_scale(d_k):
+def default_scale(d_k: int) -> float:
     """1/sqrt(d_k), the scale of "Attention Is All You Need" (1.0 when d_k == 0)."""
     return 1.0 / math.sqrt(d_k) if d_k > 0 else 1.0
 
 
-def _float_dtype(*arrays):
+def _float_dtype(*arrays: Any) -> np.dtype[Any]:
     dt = np.result_type(*arrays)
     return dt if dt.kind == "f" else np.dtype(np.float64)
 
 
-def softmax(x, axis=-1):
+def softmax(x: ArrayLike, axis: int = -1) -> NDArray[Any]:
     """exp(x - max) / sum(exp(x - max)) along `axis`.
 
     An all -inf slice gives zeros (not NaN); NaN propagates to its slice.
@@ -53,26 +57,28 @@ def softmax(x, axis=-1):
     return np.where(s == 0, 0, e / np.where(s == 0, 1, s)).astype(x.dtype, copy=False)
 
 
-def causal_mask(n_q, n_k):
+def causal_mask(n_q: int, n_k: int) -> NDArray[np.bool_]:
     """Bool (n_q, n_k): True where query i may attend key j, j <= i + n_k - n_q."""
     i = np.arange(n_q)[:, None]
     j = np.arange(n_k)[None, :]
     return j <= i + (n_k - n_q)
 
 
-def _repeat_kv_heads(q, k):
+def _repeat_kv_heads(q: np.ndarray, k: np.ndarray) -> np.ndarray:
     """GQA: repeat k's head axis (-3) to q's head count (the reference may copy)."""
     H, Hkv = q.shape[-3], k.shape[-3]
     return np.repeat(k, H // Hkv, axis=-3)
 
 
-def _per_lead(x):
+def _per_lead(x: Any) -> np.ndarray:
     """An array broadcastable to the leading dims, as (..., 1, 1) for the scores."""
     return np.asarray(x)[..., None, None]
 
 
-def scores(q, k, *, mask=None, causal=False, scale=None, enable_gqa=False, window=None,
-           softcap=None, alibi_slopes=None, kv_lengths=None):
+def scores(q: ArrayLike, k: ArrayLike, *, mask: Optional[ArrayLike] = None, causal: bool = False,
+           scale: Optional[float] = None, enable_gqa: bool = False, window: Any = None,
+           softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
+           kv_lengths: Optional[ArrayLike] = None) -> NDArray[Any]:
     """Scaled, modified, masked scores (..., n_q, n_k): the logits the softmax sees."""
     q, k = np.asarray(q), np.asarray(k)
     dt = _float_dtype(q, k)
@@ -110,7 +116,7 @@ def scores(q, k, *, mask=None, causal=False, scale=None, enable_gqa=False, windo
     return np.where(visible, s, -np.inf).astype(dt, copy=False)
 
 
-def attention_weights(q, k, **options):
+def attention_weights(q: ArrayLike, k: ArrayLike, **options: Any) -> NDArray[Any]:
     """softmax(scores(q, k, **options)) with zero rows where nothing is visible."""
     q = np.asarray(q)
     if q.ndim == 1:
@@ -121,7 +127,8 @@ def attention_weights(q, k, **options):
     return softmax(scores(q, k, **options), axis=-1)
 
 
-def attention(q, k, v, *, mask=None, causal=False, scale=None, return_lse=False, **options):
+def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, mask: Optional[ArrayLike] = None, causal: bool = False,
+              scale: Optional[float] = None, return_lse: bool = False, **options: Any) -> Any:
     """softmax(q k^T * scale + mask) v.
 
     q (..., n_q, d_k), k (..., n_k, d_k), v (..., n_k, d_v) -> (..., n_q, d_v);
@@ -146,11 +153,11 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, return_lse=False,
     m = np.where(np.isneginf(m), 0, m)
     with np.errstate(invalid="ignore"):
         e = np.exp(s - m)
-    l = np.sum(e, axis=-1, keepdims=True)
-    w = np.where(l == 0, 0, e / np.where(l == 0, 1, l))  # fully masked rows: zeros
+    total = np.sum(e, axis=-1, keepdims=True)
+    w = np.where(total == 0, 0, e / np.where(total == 0, 1, total))  # fully masked rows: zeros
     out = w @ v.astype(dt, copy=False)
     with np.errstate(divide="ignore"):
-        lse = (m + np.log(l))[..., 0]
+        lse = (m + np.log(total))[..., 0]
     lse = np.broadcast_to(lse, out.shape[:-1]).copy()  # v's leading dims too
     if v1:
         out = out[..., 0]
@@ -160,28 +167,30 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, return_lse=False,
     return (out, lse) if return_lse else out
 
 
-def merge_attention(outs, lses):
+def merge_attention(outs: Sequence[ArrayLike], lses: Sequence[ArrayLike]) -> tuple[NDArray[Any], NDArray[Any]]:
     """Attention over the union of disjoint key sets from the parts' (out, lse):
     lse = log(sum_p exp(lse_p)), out = sum_p exp(lse_p - lse) out_p."""
-    lses = [np.asarray(x, dtype=np.float64) for x in lses]
-    outs = [np.asarray(o, dtype=np.float64) for o in outs]
+    part_lses = [np.asarray(x, dtype=np.float64) for x in lses]
+    parts = [np.asarray(o, dtype=np.float64) for o in outs]
     with np.errstate(divide="ignore"):
-        lse = np.log(sum(np.exp(x) for x in lses))      # fine for the moderate lse of the tests
-    out = np.zeros_like(outs[0])
-    for o, x in zip(outs, lses):
+        lse = np.log(np.sum([np.exp(x) for x in part_lses], axis=0))  # fine for the moderate lse of the tests
+    out = np.zeros_like(parts[0])
+    for o, x in zip(parts, part_lses):
         wgt = np.where(np.isneginf(x), 0.0, np.exp(x - np.where(np.isneginf(lse), 0, lse)))
         out += np.where(wgt[..., None] > 0, wgt[..., None] * o, 0)
     return out, lse
 
 
-def self_attention(x, w_q, w_k, w_v, *, mask=None, causal=False, scale=None):
+def self_attention(x: ArrayLike, w_q: Any, w_k: Any, w_v: Any, *, mask: Optional[ArrayLike] = None,
+                   causal: bool = False, scale: Optional[float] = None) -> Any:
     """attention(x W_Q, x W_K, x W_V)."""
     x = np.asarray(x)
     return attention(x @ w_q, x @ w_k, x @ w_v, mask=mask, causal=causal, scale=scale)
 
 
-def multihead_attention(x, w_q, w_k, w_v, w_o, *, num_heads, num_kv_heads=None, mask=None,
-                        causal=False, scale=None):
+def multihead_attention(x: ArrayLike, w_q: Any, w_k: Any, w_v: Any, w_o: Any, *, num_heads: int,
+                        num_kv_heads: Optional[int] = None, mask: Optional[ArrayLike] = None,
+                        causal: bool = False, scale: Optional[float] = None) -> Any:
     """concat over heads h of attention(x W_Q[:, h], x W_K[:, g(h)], x W_V[:, g(h)]) @ W_O,
     with head h taking columns h*d_head:(h+1)*d_head and g(h) = h // (H // H_kv)."""
     x = np.asarray(x)

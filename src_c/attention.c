@@ -3,7 +3,11 @@
  * thread its own scratch, and report allocation failure as a status.
  * The kernels themselves (kernel_body.h) contain no OpenMP.
  */
+#if defined(__linux__) && !defined(_GNU_SOURCE)
+#define _GNU_SOURCE /* dladdr */
+#endif
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -12,6 +16,73 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+#if defined(_OPENMP) && (defined(__linux__) || defined(__APPLE__))
+#include <dlfcn.h>
+#define FA_HAVE_DLADDR 1
+#endif
+#ifndef FA_BUILD_CFLAGS
+#define FA_BUILD_CFLAGS "unknown"
+#endif
+
+/* The team size of the calling thread's last call (diagnostics, tests). */
+static _Thread_local int last_team = 0;
+int fa_last_threads(void) { return last_team; }
+
+#define RECORD_TEAM()                                                              \
+    do {                                                                           \
+        if (fa_thread_num() == 0) last_team = fa_num_threads();                    \
+    } while (0)
+
+static int fa_thread_num(void)
+{
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+static int fa_num_threads(void)
+{
+#ifdef _OPENMP
+    return omp_get_num_threads();
+#else
+    return 1;
+#endif
+}
+
+const char *fa_build_info(void)
+{
+    static char info[512];
+    if (!info[0]) {
+#if defined(__clang__)
+        const char *cc = "clang " __clang_version__;
+#elif defined(__GNUC__)
+        const char *cc = "gcc " __VERSION__;
+#else
+        const char *cc = "unknown compiler";
+#endif
+#ifdef _OPENMP
+        snprintf(info, sizeof info, "%s; flags: %s; OpenMP %d", cc, FA_BUILD_CFLAGS, _OPENMP);
+#else
+        snprintf(info, sizeof info, "%s; flags: %s; no OpenMP", cc, FA_BUILD_CFLAGS);
+#endif
+    }
+    return info;
+}
+
+const char *fa_openmp_library(void)
+{
+#ifdef FA_HAVE_DLADDR
+    Dl_info di;
+    if (dladdr((void *)&omp_get_max_threads, &di) && di.dli_fname) return di.dli_fname;
+    return "unknown";
+#elif defined(_OPENMP)
+    return "unknown";
+#else
+    return "none";
+#endif
+}
 
 int fa_openmp_enabled(void)
 {
@@ -176,6 +247,7 @@ int fa_attention(const fa_attention_args *a)
     {
         void *raw;
         void *scratch = scratch_alloc(scratch_bytes, &raw);
+        RECORD_TEAM();
         if (!scratch) {
 #pragma omp atomic write
             status = FA_ENOMEM;
@@ -238,6 +310,7 @@ int fa_attention_weights(const fa_attention_args *a)
     {
         void *raw;
         void *scratch = scratch_alloc(scratch_bytes, &raw);
+        RECORD_TEAM();
         if (!scratch) {
 #pragma omp atomic write
             status = FA_ENOMEM;
@@ -275,6 +348,7 @@ int fa_softmax(const fa_softmax_args *a)
     {
         void *raw;
         void *scratch = scratch_alloc(scratch_bytes, &raw);
+        RECORD_TEAM();
         if (!scratch) {
 #pragma omp atomic write
             status = FA_ENOMEM;

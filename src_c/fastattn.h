@@ -124,8 +124,13 @@ int fa_isa_available(const char *name);
  * 0 restores the defaults.  Not thread-safe: for tuning and tests only. */
 void fa_set_tiles(int64_t bq, int64_t bk);
 
-/* OpenMP: 1 when built with it; the default team size (1 without OpenMP). */
+/* OpenMP: 1 when built with it; the default team size (1 without OpenMP);
+ * the team size of the calling thread's last call; the path of the OpenMP
+ * runtime library.  fa_build_info: compiler, flags, OpenMP version. */
 int fa_openmp_enabled(void);
 int fa_max_threads(void);
+int fa_last_threads(void);
+const char *fa_openmp_library(void);
+const char *fa_build_info(void);
 
 #endif /* FASTATTN_H */

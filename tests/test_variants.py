@@ -263,15 +263,15 @@ def test_merge_masked_parts(rng):
 
 
 def test_merge_errors(rng):
-    o, l = rand(rng, (3, 4)), rand(rng, (3,))
+    o, lse = rand(rng, (3, 4)), rand(rng, (3,))
     with pytest.raises(ValueError, match="at least one"):
         fastattn.merge_attention([], [])
     with pytest.raises(ValueError, match="outputs but"):
-        fastattn.merge_attention([o, o], [l])
+        fastattn.merge_attention([o, o], [lse])
     with pytest.raises(ValueError, match="lse 0 has shape"):
         fastattn.merge_attention([o], [rand(rng, (4,))])
     with pytest.raises(ValueError, match="output 1 has shape"):
-        fastattn.merge_attention([o, rand(rng, (3, 5))], [l, l])
+        fastattn.merge_attention([o, rand(rng, (3, 5))], [lse, lse])
 
 
 # ---------------------------------------------------------------------------
