@@ -20,7 +20,7 @@ from Cython.Build import cythonize
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-BASE_CFLAGS = ["-O3", "-fno-math-errno", "-Wall", "-Wextra"]
+BASE_CFLAGS = ["-O3", "-g0", "-fno-math-errno", "-Wall", "-Wextra"]  # -g0: no debug info in wheels
 NO_OMP_MSG = (
     "\n" + "*" * 72 + "\n"
     "fastattn: the compiler has no OpenMP support; building the SINGLE-THREADED\n"

@@ -1,0 +1,98 @@
+"""How fastattn fits the ecosystem: one version, threadpoolctl, show_config,
+typing files, and memory that stays flat over many calls."""
+
+import importlib.metadata
+import pathlib
+import re
+
+import numpy as np
+import pytest
+from threadpoolctl import threadpool_info, threadpool_limits
+
+import fastattn
+from fastattn import _core
+
+README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+
+
+def test_one_version_number():
+    assert importlib.metadata.version("fastattn") == fastattn.__version__
+    assert re.match(r"^\d+\.\d+\.\d+", fastattn.__version__)
+    assert f"fastattn {fastattn.__version__}" in README.read_text()
+
+
+def test_typing_files_installed():
+    pkg = pathlib.Path(fastattn.__file__).parent
+    assert (pkg / "py.typed").is_file() and (pkg / "_core.pyi").is_file()
+
+
+def test_show_config(capsys):
+    fastattn.show_config()
+    text = capsys.readouterr().out
+    assert f"fastattn {fastattn.__version__}" in text
+    assert _core.isa_name() in text and "compiler:" in text and "flags:" in text
+    assert f"threads:        {_core.max_threads()}" in text
+    if _core.openmp_enabled():
+        assert _core.openmp_library() in text and "omp" in _core.openmp_library()
+
+
+@pytest.mark.skipif(not _core.openmp_enabled(), reason="single-threaded build: no OpenMP runtime to list")
+def test_threadpoolctl_lists_our_openmp():
+    libs = [i for i in threadpool_info() if i["user_api"] == "openmp"]
+    mine = pathlib.Path(_core.openmp_library()).resolve()
+    assert any(pathlib.Path(i["filepath"]).resolve() == mine for i in libs), (mine, libs)
+
+
+def _team(**kw):
+    q, k, v = (np.ones((8, 256, 32), np.float32) for _ in range(3))
+    fastattn.attention(q, k, v, **kw)
+    return _core.last_threads()
+
+
+@pytest.mark.skipif(not _core.openmp_enabled(), reason="single-threaded build")
+def test_threadpool_limits_limits_our_threads():
+    assert _team(num_threads=2) == 2                      # the problem is big enough for two
+    with threadpool_limits(limits=1, user_api="openmp"):
+        assert _core.max_threads() == 1
+        assert _team() == 1
+        assert _team(num_threads=2) == 2                  # an explicit request still wins
+    with threadpool_limits(limits=2, user_api="openmp"):
+        assert _team() == 2
+
+
+def test_tiny_problems_run_serial():
+    q = np.ones((1, 4, 8), np.float32)
+    fastattn.attention(q, q, q, num_threads=2)
+    assert _core.last_threads() == 1
+
+
+def _rss_mb():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS")
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/self/status").exists(), reason="needs Linux /proc")
+def test_memory_stays_flat():
+    rng = np.random.default_rng(0)
+    small = [rng.standard_normal((2, 16, 8)).astype(np.float32) for _ in range(3)]
+    large = [rng.standard_normal((2, 4, 512, 64)).astype(np.float32) for _ in range(3)]
+    mask = rng.random((512, 512)) < 0.9
+    dec = rng.standard_normal((1, 2, 1, 64)).astype(np.float32), *(rng.standard_normal((1, 2, 3000, 64)) for _ in range(2))
+
+    def rounds(n_small, n_large):
+        for _ in range(n_small):
+            fastattn.attention(*small, causal=True)
+            fastattn.softmax(small[0])
+        for _ in range(n_large):
+            fastattn.attention(*large, mask=mask, return_lse=True)
+            fastattn.attention(*dec, num_threads=2)           # the split-key path and its buffers
+            fastattn.attention_weights(large[0], large[1], causal=True)
+
+    rounds(1000, 10)                                          # warm up allocator pools and caches
+    before = _rss_mb()
+    rounds(10_000, 100)
+    growth = _rss_mb() - before
+    assert growth < 8, f"resident memory grew by {growth:.1f} MB over 10,000 small and 100 large calls"
