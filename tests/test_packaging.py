@@ -80,7 +80,8 @@ def test_memory_stays_flat():
     small = [rng.standard_normal((2, 16, 8)).astype(np.float32) for _ in range(3)]
     large = [rng.standard_normal((2, 4, 512, 64)).astype(np.float32) for _ in range(3)]
     mask = rng.random((512, 512)) < 0.9
-    dec = rng.standard_normal((1, 2, 1, 64)).astype(np.float32), *(rng.standard_normal((1, 2, 3000, 64)) for _ in range(2))
+    dec = (rng.standard_normal((1, 2, 1, 64)).astype(np.float32),
+           *(rng.standard_normal((1, 2, 3000, 64)) for _ in range(2)))
 
     def rounds(n_small, n_large):
         for _ in range(n_small):
