@@ -48,6 +48,15 @@ def attention_map(weights: ArrayLike, query_labels: Optional[Sequence[str]] = No
         When matplotlib is not installed, saying how to install it.
     ValueError
         When weights is not 2-D or a label list has the wrong length.
+
+    Examples
+    --------
+    >>> import numpy as np, fastattn
+    >>> from fastattn.plot import attention_map
+    >>> words = ["I", "am", "hungry"]
+    >>> x = np.random.default_rng(0).standard_normal((3, 4))
+    >>> ax = attention_map(fastattn.attention_weights(x, x, causal=True), words, words)  # doctest: +SKIP
+    >>> ax.figure.savefig("map.png")  # doctest: +SKIP
     """
     w = np.asarray(weights, dtype=np.float64)
     if w.ndim != 2:
