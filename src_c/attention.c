@@ -15,6 +15,10 @@
 
 #ifdef _OPENMP
 #include <omp.h>
+#else
+/* Built without OpenMP: the pragmas are ignored on purpose, and the same code
+ * runs serially. */
+#pragma GCC diagnostic ignored "-Wunknown-pragmas"
 #endif
 #if defined(_OPENMP) && (defined(__linux__) || defined(__APPLE__))
 #include <dlfcn.h>
@@ -241,6 +245,7 @@ int fa_attention(const fa_attention_args *a)
                         (double)(a->dk + a->dv + 8);
     const int64_t n_units = n_items * n_splits;
     const int nthreads = team_size(a->num_threads, n_units, work);
+    (void)nthreads; /* unused without OpenMP */
     int status = FA_OK;
 
 #pragma omp parallel num_threads(nthreads)
@@ -304,6 +309,7 @@ int fa_attention_weights(const fa_attention_args *a)
     const size_t scratch_bytes = (size_t)fa_attn_scratch_elems(&tiles, a->dk, 0) * esz;
     const double work = 2.0 * (double)n_lead_total * (double)a->nq * (double)a->nk * (double)(a->dk + 8);
     const int nthreads = team_size(a->num_threads, n_items, work);
+    (void)nthreads;
     int status = FA_OK;
 
 #pragma omp parallel num_threads(nthreads)
@@ -342,6 +348,7 @@ int fa_softmax(const fa_softmax_args *a)
     const size_t esz = a->dtype == FA_F32 ? sizeof(float) : sizeof(double);
     const size_t scratch_bytes = (size_t)fa_softmax_scratch_elems(a->n) * esz;
     const int nthreads = team_size(a->num_threads, rows, 20.0 * (double)rows * (double)a->n);
+    (void)nthreads;
     int status = FA_OK;
 
 #pragma omp parallel num_threads(nthreads)

@@ -813,7 +813,7 @@ void FN(fa_attn_item_rows)(const fa_attention_args *a, const fa_tiles *tl, const
                            void *scratch)
 {
     const int64_t bq = it->bq, bk = tl->bk, dk = a->dk, dv = a->dv;
-    const int64_t dkp = (dk + L - 1) / L * L, dkv = dk / L * L;
+    const int64_t dkp = (dk + L - 1) / L * L;
     const T *q = it->q, *k = it->k, *v = it->v;
     T *Qs = scratch, *S = Qs + bq * dkp, *A = S + bq * bk, *m = A + bq * dv, *l = m + bq;
     const T scale = (T)a->scale;
