@@ -107,21 +107,10 @@ cdef int _check(int status) except -1:
     raise ValueError(f"fastattn: the C core rejected its arguments (status {status})")
 
 
-cdef inline void _lead_strides(cnp.ndarray a, int nl, int64_t *out):
-    """Element strides of a's leading dims, right-aligned to nl broadcast dims:
-    0 where a has no such dim or has size 1 there (NumPy broadcasting)."""
-    cdef int own = a.ndim - 2
-    cdef int d, od
-    for d in range(nl):
-        od = d - (nl - own)
-        if od < 0 or a.shape[od] == 1:
-            out[d] = 0
-        else:
-            out[d] = _estride(a, od)
-
-
-cdef inline void _lead_strides_any(cnp.ndarray a, int nl, int core, int64_t *out):
-    """As _lead_strides for an array with `core` trailing non-leading dims."""
+cdef inline void _lead_strides(cnp.ndarray a, int nl, int core, int64_t *out):
+    """Element strides of a's leading dims (all but its `core` trailing dims),
+    right-aligned to nl broadcast dims: 0 where a has no such dim or has size 1
+    there (NumPy broadcasting)."""
     cdef int own = a.ndim - core
     cdef int d, od
     for d in range(nl):
@@ -155,10 +144,10 @@ def attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask
         a.lse_lead[d] = 0
         a.slope_lead[d] = 0
         a.kvl_lead[d] = 0
-    _lead_strides(q, nl, a.q_lead)
-    _lead_strides(k, nl, a.k_lead)
-    _lead_strides(v, nl, a.v_lead)
-    _lead_strides(out, nl, a.o_lead)
+    _lead_strides(q, nl, 2, a.q_lead)
+    _lead_strides(k, nl, 2, a.k_lead)
+    _lead_strides(v, nl, 2, a.v_lead)
+    _lead_strides(out, nl, 2, a.o_lead)
     a.nq = q.shape[q.ndim - 2]
     a.dk = q.shape[q.ndim - 1]
     a.nk = k.shape[k.ndim - 2]
@@ -178,7 +167,7 @@ def attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask
     a.m_cs = 0
     if mask_kind != FA_MASK_NONE:
         m_arr = <cnp.ndarray>mask
-        _lead_strides(m_arr, nl, a.m_lead)
+        _lead_strides(m_arr, nl, 2, a.m_lead)
         a.m_rs = 0 if m_arr.shape[m_arr.ndim - 2] == 1 else _estride(m_arr, m_arr.ndim - 2)
         a.m_cs = 0 if m_arr.shape[m_arr.ndim - 1] == 1 else _estride(m_arr, m_arr.ndim - 1)
         a.mask = cnp.PyArray_DATA(m_arr)
@@ -193,12 +182,12 @@ def attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask
     a.slopes = NULL
     if slopes is not None:
         s_arr = <cnp.ndarray>slopes
-        _lead_strides_any(s_arr, nl, 0, a.slope_lead)
+        _lead_strides(s_arr, nl, 0, a.slope_lead)
         a.slopes = cnp.PyArray_DATA(s_arr)
     a.kv_len = NULL
     if kv_len is not None:
         kl_arr = <cnp.ndarray>kv_len
-        _lead_strides_any(kl_arr, nl, 0, a.kvl_lead)
+        _lead_strides(kl_arr, nl, 0, a.kvl_lead)
         a.kv_len = <const int64_t *>cnp.PyArray_DATA(kl_arr)
     a.causal = causal
     a.scale = scale

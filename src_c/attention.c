@@ -202,17 +202,21 @@ static void fill_item(const fa_attention_args *a, const fa_tiles *t, int64_t n_q
     it->part = NULL;
 }
 
-int fa_attention(const fa_attention_args *a)
+/* Attention (weights = 0) or its weights (weights = 1: out is (lead, nq, nk),
+ * zero-filled; always the tiled kernel, never split). */
+static int run(const fa_attention_args *a, int weights)
 {
     if (a->dtype != FA_F32 && a->dtype != FA_F64) return FA_EINVAL;
     if (a->n_lead < 0 || a->n_lead > FA_MAX_DIMS) return FA_EINVAL;
     int64_t n_lead_total = 1;
     for (int d = 0; d < a->n_lead; d++) n_lead_total *= a->lead_shape[d];
-    if (n_lead_total == 0 || a->nq == 0) return FA_OK;
+    if (n_lead_total == 0 || a->nq == 0 || (weights && a->nk == 0)) return FA_OK;
 
     const fa_isa_table *isa = fa_isa_current();
-    const int rows_kernel = a->nq <= FA_ROWS_MAX;
-    const fa_attn_item_fn item_fn = rows_kernel ? isa->attn_item_rows[a->dtype] : isa->attn_item[a->dtype];
+    const int rows_kernel = !weights && a->nq <= FA_ROWS_MAX;
+    const fa_attn_item_fn item_fn = weights       ? isa->weights_item[a->dtype]
+                                    : rows_kernel ? isa->attn_item_rows[a->dtype]
+                                                  : isa->attn_item[a->dtype];
     const fa_attn_merge_fn merge_fn = isa->attn_merge[a->dtype];
     const size_t esz = a->dtype == FA_F32 ? sizeof(float) : sizeof(double);
     const size_t msz = a->mask_kind == FA_MASK_BOOL ? 1 : esz;
@@ -225,7 +229,7 @@ int fa_attention(const fa_attention_args *a)
     /* Split the keys (flash-decoding) when there are fewer items than threads:
      * each (item, split) writes a partial (acc, max, sum), merged afterwards. */
     int64_t n_splits = 1;
-    if (n_items < want && a->nk >= 1024) {
+    if (!weights && n_items < want && a->nk >= 1024) {
         n_splits = (want + n_items - 1) / n_items;
         if (n_splits > a->nk / 512) n_splits = a->nk / 512;
     }
@@ -238,7 +242,7 @@ int fa_attention(const fa_attention_args *a)
     }
 
     int64_t scratch_elems = rows_kernel ? fa_rows_scratch_elems(&tiles, a->dk, a->dv)
-                                        : fa_attn_scratch_elems(&tiles, a->dk, a->dv);
+                                        : fa_attn_scratch_elems(&tiles, a->dk, weights ? 0 : a->dv);
     if (scratch_elems < a->dv + 2) scratch_elems = a->dv + 2;
     const size_t scratch_bytes = (size_t)scratch_elems * esz;
     const double work = (double)n_lead_total * (double)a->nq * (double)(a->nk + 1) *
@@ -285,53 +289,11 @@ int fa_attention(const fa_attention_args *a)
     return status;
 }
 
-/* ---------------------------------------------------------------------------
- * Attention weights (lead, nq, nk): the same items as fa_attention, each
- * writing its rows of probabilities.  out must be zero-filled.
- * ------------------------------------------------------------------------- */
-int fa_attention_weights(const fa_attention_args *a)
-{
-    if (a->dtype != FA_F32 && a->dtype != FA_F64) return FA_EINVAL;
-    if (a->n_lead < 0 || a->n_lead > FA_MAX_DIMS) return FA_EINVAL;
-    int64_t n_lead_total = 1;
-    for (int d = 0; d < a->n_lead; d++) n_lead_total *= a->lead_shape[d];
-    if (n_lead_total == 0 || a->nq == 0 || a->nk == 0) return FA_OK;
+int fa_attention(const fa_attention_args *a) { return run(a, 0); }
 
-    const fa_isa_table *isa = fa_isa_current();
-    const fa_attn_item_fn item_fn = isa->weights_item[a->dtype];
-    const size_t esz = a->dtype == FA_F32 ? sizeof(float) : sizeof(double);
-    const size_t msz = a->mask_kind == FA_MASK_BOOL ? 1 : esz;
-    const int want = a->num_threads > 0 ? a->num_threads : fa_max_threads();
-    fa_tiles tiles;
-    choose_tiles(a, isa->lanes[a->dtype], 0, n_lead_total, want, &tiles);
-    const int64_t n_qb = (a->nq + tiles.bq - 1) / tiles.bq;
-    const int64_t n_items = n_lead_total * n_qb;
-    const size_t scratch_bytes = (size_t)fa_attn_scratch_elems(&tiles, a->dk, 0) * esz;
-    const double work = 2.0 * (double)n_lead_total * (double)a->nq * (double)a->nk * (double)(a->dk + 8);
-    const int nthreads = team_size(a->num_threads, n_items, work);
-    (void)nthreads;
-    int status = FA_OK;
-
-#pragma omp parallel num_threads(nthreads)
-    {
-        void *raw;
-        void *scratch = scratch_alloc(scratch_bytes, &raw);
-        RECORD_TEAM();
-        if (!scratch) {
-#pragma omp atomic write
-            status = FA_ENOMEM;
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t w = 0; w < n_items; w++) {
-            if (!scratch) continue;
-            fa_item it;
-            fill_item(a, &tiles, n_qb, w, esz, msz, &it);
-            item_fn(a, &tiles, &it, scratch);
-        }
-        free(raw);
-    }
-    return status;
-}
+/* Attention weights (lead, nq, nk): the same items, each writing its rows of
+ * probabilities.  out must be zero-filled. */
+int fa_attention_weights(const fa_attention_args *a) { return run(a, 1); }
 
 /* ---------------------------------------------------------------------------
  * Softmax along the last axis, parallel over rows.

@@ -87,20 +87,15 @@ INLINE int vall(ivec m)
  * gives +inf.  float32: degree-7 polynomial (Cephes coefficients), about 1 ulp;
  * float64: Taylor series to degree 13 (truncation below 1e-17), about 1 ulp.
  * ------------------------------------------------------------------------- */
-INLINE vec vexp(vec x)
+/* The shared core: for |xc| in range, n = round(xc / ln 2) and
+ * p = exp(xc - n ln 2), so that exp(xc) = p * 2^n. */
+INLINE vec exp_reduce(vec xc, ivec *n_out)
 {
 #if FA_IS_F64
-    const vec hi = vset1(709.8);
     const T magic = 6755399441055744.0; /* 1.5 * 2^52: adding it rounds to an integer */
-    /* exp(x) rounds to 0 below -745.2: such lanes (masked scores are -inf)
-     * compute exp(0) and are zeroed at the end, so that no multiply underflows
-     * (subnormal arithmetic is slow). */
-    const ivec zero = x < -745.2;
-    vec xc = vsel(zero, vset1(0), x);
-    xc = vsel(xc > hi, hi, xc);
-    vec t = xc * 1.4426950408889634 + magic;
-    vec nf = t - magic;
-    ivec n = (ivec)t - (ivec)vset1(magic);
+    const vec t = xc * 1.4426950408889634 + magic;
+    const vec nf = t - magic;
+    *n_out = (ivec)t - (ivec)vset1(magic);
     vec r = xc - nf * 6.93147180369123816490e-01;
     r = r - nf * 1.90821492927058770002e-10;
     vec p = vset1(1.0 / 6227020800.0);
@@ -115,22 +110,12 @@ INLINE vec vexp(vec x)
     p = p * r + 1.0 / 24.0;
     p = p * r + 1.0 / 6.0;
     p = p * r + 0.5;
-    p = p * (r * r) + r + 1.0;
-    ivec n1 = (ivec)((uvec)(n + 2048) >> 1) - 1024;
-    ivec n2 = n - n1;
-    vec s1 = (vec)((n1 + 1023) << 52), s2 = (vec)((n2 + 1023) << 52);
-    vec y = p * s1 * s2;
-    y = vsel(zero, vset1(0), y);
-    return vsel(x > 709.79, vset1(INFINITY), y);
+    return p * (r * r) + r + 1.0;
 #else
-    const vec hi = vset1(88.7f);
     const T magic = 12582912.0f; /* 1.5 * 2^23 */
-    const ivec zero = x < -103.98f; /* as for float64: exp rounds to 0 there */
-    vec xc = vsel(zero, vset1(0), x);
-    xc = vsel(xc > hi, hi, xc);
-    vec t = xc * 1.44269504088896341f + magic;
-    vec nf = t - magic;
-    ivec n = (ivec)t - (ivec)vset1(magic);
+    const vec t = xc * 1.44269504088896341f + magic;
+    const vec nf = t - magic;
+    *n_out = (ivec)t - (ivec)vset1(magic);
     vec r = xc - nf * 0.693359375f;
     r = r + nf * 2.12194440e-4f;
     vec p = vset1(1.9875691500e-4f);
@@ -139,64 +124,52 @@ INLINE vec vexp(vec x)
     p = p * r + 4.1665795894e-2f;
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
-    p = p * (r * r) + r + 1.0f;
-    ivec n1 = (ivec)((uvec)(n + 256) >> 1) - 128;
-    ivec n2 = n - n1;
-    vec s1 = (vec)((n1 + 127) << 23), s2 = (vec)((n2 + 127) << 23);
-    vec y = p * s1 * s2;
-    y = vsel(zero, vset1(0), y);
-    return vsel(x > 88.72f, vset1(INFINITY), y);
+    return p * (r * r) + r + 1.0f;
 #endif
 }
 
-/* exp for the attention kernels, whose arguments are <= 0 (or NaN): the same
- * reduction and polynomial, but no overflow handling and one exponent scale;
- * results below the smallest normal number are flushed to 0 (an absolute
- * error below 2.3e-308 / 1.2e-38 on weights that sum to 1).  NaN stays NaN,
- * -inf gives 0.  Tested against NumPy as `vexp_neg` in the test suite. */
+#if FA_IS_F64
+#define EXP_BIAS 1023   /* exponent bias, mantissa bits, exp's range */
+#define EXP_MANT 52
+#define EXP_ZERO (-745.2)             /* exp rounds to 0 below */
+#define EXP_TINY (-708.3964185322641) /* ln of the smallest normal */
+#define EXP_HUGE 709.79               /* exp overflows above */
+#else
+#define EXP_BIAS 127
+#define EXP_MANT 23
+#define EXP_ZERO (-103.98f)
+#define EXP_TINY (-87.3365447f)
+#define EXP_HUGE 88.72f
+#endif
+
+/* exp for any argument.  Lanes whose exp rounds to 0 (masked scores are -inf)
+ * compute exp(0) and are zeroed at the end, so that no multiply underflows
+ * (subnormal arithmetic is slow); 2^n is applied in two halves so that
+ * subnormal results come out right. */
+INLINE vec vexp(vec x)
+{
+    const ivec zero = x < EXP_ZERO;
+    vec xc = vsel(zero, vset1(0), x);
+    xc = vsel(xc > EXP_HUGE, vset1(EXP_HUGE), xc);
+    ivec n;
+    const vec p = exp_reduce(xc, &n);
+    const ivec n1 = (ivec)((uvec)(n + 8 * EXP_BIAS) >> 1) - 4 * EXP_BIAS;
+    const ivec n2 = n - n1;
+    const vec y = p * (vec)((n1 + EXP_BIAS) << EXP_MANT) * (vec)((n2 + EXP_BIAS) << EXP_MANT);
+    return vsel(x > EXP_HUGE, vset1(INFINITY), (vec)((ivec)y & ~zero));
+}
+
+/* exp for the attention kernels, whose arguments are <= 0 (or NaN): no
+ * overflow handling and one exponent scale; results below the smallest normal
+ * number are flushed to 0 (an absolute error below 2.3e-308 / 1.2e-38 on
+ * weights that sum to 1).  NaN stays NaN, -inf gives 0.  Tested against NumPy
+ * as `vexp(x, neg=True)` in the test suite. */
 INLINE vec vexp_neg(vec x)
 {
-#if FA_IS_F64
-    const ivec zero = x < -708.3964185322641; /* ln(DBL_MIN) */
-    const vec xc = vsel(zero, vset1(0), x);
-    const T magic = 6755399441055744.0;
-    const vec t = xc * 1.4426950408889634 + magic;
-    const vec nf = t - magic;
-    const ivec n = (ivec)t - (ivec)vset1(magic);
-    vec r = xc - nf * 6.93147180369123816490e-01;
-    r = r - nf * 1.90821492927058770002e-10;
-    vec p = vset1(1.0 / 6227020800.0);
-    p = p * r + 1.0 / 479001600.0;
-    p = p * r + 1.0 / 39916800.0;
-    p = p * r + 1.0 / 3628800.0;
-    p = p * r + 1.0 / 362880.0;
-    p = p * r + 1.0 / 40320.0;
-    p = p * r + 1.0 / 5040.0;
-    p = p * r + 1.0 / 720.0;
-    p = p * r + 1.0 / 120.0;
-    p = p * r + 1.0 / 24.0;
-    p = p * r + 1.0 / 6.0;
-    p = p * r + 0.5;
-    p = p * (r * r) + r + 1.0;
-    const vec y = p * (vec)((n + 1023) << 52);
-#else
-    const ivec zero = x < -87.3365447f; /* ln(FLT_MIN): below it the result is subnormal */
-    const vec xc = vsel(zero, vset1(0), x);
-    const T magic = 12582912.0f;
-    const vec t = xc * 1.44269504088896341f + magic;
-    const vec nf = t - magic;
-    const ivec n = (ivec)t - (ivec)vset1(magic);
-    vec r = xc - nf * 0.693359375f;
-    r = r + nf * 2.12194440e-4f;
-    vec p = vset1(1.9875691500e-4f);
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * (r * r) + r + 1.0f;
-    const vec y = p * (vec)((n + 127) << 23);
-#endif
+    const ivec zero = x < EXP_TINY;
+    ivec n;
+    const vec p = exp_reduce(vsel(zero, vset1(0), x), &n);
+    const vec y = p * (vec)((n + EXP_BIAS) << EXP_MANT);
     return (vec)((ivec)y & ~zero);
 }
 
