@@ -33,7 +33,13 @@ __all__ = ["softmax", "scores", "causal_mask", "attention", "attention_weights",
 
 
 def default_scale(d_k: int) -> float:
-    """1/sqrt(d_k), the scale of "Attention Is All You Need" (1.0 when d_k == 0)."""
+    """1/sqrt(d_k), the scale of "Attention Is All You Need" (1.0 when d_k == 0).
+
+    Examples
+    --------
+    >>> default_scale(64)
+    0.125
+    """
     return 1.0 / math.sqrt(d_k) if d_k > 0 else 1.0
 
 
@@ -45,7 +51,20 @@ def _float_dtype(*arrays: Any) -> np.dtype[Any]:
 def softmax(x: ArrayLike, axis: int = -1) -> NDArray[Any]:
     """exp(x - max) / sum(exp(x - max)) along `axis`.
 
-    An all -inf slice gives zeros (not NaN); NaN propagates to its slice.
+    Parameters
+    ----------
+    x : array_like
+    axis : int, default -1
+
+    Returns
+    -------
+    ndarray of x's shape, in x's float dtype (float64 for integers).  An all
+    -inf slice gives zeros (not NaN); NaN propagates to its slice.
+
+    Examples
+    --------
+    >>> softmax([0.0, np.log(3.0)])
+    array([0.25, 0.75])
     """
     x = np.asarray(x)
     x = x.astype(_float_dtype(x), copy=False)
@@ -58,7 +77,14 @@ def softmax(x: ArrayLike, axis: int = -1) -> NDArray[Any]:
 
 
 def causal_mask(n_q: int, n_k: int) -> NDArray[np.bool_]:
-    """Bool (n_q, n_k): True where query i may attend key j, j <= i + n_k - n_q."""
+    """Bool (n_q, n_k): True where query i may attend key j, j <= i + n_k - n_q.
+
+    Examples
+    --------
+    >>> causal_mask(2, 3).astype(int)
+    array([[1, 1, 0],
+           [1, 1, 1]])
+    """
     i = np.arange(n_q)[:, None]
     j = np.arange(n_k)[None, :]
     return j <= i + (n_k - n_q)
@@ -79,7 +105,25 @@ def scores(q: ArrayLike, k: ArrayLike, *, mask: Optional[ArrayLike] = None, caus
            scale: Optional[float] = None, enable_gqa: bool = False, window: Any = None,
            softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
            kv_lengths: Optional[ArrayLike] = None) -> NDArray[Any]:
-    """Scaled, modified, masked scores (..., n_q, n_k): the logits the softmax sees."""
+    """Scaled, modified, masked scores (..., n_q, n_k): the logits the softmax sees.
+
+    Parameters
+    ----------
+    q : array_like, (..., n_q, d_k)
+    k : array_like, (..., n_k, d_k)
+    mask, causal, scale, enable_gqa, window, softcap, alibi_slopes, kv_lengths
+        As for `fastattn.attention` (see the module docstring for the order).
+
+    Returns
+    -------
+    ndarray (..., n_q, n_k), -inf where a key is not visible.
+
+    Examples
+    --------
+    >>> scores(np.eye(2), np.eye(2), causal=True, scale=1.0)
+    array([[  1., -inf],
+           [  0.,   1.]])
+    """
     q, k = np.asarray(q), np.asarray(k)
     dt = _float_dtype(q, k)
     q, k = q.astype(dt, copy=False), k.astype(dt, copy=False)
@@ -117,7 +161,24 @@ def scores(q: ArrayLike, k: ArrayLike, *, mask: Optional[ArrayLike] = None, caus
 
 
 def attention_weights(q: ArrayLike, k: ArrayLike, **options: Any) -> NDArray[Any]:
-    """softmax(scores(q, k, **options)) with zero rows where nothing is visible."""
+    """softmax(scores(q, k, **options)): rows sum to 1, zero where nothing is visible.
+
+    Parameters
+    ----------
+    q : array_like, (..., n_q, d_k) or (d_k,)
+    k : array_like, (..., n_k, d_k)
+    **options
+        The keywords of `scores`.
+
+    Returns
+    -------
+    ndarray (..., n_q, n_k), or (..., n_k) for a 1-D q.
+
+    Examples
+    --------
+    >>> attention_weights(np.ones(2), np.ones((4, 2)))
+    array([0.25, 0.25, 0.25, 0.25])
+    """
     q = np.asarray(q)
     if q.ndim == 1:
         mask = options.pop("mask", None)
@@ -131,11 +192,29 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, mask: Optional[ArrayL
               scale: Optional[float] = None, return_lse: bool = False, **options: Any) -> Any:
     """softmax(q k^T * scale + mask) v.
 
-    q (..., n_q, d_k), k (..., n_k, d_k), v (..., n_k, d_v) -> (..., n_q, d_v);
-    leading dims broadcast.  A 1-D q (d_k,) drops the n_q axis of the result,
-    a 1-D v (n_k,) the d_v axis.  With return_lse, also
-    lse = log(sum(exp(scores))) of shape (..., n_q).  `options`: enable_gqa,
-    window, softcap, alibi_slopes, kv_lengths (see `scores`).
+    Parameters
+    ----------
+    q : array_like, (..., n_q, d_k) or (d_k,)
+        A 1-D q drops the n_q axis of the result.
+    k : array_like, (..., n_k, d_k)
+    v : array_like, (..., n_k, d_v) or (n_k,)
+        A 1-D v drops the d_v axis of the result.
+    mask, causal, scale
+        As for `fastattn.attention`.
+    return_lse : bool
+        Also return lse = log(sum(exp(scores))), shape (..., n_q).
+    **options
+        enable_gqa, window, softcap, alibi_slopes, kv_lengths (see `scores`).
+
+    Returns
+    -------
+    out : ndarray (..., n_q, d_v), leading dims broadcast; (out, lse) with return_lse.
+
+    Examples
+    --------
+    >>> float(attention(np.array([1.0, 0.9]), np.array([[1.0, 1.0], [1.0, 0.8], [0.0, -1.0]]),
+    ...                 np.array([10.0, 5.0, 2.0]))).__round__(3)
+    7.272
     """
     q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
     dt = _float_dtype(q, k, v)
@@ -168,8 +247,23 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, mask: Optional[ArrayL
 
 
 def merge_attention(outs: Sequence[ArrayLike], lses: Sequence[ArrayLike]) -> tuple[NDArray[Any], NDArray[Any]]:
-    """Attention over the union of disjoint key sets from the parts' (out, lse):
-    lse = log(sum_p exp(lse_p)), out = sum_p exp(lse_p - lse) out_p."""
+    """Attention over the union of disjoint key sets from the parts' (out, lse).
+
+    Parameters
+    ----------
+    outs : sequence of array_like, each (..., n_q, d_v)
+    lses : sequence of array_like, each (..., n_q)
+
+    Returns
+    -------
+    (out, lse): lse = log(sum_p exp(lse_p)), out = sum_p exp(lse_p - lse) out_p;
+    parts with lse = -inf add nothing.
+
+    Examples
+    --------
+    >>> merge_attention([np.ones((1, 2)), np.zeros((1, 2))], [np.zeros(1), np.zeros(1)])[0]
+    array([[0.5, 0.5]])
+    """
     part_lses = [np.asarray(x, dtype=np.float64) for x in lses]
     parts = [np.asarray(o, dtype=np.float64) for o in outs]
     with np.errstate(divide="ignore"):
@@ -183,7 +277,24 @@ def merge_attention(outs: Sequence[ArrayLike], lses: Sequence[ArrayLike]) -> tup
 
 def self_attention(x: ArrayLike, w_q: Any, w_k: Any, w_v: Any, *, mask: Optional[ArrayLike] = None,
                    causal: bool = False, scale: Optional[float] = None) -> Any:
-    """attention(x W_Q, x W_K, x W_V)."""
+    """attention(x W_Q, x W_K, x W_V).
+
+    Parameters
+    ----------
+    x : array_like, (..., n, d_model)
+    w_q, w_k : (d_model, d_k);  w_v : (d_model, d_v)
+    mask, causal, scale
+        As for `fastattn.attention`.
+
+    Returns
+    -------
+    ndarray (..., n, d_v)
+
+    Examples
+    --------
+    >>> self_attention(np.eye(3), np.eye(3), np.eye(3), np.eye(3), causal=True)[0]
+    array([1., 0., 0.])
+    """
     x = np.asarray(x)
     return attention(x @ w_q, x @ w_k, x @ w_v, mask=mask, causal=causal, scale=scale)
 
@@ -191,8 +302,27 @@ def self_attention(x: ArrayLike, w_q: Any, w_k: Any, w_v: Any, *, mask: Optional
 def multihead_attention(x: ArrayLike, w_q: Any, w_k: Any, w_v: Any, w_o: Any, *, num_heads: int,
                         num_kv_heads: Optional[int] = None, mask: Optional[ArrayLike] = None,
                         causal: bool = False, scale: Optional[float] = None) -> Any:
-    """concat over heads h of attention(x W_Q[:, h], x W_K[:, g(h)], x W_V[:, g(h)]) @ W_O,
-    with head h taking columns h*d_head:(h+1)*d_head and g(h) = h // (H // H_kv)."""
+    """concat over heads h of attention(x W_Q[:, h], x W_K[:, g(h)], x W_V[:, g(h)]) @ W_O.
+
+    Head h takes columns h*d_head:(h+1)*d_head and g(h) = h // (H // H_kv).
+
+    Parameters
+    ----------
+    x : array_like, (..., n, d_model)
+    w_q : (d_model, H * d_head);  w_k, w_v : (d_model, H_kv * d_head);  w_o : (H * d_head, d_model)
+    num_heads, num_kv_heads : int
+    mask, causal, scale
+        As for `fastattn.attention`; the mask broadcasts to (..., H, n, n).
+
+    Returns
+    -------
+    ndarray (..., n, d_model)
+
+    Examples
+    --------
+    >>> multihead_attention(np.eye(4), *(np.eye(4) for _ in range(4)), num_heads=2).shape
+    (4, 4)
+    """
     x = np.asarray(x)
     H = num_heads
     Hkv = num_kv_heads or H

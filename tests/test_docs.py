@@ -13,8 +13,8 @@ README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 
 
 def test_docstring_examples():
-    from fastattn import layers
-    for mod, least in ((_api, 6), (layers, 2)):
+    from fastattn import layers, reference
+    for mod, least in ((_api, 6), (layers, 2), (reference, 9)):
         result = doctest.testmod(mod, optionflags=doctest.NORMALIZE_WHITESPACE)
         assert result.attempted >= least and result.failed == 0, mod.__name__
 
