@@ -49,7 +49,7 @@ WORKLOADS = [
     _w("B1 H8 N2048 d64 GQA 8q/2kv", (1, 8, 2048, 2048, 64), gqa=2),
     _w("B1 H8 N8192 d64 causal", (1, 8, 8192, 8192, 64), causal=True),
     _w("  ...window (256, 0)", (1, 8, 8192, 8192, 64), causal=True, window=(256, 0)),
-    _w("decode B8 H8 Nk4096 kv_lengths", (8, 8, 1, 4096, 128), kv_lengths=True),
+    _w("decode B8 H8 Nk4096 kv_len", (8, 8, 1, 4096, 128), kv_lengths=True),
 ]
 QUICK = [w for w in WORKLOADS if w["quick"]]
 
@@ -180,12 +180,16 @@ def run(workloads, repeats=5, threads=None, with_reference=True, with_torch=True
         matmul_gflops=mm, rows=rows)
 
 
+def _ms(x, width=9):
+    return f"{x:{width}.3f}" if x < 1 else f"{x:{width}.2f}"
+
+
 def _fmt_row(r):
-    ref_ms = f"{r['reference_ms']:9.1f}" if "reference_ms" in r else f"{'-':>9}"
+    ref_ms = _ms(r["reference_ms"]) if "reference_ms" in r else f"{'-':>9}"
     x_ref = f"{r['x_reference']:7.1f}x" if "x_reference" in r else f"{'-':>8}"
-    t_ms = f"{r['torch_ms']:9.2f}" if "torch_ms" in r else f"{'-':>9}"
+    t_ms = _ms(r["torch_ms"]) if "torch_ms" in r else f"{'-':>9}"
     x_t = f"{r['x_torch']:7.2f}x" if "x_torch" in r else f"{'-':>8}"
-    return (f"| {r['name']:<28} | {r['ms']:9.2f} | {r['gflops']:7.1f} | {r['pct_mm']:5.0f} % | "
+    return (f"| {r['name']:<28} | {_ms(r['ms'])} | {r['gflops']:7.1f} | {r['pct_mm']:5.0f} % | "
             f"{ref_ms} | {x_ref} | {t_ms} | {x_t} |")
 
 
