@@ -461,8 +461,9 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, mask: Optional[ArrayL
         _check_out(out, res_shape, p.res)
 
     lse = np.empty(p.lead + (p.n_q,), p.comp) if return_lse else None
-    direct = out is not None and _direct_out(out, p.comp) and not _overlaps(out, *p.inputs)
-    target: np.ndarray
+    direct = (out is not None and _direct_out(out, p.comp)
+              and not _overlaps(out, *p.inputs, p.slopes, p.kvl))
+    target: np.ndarray = np.empty(0)
     if direct:
         assert out is not None
         target = out
@@ -471,8 +472,9 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, mask: Optional[ArrayL
         if p.v1:
             target = target[..., None]
         if p.gqa is not None:
-            target = target.reshape(full_shape)   # splitting the head axis: a view
-    else:
+            target = target.reshape(full_shape)   # splitting the head axis: a view ...
+            direct = target.size == 0 or np.may_share_memory(target, out)   # ... else write a temporary
+    if not direct:
         target = np.empty(full_shape, p.comp)
 
     if target.size or lse is not None:
