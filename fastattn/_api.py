@@ -44,17 +44,21 @@ def _dtypes(*arrays: Any) -> tuple[np.dtype[Any], np.dtype[Any]]:
     return res, comp
 
 
-def _as_compute(a: np.ndarray, dtype: Any) -> np.ndarray:
-    """`a` in the compute dtype, with unit stride on the last axis (a copy only
-    when needed; leading and row strides are read as they are)."""
-    a = a.astype(dtype, copy=False)
+def _readable(a: np.ndarray, unit_last: bool) -> bool:
+    """Can the C core address `a` as it is: strides in whole elements and, if
+    unit_last, a contiguous last axis?"""
     if a.flags.c_contiguous:
-        return a
-    if a.ndim and a.shape[-1] > 1 and a.strides[-1] != a.itemsize:
-        a = np.ascontiguousarray(a)
-    elif any(s % a.itemsize for s in a.strides):
-        a = np.ascontiguousarray(a)
-    return a
+        return True
+    if unit_last and a.ndim and a.shape[-1] > 1 and a.strides[-1] != a.itemsize:
+        return False
+    return all(s % a.itemsize == 0 for s in a.strides)
+
+
+def _as_compute(a: np.ndarray, dtype: Any, unit_last: bool = True) -> np.ndarray:
+    """`a` in `dtype`, copied only when the C core could not read it as it is
+    (leading and row strides, zero and negative ones included, are read in place)."""
+    a = a.astype(dtype, copy=False)
+    return a if _readable(a, unit_last) else np.ascontiguousarray(a)
 
 
 # ---------------------------------------------------------------------------
@@ -103,10 +107,9 @@ def _overlaps(out, *arrays):
     return any(isinstance(a, np.ndarray) and np.may_share_memory(out, a) for a in arrays)
 
 
-def _direct_out(out, comp):
+def _direct_out(out, comp, unit_last=True):
     """Can the C core write into `out` as it is?"""
-    return (out.dtype == comp and (out.ndim == 0 or out.shape[-1] <= 1 or out.strides[-1] == out.itemsize)
-            and all(s % out.itemsize == 0 for s in out.strides))
+    return out.dtype == comp and _readable(out, unit_last)
 
 
 # ---------------------------------------------------------------------------
@@ -155,8 +158,8 @@ def softmax(x: ArrayLike, axis: int = -1, *, out: Optional[np.ndarray] = None) -
     axis = _normalize_axis(axis, x.ndim)
     if out is not None:
         _check_out(out, x.shape, res)
-    xc = np.moveaxis(_as_compute_any(x, comp), axis, -1)
-    if out is not None and _direct_out_any(out, comp) and (
+    xc = np.moveaxis(_as_compute(x, comp, unit_last=False), axis, -1)
+    if out is not None and _direct_out(out, comp, unit_last=False) and (
             not np.may_share_memory(out, x) or _same_view(out, x)):
         target = np.moveaxis(out, axis, -1)
         _core.softmax(xc, target, 0)
@@ -180,18 +183,6 @@ def _normalize_axis(axis: Any, ndim: int) -> int:
     if not -ndim <= axis < ndim:
         raise np.exceptions.AxisError(axis, ndim)
     return axis % ndim
-
-
-def _as_compute_any(a, dtype):
-    """The compute dtype; any strides that are whole elements."""
-    a = a.astype(dtype, copy=False)
-    if any(s % a.itemsize for s in a.strides):
-        a = np.ascontiguousarray(a)
-    return a
-
-
-def _direct_out_any(out, comp):
-    return out.dtype == comp and all(s % out.itemsize == 0 for s in out.strides)
 
 
 def _same_view(a, b):
@@ -378,11 +369,9 @@ def _prepare(q, k, v, mask, causal, scale, enable_gqa, window, softcap, alibi_sl
     p.res, p.comp, p.lead = res, comp, lead
     p.n_q, p.n_k, p.d_v = n_q, n_k, d_v
     p.q, p.k, p.v = _as_compute(qq, comp), _as_compute(k, comp), _as_compute(vv, comp)
-    if mm is not None:
-        mdt = np.uint8 if p.mask_kind == _core.MASK_BOOL else comp
-        mm = mm.view(np.uint8) if p.mask_kind == _core.MASK_BOOL else mm.astype(comp, copy=False)
-        if any(s % mm.itemsize for s in mm.strides):
-            mm = np.ascontiguousarray(mm, dtype=mdt)
+    if mm is not None:  # read with any strides: never expanded, a bool mask never converted
+        mm = _as_compute(mm.view(np.uint8) if p.mask_kind == _core.MASK_BOOL else mm,
+                         np.uint8 if p.mask_kind == _core.MASK_BOOL else comp, unit_last=False)
     p.mask, p.slopes, p.kvl = mm, slopes, kvl
     p.inputs = (q, k, v, mask)
     return p
