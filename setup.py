@@ -5,7 +5,7 @@ is missing the build says so and the library runs single-threaded.
   FASTATTN_USE_OPENMP=0      build without OpenMP
   FASTATTN_REQUIRE_OPENMP=1  fail the build when OpenMP is missing (CI)
   FASTATTN_EXTRA_CFLAGS, FASTATTN_EXTRA_LDFLAGS   more flags (CI: sanitizers, -Werror)
-No -march flag and no fast-math flags: the AVX2 kernels carry their own target
+No -march flag and no fast-math flags: the AVX2 and AVX-512 kernels carry their own target
 pragma and are chosen at run time (src_c/dispatch.c); fast-math would break
 -inf masks, NaN propagation and the logsumexp output.
 """

@@ -36,14 +36,19 @@ __all__ = ["attention", "attention_weights", "merge_attention", "softmax", "self
            "multihead_attention", "reference", "show_config", "__version__"]
 
 
+# the SIMD paths a build may carry, best first
+ISA_NAMES = ("avx512", "avx2", "generic")
+
+
 def _choose_isa() -> None:
-    """FASTATTN_ISA=generic forces the portable path; =avx2 asks for AVX2
-    (with a warning if this CPU cannot run it); unset or 'auto': the best."""
+    """FASTATTN_ISA=generic forces the portable path; =avx2 or =avx512 asks
+    for that path (with a warning if this CPU cannot run it); unset or 'auto':
+    the best this CPU has (avx512, then avx2, then generic)."""
     want = _os.environ.get("FASTATTN_ISA", "auto").strip().lower()
     if want in ("", "auto"):
         return
-    if want not in ("generic", "avx2"):
-        _warnings.warn(f"FASTATTN_ISA={want!r} is not one of auto, generic, avx2; using "
+    if want not in ISA_NAMES:
+        _warnings.warn(f"FASTATTN_ISA={want!r} is not one of auto, {', '.join(ISA_NAMES)}; using "
                        f"{_core.isa_name()}", RuntimeWarning, stacklevel=2)
         return
     if not _core.isa_available(want):
@@ -69,14 +74,14 @@ def show_config() -> None:
     >>> fastattn.show_config()  # doctest: +SKIP
     fastattn 0.1.0
       compiler:       gcc 12.2.0; flags: -O3 -fno-math-errno -Wall -Wextra -fopenmp; OpenMP 201511
-      SIMD path:      avx2 (available: avx2, generic; FASTATTN_ISA=auto)
+      SIMD path:      avx512 (available: avx512, avx2, generic; FASTATTN_ISA=auto)
       OpenMP:         /usr/lib/x86_64-linux-gnu/libgomp.so.1
       threads:        2 (OMP_NUM_THREADS=unset)
     """
     print(f"fastattn {__version__}")
     print(f"  compiler:       {_core.build_info()}")
     print(f"  SIMD path:      {_core.isa_name()} (available: "
-          f"{', '.join(n for n in ('avx2', 'generic') if _core.isa_available(n))}; "
+          f"{', '.join(n for n in ISA_NAMES if _core.isa_available(n))}; "
           f"FASTATTN_ISA={_os.environ.get('FASTATTN_ISA', 'auto')})")
     print(f"  OpenMP:         {_core.openmp_library() if _core.openmp_enabled() else 'no (single-threaded build)'}")
     print(f"  threads:        {_core.max_threads()} (OMP_NUM_THREADS="

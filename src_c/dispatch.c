@@ -1,8 +1,11 @@
 /*
  * Run-time choice of the SIMD path.  This file is compiled for the baseline
  * ISA: it must run on any x86-64 (or aarch64) CPU.  The AVX2 kernels are used
- * only when CPUID reports both AVX2 and FMA (separate bits) and the OS saves
- * the YMM registers (checked by the compiler's __builtin_cpu_supports).
+ * only when CPUID reports both AVX2 and FMA (separate bits), the AVX-512 ones
+ * only when it reports AVX-512 F, DQ, BW and VL (and AVX2 and FMA); in both
+ * cases the OS must save the registers (YMM; ZMM and mask), which the
+ * compiler's __builtin_cpu_supports checks through XGETBV.  Preference:
+ * avx512, then avx2, then generic.
  * The Python layer reads FASTATTN_ISA at import and calls fa_set_isa.
  */
 #include <string.h>
@@ -25,6 +28,7 @@
 static fa_isa_table table_generic = FA_TABLE(generic);
 #ifdef FA_HAVE_AVX2_BUILD
 static fa_isa_table table_avx2 = FA_TABLE(avx2);
+static fa_isa_table table_avx512 = FA_TABLE(avx512);
 #endif
 
 static const fa_isa_table *current = NULL;
@@ -39,6 +43,17 @@ static int cpu_has_avx2_fma(void)
 #endif
 }
 
+static int cpu_has_avx512(void)
+{
+#if defined(FA_HAVE_AVX2_BUILD) && (defined(__GNUC__) || defined(__clang__))
+    return cpu_has_avx2_fma() && __builtin_cpu_supports("avx512f") &&
+           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl");
+#else
+    return 0;
+#endif
+}
+
 static const fa_isa_table *lookup(const char *name)
 {
     if (table_generic.lanes[0] == 0) {
@@ -47,11 +62,14 @@ static const fa_isa_table *lookup(const char *name)
 #ifdef FA_HAVE_AVX2_BUILD
         table_avx2.lanes[0] = fa_lanes_f32_avx2;
         table_avx2.lanes[1] = fa_lanes_f64_avx2;
+        table_avx512.lanes[0] = fa_lanes_f32_avx512;
+        table_avx512.lanes[1] = fa_lanes_f64_avx512;
 #endif
     }
     if (strcmp(name, "generic") == 0) return &table_generic;
 #ifdef FA_HAVE_AVX2_BUILD
     if (strcmp(name, "avx2") == 0 && cpu_has_avx2_fma()) return &table_avx2;
+    if (strcmp(name, "avx512") == 0 && cpu_has_avx512()) return &table_avx512;
 #endif
     return NULL;
 }
@@ -68,7 +86,11 @@ int fa_set_isa(const char *name)
 
 const fa_isa_table *fa_isa_current(void)
 {
-    if (!current) current = lookup("avx2") ? lookup("avx2") : lookup("generic");
+    if (!current) {
+        const fa_isa_table *t = lookup("avx512");
+        if (!t) t = lookup("avx2");
+        current = t ? t : lookup("generic");
+    }
     return current;
 }
 

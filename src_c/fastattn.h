@@ -115,7 +115,7 @@ int fa_attention_weights(const fa_attention_args *a);
 int fa_softmax(const fa_softmax_args *a);
 
 /* SIMD path.  fa_isa_name() is the path in use; fa_set_isa() chooses one by
- * name ("generic", "avx2") and returns FA_EINVAL when this CPU or build cannot
+ * name ("generic", "avx2", "avx512") and returns FA_EINVAL when this CPU or build cannot
  * run it; fa_isa_available() tells whether a name can be chosen. */
 const char *fa_isa_name(void);
 int fa_set_isa(const char *name);

@@ -74,11 +74,13 @@ static inline int64_t fa_attn_scratch_elems(const fa_tiles *t, int64_t dk, int64
 {
     return t->bqp * (dk + t->bk + dv + 2 + (t->bk + 31) / 32);
 }
-/* The row kernel: bq <= FA_ROWS_MAX query rows. */
+/* The row kernel: bq <= FA_ROWS_MAX query rows; dk is padded to a whole
+ * number of vectors (at most FA_LANES_MAX lanes: float32 in 64 bytes). */
 #define FA_ROWS_MAX 4
+#define FA_LANES_MAX 16
 static inline int64_t fa_rows_scratch_elems(const fa_tiles *t, int64_t dk, int64_t dv)
 {
-    return t->bq * (dk + 8 + t->bk + dv + 2);
+    return t->bq * (dk + FA_LANES_MAX + t->bk + dv + 2);
 }
 static inline int64_t fa_softmax_scratch_elems(int64_t n)
 {
@@ -117,6 +119,7 @@ FA_DECLARE_ISA(generic)
 #if defined(__x86_64__) || defined(_M_X64)
 #define FA_HAVE_AVX2_BUILD 1
 FA_DECLARE_ISA(avx2)
+FA_DECLARE_ISA(avx512)
 #endif
 
 /* Exposed for the tests: the chosen path's vector exp (which = 0) and the

@@ -8,10 +8,10 @@ of the reference output.
 import numpy as np
 import pytest
 
-from fastattn import _core
+from fastattn import ISA_NAMES, _core
 from fastattn import reference as ref
 
-ISAS = [name for name in ("avx2", "generic") if _core.isa_available(name)]
+ISAS = [name for name in ISA_NAMES if _core.isa_available(name)]
 
 # relative tolerance of each compute dtype against the float64 reference
 RTOL = {np.dtype(np.float16): 2e-3, np.dtype(np.float32): 1e-5, np.dtype(np.float64): 1e-12}

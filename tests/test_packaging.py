@@ -2,8 +2,11 @@
 typing files, and memory that stays flat over many calls."""
 
 import importlib.metadata
+import os
 import pathlib
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -34,6 +37,29 @@ def test_show_config(capsys):
     assert f"threads:        {_core.max_threads()}" in text
     if _core.openmp_enabled():
         assert _core.openmp_library() in text and "omp" in _core.openmp_library()
+
+
+def _isa_at_import(value):
+    """The SIMD path and the warnings of a fresh import with FASTATTN_ISA=value."""
+    env = dict(os.environ, FASTATTN_ISA=value)
+    code = "import fastattn; from fastattn import _core; print(_core.isa_name())"
+    run = subprocess.run([sys.executable, "-W", "always", "-c", code], env=env, capture_output=True,
+                         text=True, check=True)
+    return run.stdout.strip(), run.stderr
+
+
+def test_isa_choice_at_import():
+    available = [n for n in fastattn.ISA_NAMES if _core.isa_available(n)]
+    assert available[-1] == "generic"   # the portable path is always there
+    # auto: the first (best) available path, silently
+    assert _isa_at_import("auto") == (available[0], "")
+    # each available path can be forced
+    for name in available:
+        assert _isa_at_import(name) == (name, "")
+    # a path this CPU lacks, or a name that is none, is refused with a warning naming it
+    for name in [n for n in fastattn.ISA_NAMES if n not in available] + ["sse9"]:
+        isa, err = _isa_at_import(name)
+        assert isa == available[0] and f"FASTATTN_ISA={name!r}" in err and "RuntimeWarning" in err
 
 
 @pytest.mark.skipif(not _core.openmp_enabled(), reason="single-threaded build: no OpenMP runtime to list")

@@ -1,0 +1,18 @@
+/* kernel_body.h for double with AVX-512 (F, DQ, BW, VL), 64-byte vectors.  Only
+ * the functions of this file are compiled for AVX-512 (the build has no -march
+ * flag); dispatch.c calls them only after CPUID reports those four extensions
+ * and the OS saves the ZMM and mask registers.  No static initialisers here:
+ * they would run at load time on any CPU. */
+#if defined(__x86_64__) || defined(_M_X64)
+#pragma GCC target("avx512f,avx512dq,avx512bw,avx512vl,avx2,fma")
+#define FA_T double
+#define FA_IT int64_t
+#define FA_UT uint64_t
+#define FA_SUF f64
+#define FA_ISA avx512
+#define FA_VB 64
+#define FA_IS_F64 1
+#include "kernel_body.h"
+#else
+typedef int fa_no_avx512_on_this_arch;
+#endif
