@@ -12,6 +12,12 @@ torch.set_num_threads equal to fastattn's thread count.  GFLOP/s counts
 2 * B * H * n_q * n_k * (d_k + d_v) (half of it when causal), and "% mm" is
 that rate over NumPy's own matrix product (2048 x 2048, same dtype), measured
 in the same run.
+
+After anything that runs in NumPy's OpenBLAS (the matrix-product ceiling, the
+reference) the benchmark pauses for a moment (`_settle`): OpenBLAS's idle
+worker threads keep spinning for about 0.1 s after a call, and a peer timed in
+that window shares its cores with them (measured: a 2.8 ms decode call took
+13 ms there).
 """
 
 import argparse
@@ -74,12 +80,18 @@ def _median_times(fns, repeats, min_time=0.05):
     return [float(np.median(s)) for s in samples]
 
 
+def _settle(seconds=0.2):
+    """Let OpenBLAS's spinning worker threads go to sleep before the next timing."""
+    time.sleep(seconds)
+
+
 def _matmul_rate(dtype, repeats):
     n = 2048
     rng = np.random.default_rng(0)
     a = rng.standard_normal((n, n)).astype(dtype)
     b = rng.standard_normal((n, n)).astype(dtype)
     (t,) = _median_times([lambda: a @ b], repeats)
+    _settle()
     return 2 * n**3 / t / 1e9
 
 
@@ -139,6 +151,7 @@ def _measure(w, threads, torch, repeats, with_reference, mm):
         ref_reps = 1 if flops > 5e9 else 3
         (times["reference"],) = _median_times(
             [lambda: reference.attention(q, k, v, mask=mask, causal=w["causal"], **kw)], ref_reps, min_time=0)
+        _settle()
     t = times["fastattn"]
     row = dict(name=w["name"], shape=list(w["shape"]), dtype=w["dtype"], causal=w["causal"],
                mask=w["mask"], ms=t * 1e3, gflops=flops / t / 1e9,

@@ -159,7 +159,9 @@ static void choose_tiles(const fa_attention_args *a, int lanes, int rows_kernel,
     t->bq = a->nq < bq_max ? a->nq : bq_max;
     if (t->bq < 1) t->bq = 1;
     t->bqp = (t->bq + tw - 1) / tw * tw;
-    int64_t bk_max = rows_kernel ? 64 : (a->dtype == FA_F32 ? 256 : 128);
+    /* rows kernel: long key tiles, fewer switches between the K and V streams
+     * (measured 2-4 % faster than 64 at H32 Nk4096 d128) */
+    int64_t bk_max = rows_kernel ? 256 : (a->dtype == FA_F32 ? 256 : 128);
     /* A narrow band (sliding window) wastes less at its edges with small tiles:
      * measured 27 % faster at N8192, window (256, 0). */
     if (!rows_kernel && a->win_left >= 0 && a->win_left < 1024) bk_max = 128;

@@ -1,11 +1,12 @@
-"""Random shapes, masks and options (hypothesis) against the reference."""
+"""Random shapes, masks, options and SIMD paths (hypothesis) against the reference."""
 
 import numpy as np
-from conftest import assert_close, reference64
+from conftest import ISAS, assert_close, reference64
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fastattn
+from fastattn import _core
 
 LEAD = st.lists(st.integers(1, 3), min_size=0, max_size=3)
 
@@ -38,14 +39,19 @@ def problems(draw):
     if draw(st.booleans()):
         kw["scale"] = draw(st.floats(-2.0, 2.0))
     kw["num_threads"] = draw(st.sampled_from([None, 1, 2]))
-    return q, k, v, kw
+    return q, k, v, kw, draw(st.sampled_from(ISAS))
 
 
 @settings(max_examples=150, deadline=None)
 @given(problems())
 def test_random_problems(p):
-    q, k, v, kw = p
-    out, lse = fastattn.attention(q, k, v, return_lse=True, **kw)
+    q, k, v, kw, isa = p
+    before = _core.isa_name()
+    _core.set_isa(isa)   # every SIMD path this CPU has
+    try:
+        out, lse = fastattn.attention(q, k, v, return_lse=True, **kw)
+    finally:
+        _core.set_isa(before)
     kw.pop("num_threads")
     want, want_lse = reference64(q, k, v, **kw)
     assert_close(out, want, q.dtype)
