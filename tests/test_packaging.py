@@ -40,11 +40,15 @@ def test_show_config(capsys):
 
 
 def _isa_at_import(value):
-    """The SIMD path and the warnings of a fresh import with FASTATTN_ISA=value."""
+    """The SIMD path and the warnings of a fresh import with FASTATTN_ISA=value
+    (the import this test session uses: run where that package is found, not
+    from a checkout whose source folder would shadow an installed build)."""
     env = dict(os.environ, FASTATTN_ISA=value)
     code = "import fastattn; from fastattn import _core; print(_core.isa_name())"
+    where = pathlib.Path(fastattn.__file__).resolve().parent.parent
     run = subprocess.run([sys.executable, "-W", "always", "-c", code], env=env, capture_output=True,
-                         text=True, check=True)
+                         text=True, cwd=where)
+    assert run.returncode == 0, run.stderr
     return run.stdout.strip(), run.stderr
 
 
