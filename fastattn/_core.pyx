@@ -6,7 +6,7 @@ converted, fills the C argument structs with their pointers and element
 strides, and calls the C core with the GIL released.  Nothing here checks
 shapes: _api.py does.
 """
-from libc.stdint cimport int64_t
+from libc.stdint cimport int64_t, uint64_t
 cimport numpy as cnp
 
 cnp.import_array()
@@ -74,6 +74,7 @@ cdef extern from "fastattn.h" nogil:
     void fa_set_tiles(int64_t bq, int64_t bk)
     int fa_openmp_enabled()
     int fa_max_threads()
+    uint64_t fa_stream_read(const void *x, int64_t n, int num_threads)
     int fa_last_threads()
     const char *fa_openmp_library()
     const char *fa_build_info()
@@ -239,6 +240,21 @@ def vexp(cnp.ndarray x, bint neg=False):
     with nogil:
         fa_exp(dt, neg, cnp.PyArray_DATA(x), cnp.PyArray_DATA(y), n)
     return y
+
+
+def _stream_read(cnp.ndarray buf, int num_threads=0):
+    """Read buf once, as a plain streaming read on num_threads threads (0: the
+    default): the benchmark's memory-bandwidth ceiling.  buf: C-contiguous,
+    16-byte aligned, its size in bytes a multiple of 64.  Returns a checksum."""
+    if not cnp.PyArray_IS_C_CONTIGUOUS(buf) or buf.nbytes % 64 or cnp.PyArray_DATA(buf) == NULL \
+            or <size_t>cnp.PyArray_DATA(buf) % 16:
+        raise ValueError("_stream_read needs a C-contiguous, 16-byte aligned buffer of a multiple of 64 bytes")
+    cdef const void *p = cnp.PyArray_DATA(buf)
+    cdef int64_t n = buf.nbytes
+    cdef uint64_t r
+    with nogil:
+        r = fa_stream_read(p, n, num_threads)
+    return r
 
 
 def _set_tiles(int64_t bq=0, int64_t bk=0):

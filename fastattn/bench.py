@@ -11,7 +11,10 @@ table reports medians, so the ratios are side by side.  PyTorch is optional
 torch.set_num_threads equal to fastattn's thread count.  GFLOP/s counts
 2 * B * H * n_q * n_k * (d_k + d_v) (half of it when causal), and "% mm" is
 that rate over NumPy's own matrix product (2048 x 2048, same dtype), measured
-in the same run.
+in the same run.  Decoding (a few query rows) is bound by memory bandwidth
+instead: for those rows a plain streaming read (256 MiB, same threads) is
+timed in the same interleaving, and the rate at which fastattn reads K and V
+is printed beside it.
 
 After anything that runs in NumPy's OpenBLAS (the matrix-product ceiling, the
 reference) the benchmark pauses for a moment (`_settle`): OpenBLAS's idle
@@ -124,6 +127,16 @@ def _make(w, seed=0):
     return q, k, v, mask, kw
 
 
+_STREAM_BUF: "list[np.ndarray]" = []
+
+
+def _stream_buffer():
+    """256 MiB (8x the L3 of the machines this was tuned on), allocated and touched once."""
+    if not _STREAM_BUF:
+        _STREAM_BUF.append(np.ones(256 << 20, np.uint8))
+    return _STREAM_BUF[0]
+
+
 def _measure(w, threads, torch, repeats, with_reference, mm):
     """One row of the table: fastattn, and its peers, on one workload."""
     q, k, v, mask, kw = _make(w)
@@ -145,6 +158,10 @@ def _measure(w, threads, torch, repeats, with_reference, mm):
             tm = torch.from_numpy(np.arange(nk)[None, None, None, :] < kw["kv_lengths"][:, :, None, None])
         tkw = dict(enable_gqa=True) if "enable_gqa" in kw else {}
         fns["torch"] = lambda: sdpa(tq, tk, tv, attn_mask=tm, is_causal=w["causal"], **tkw)
+    decode = nq <= 4   # memory-bound: time a plain streaming read beside it (the ceiling)
+    if decode:
+        buf = _stream_buffer()
+        fns["stream"] = lambda: _core._stream_read(buf, threads)
     names = list(fns)
     times = dict(zip(names, _median_times([fns[n] for n in names], repeats)))
     if with_reference and nq * nk <= 4096 * 4096:   # the reference builds the n_q x n_k matrix
@@ -161,6 +178,10 @@ def _measure(w, threads, torch, repeats, with_reference, mm):
     if "torch" in times:
         row["torch_ms"] = times["torch"] * 1e3
         row["x_torch"] = times["torch"] / t
+    if decode:   # bytes of K and V that fastattn reads (kv_lengths: only the live rows)
+        kv_rows = float(kw["kv_lengths"].sum()) * H if "kv_lengths" in kw else B * k.shape[1] * nk
+        row["read_gbs"] = kv_rows * (k.shape[-1] + v.shape[-1]) * k.itemsize / t / 1e9
+        row["stream_gbs"] = buf.nbytes / times["stream"] / 1e9
     return row
 
 
@@ -267,6 +288,11 @@ def main(argv: "list[str] | None" = None) -> int:
         if full and win:
             print(f"Sliding window (256, 0) at N8192: {win['ms']:.1f} ms, "
                   f"{100 * win['ms'] / full['ms']:.1f} % of plain causal ({full['ms']:.1f} ms)")
+        for r in result["rows"]:
+            if "read_gbs" in r:
+                print(f"Memory, {r['name'].strip()}: fastattn reads K and V at {r['read_gbs']:.1f} GB/s; "
+                      f"a plain streaming read, interleaved with it: {r['stream_gbs']:.1f} GB/s "
+                      f"({100 * r['read_gbs'] / r['stream_gbs']:.0f} %)")
         sc = result["thread_scaling"]
         if sc:
             print(f"Thread scaling, {sc['workload']}: 1 thread {sc['one_thread_ms']:.1f} ms, "

@@ -345,3 +345,35 @@ int fa_softmax(const fa_softmax_args *a)
     }
     return status;
 }
+
+/* ---------------------------------------------------------------------------
+ * The benchmark's memory ceiling: read n bytes of x once, split across the
+ * threads (num_threads <= 0: the OpenMP default), as a plain streaming read
+ * with 16-byte loads and four independent XOR chains.  Returns the XOR of the
+ * 8-byte words (so that the reads cannot be optimised away).
+ *   x  (n) bytes, n a multiple of 64, 16-byte aligned
+ * ------------------------------------------------------------------------- */
+uint64_t fa_stream_read(const void *x, int64_t n, int num_threads)
+{
+    typedef uint64_t u2 __attribute__((vector_size(16)));
+    const u2 *p = x;
+    const int64_t nv = n / 16;
+    const int nthreads = num_threads > 0 ? num_threads : fa_max_threads();
+    (void)nthreads; /* unused without OpenMP */
+    uint64_t total = 0;
+#pragma omp parallel num_threads(nthreads) reduction(^ : total)
+    {
+        const int t = fa_thread_num(), nt = fa_num_threads();
+        const int64_t lo = nv * t / nt / 4 * 4, hi = t == nt - 1 ? nv : nv * (t + 1) / nt / 4 * 4;
+        u2 a = {0, 0}, b = a, c = a, d = a;
+        for (int64_t i = lo; i < hi; i += 4) {
+            a ^= p[i];
+            b ^= p[i + 1];
+            c ^= p[i + 2];
+            d ^= p[i + 3];
+        }
+        a ^= b ^ c ^ d;
+        total ^= a[0] ^ a[1];
+    }
+    return total;
+}

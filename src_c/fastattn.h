@@ -129,6 +129,9 @@ void fa_set_tiles(int64_t bq, int64_t bk);
  * the team size of the calling thread's last call; the path of the OpenMP
  * runtime library.  fa_build_info: compiler, flags, OpenMP version. */
 int fa_openmp_enabled(void);
+/* Benchmark helper: a plain streaming read of n bytes (a multiple of 64, 16-byte
+ * aligned) on num_threads threads (<= 0: the default); returns a checksum. */
+uint64_t fa_stream_read(const void *x, int64_t n, int num_threads);
 int fa_max_threads(void);
 int fa_last_threads(void);
 const char *fa_openmp_library(void);

@@ -127,3 +127,13 @@ def test_memory_stays_flat():
     rounds(10_000, 100)
     growth = _rss_mb() - before
     assert growth < 8, f"resident memory grew by {growth:.1f} MB over 10,000 small and 100 large calls"
+
+
+def test_stream_read_helper():
+    """The benchmark's memory ceiling reads every byte (checksum) on any team."""
+    x = np.random.default_rng(0).integers(0, 2**63, 4096 + 8, dtype=np.uint64)
+    for threads in (0, 1, 2, 3):
+        assert _core._stream_read(x, threads) == int(np.bitwise_xor.reduce(x))
+    for bad in (np.ones(63, np.uint8), np.ones((64, 2), np.uint8)[:, 0], np.ones(65, np.uint8)[1:]):
+        with pytest.raises(ValueError, match="16-byte aligned"):
+            _core._stream_read(bad)
