@@ -158,7 +158,7 @@ def _measure(w, threads, torch, repeats, with_reference, mm):
             tm = torch.from_numpy(np.arange(nk)[None, None, None, :] < kw["kv_lengths"][:, :, None, None])
         tkw = dict(enable_gqa=True) if "enable_gqa" in kw else {}
         fns["torch"] = lambda: sdpa(tq, tk, tv, attn_mask=tm, is_causal=w["causal"], **tkw)
-    decode = nq <= 4   # memory-bound: time a plain streaming read beside it (the ceiling)
+    decode = nq <= 8   # memory-bound: time a plain streaming read beside it (the ceiling)
     if decode:
         buf = _stream_buffer()
         fns["stream"] = lambda: _core._stream_read(buf, threads)

@@ -147,7 +147,7 @@ void fa_set_tiles(int64_t bq, int64_t bk)
 static void choose_tiles(const fa_attention_args *a, int lanes, int rows_kernel, int64_t n_lead,
                          int threads, fa_tiles *t)
 {
-    const int64_t tw = 2 * lanes;
+    const int64_t tw = lanes; /* bqp: whole vectors (the micro-kernels take one or two) */
     int64_t bq_max = rows_kernel ? FA_ROWS_MAX : 128;
     const int64_t esz = a->dtype == FA_F32 ? 4 : 8;
     while (!rows_kernel && bq_max > 32 && a->dk * bq_max * esz > 32768) bq_max /= 2;

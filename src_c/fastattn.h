@@ -14,7 +14,7 @@
  *   nq     query rows            nk     key/value rows
  *   dk     query/key width       dv     value width
  *   bq     query rows in a tile  bk     key rows in a tile
- *   bqp    bq rounded up to the SIMD tile width (2 vectors)
+ *   bqp    bq rounded up to whole SIMD vectors
  *
  * All strides are in elements (not bytes) and may be zero (broadcast) or
  * negative.  The last axis of q, k, v and out is contiguous (stride 1); the

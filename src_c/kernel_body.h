@@ -41,7 +41,7 @@ typedef FA_IT IT;
 typedef FA_UT UT;
 enum { L = FA_VB / sizeof(T) };                    /* lanes per vector */
 _Static_assert(L <= FA_LANES_MAX, "scratch sizes in internal.h assume at most FA_LANES_MAX lanes");
-enum { TW = 2 * L };                               /* query-group width of a tile */
+enum { TW = 2 * L };                               /* query columns of a micro-tile */
 typedef T vec __attribute__((vector_size(FA_VB)));
 typedef IT ivec __attribute__((vector_size(FA_VB)));
 typedef UT uvec __attribute__((vector_size(FA_VB)));
@@ -241,99 +241,137 @@ void FN(fa_exp)(const void *x_, void *y_, int64_t n)
 }
 
 /* ---------------------------------------------------------------------------
- * Register-blocked micro-kernels.  R rows of one operand times two vectors
+ * Register-blocked micro-kernels.  R rows of one operand times NV = 2 vectors
  * (TW query columns) of the other: 2R accumulators.  R is at most RB: 6 with
  * 16 registers (12 accumulators, plus two loads and a broadcast: 15 of the 16
- * AVX2 registers), FA_RB64 with the 32 registers of AVX-512.
+ * AVX2 registers), FA_RB64 with the 32 registers of AVX-512.  NV = 1 (L query
+ * columns) serves a last odd vector of query rows, so that bqp is a multiple
+ * of L, not of TW: few query rows waste less (5 rows on AVX-512 pad to 16, not
+ * 32).
  * ------------------------------------------------------------------------- */
 #ifndef FA_RB64
 #define FA_RB64 12
 #endif
 enum { RB = FA_VB == 64 ? FA_RB64 : 6 };
 
-/* St[r][0..TW) = sum_c kr[r][c] * Qt[c][0..TW)   for r < R
- *   st  (R, TW)   row stride bqp
- *   kr  (R, dk)   row stride krs
- *   qt  (dk, TW)  row stride bqp */
-INLINE void qk_tile(const int R, T *restrict st, int64_t bqp, const T *restrict kr,
+/* St[r][0..NV*L) = sum_c kr[r][c] * Qt[c][0..NV*L)   for r < R
+ *   st  (R, NV*L)   row stride bqp
+ *   kr  (R, dk)     row stride krs
+ *   qt  (dk, NV*L)  row stride bqp */
+INLINE void qk_tile(const int R, const int NV, T *restrict st, int64_t bqp, const T *restrict kr,
                     int64_t krs, const T *restrict qt, int64_t dk)
 {
     vec a0[RB], a1[RB];
     _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) a0[r] = a1[r] = vset1(0);
     for (int64_t c = 0; c < dk; c++) {
-        const vec b0 = vload(qt + c * bqp), b1 = vload(qt + c * bqp + L);
+        const vec b0 = vload(qt + c * bqp), b1 = NV == 2 ? vload(qt + c * bqp + L) : b0;
         _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)
         {
             const T x = kr[r * krs + c];
             a0[r] += x * b0;
-            a1[r] += x * b1;
+            if (NV == 2) a1[r] += x * b1;
         }
     }
     _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)
     {
         vstore(st + r * bqp, a0[r]);
-        vstore(st + r * bqp + L, a1[r]);
+        if (NV == 2) vstore(st + r * bqp + L, a1[r]);
     }
 }
 
-/* Ot[c + r][0..TW) += sum_j V[j][c + r] * Pt[j][0..TW)   for r < R
- *   ot  (R, TW)   row stride bqp
- *   pt  (nb, TW)  row stride bqp
- *   vc  (nb, R)   row stride vrs (V advanced to column c) */
-INLINE void pv_tile(const int R, T *restrict ot, int64_t bqp, const T *restrict pt,
+/* Ot[c + r][0..NV*L) += sum_j V[j][c + r] * Pt[j][0..NV*L)   for r < R
+ *   ot  (R, NV*L)   row stride bqp
+ *   pt  (nb, NV*L)  row stride bqp
+ *   vc  (nb, R)     row stride vrs (V advanced to column c) */
+INLINE void pv_tile(const int R, const int NV, T *restrict ot, int64_t bqp, const T *restrict pt,
                     const T *restrict vc, int64_t vrs, int64_t nb)
 {
     vec a0[RB], a1[RB];
     _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)
     {
         a0[r] = vload(ot + r * bqp);
-        a1[r] = vload(ot + r * bqp + L);
+        a1[r] = NV == 2 ? vload(ot + r * bqp + L) : a0[r];
     }
     for (int64_t j = 0; j < nb; j++) {
-        const vec p0 = vload(pt + j * bqp), p1 = vload(pt + j * bqp + L);
+        const vec p0 = vload(pt + j * bqp), p1 = NV == 2 ? vload(pt + j * bqp + L) : p0;
         _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)
         {
             const T x = vc[j * vrs + r];
             a0[r] += x * p0;
-            a1[r] += x * p1;
+            if (NV == 2) a1[r] += x * p1;
         }
     }
     _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)
     {
         vstore(ot + r * bqp, a0[r]);
-        vstore(ot + r * bqp + L, a1[r]);
+        if (NV == 2) vstore(ot + r * bqp + L, a1[r]);
     }
 }
 
 static void write_rows(const fa_attention_args *a, const fa_item *it, const T *acc, int64_t ai,
                        int64_t ac, const T *m, const T *l);
 
-/* St (nb, bqp) = K[0..nb) . Qt;  K (nb, dk) row stride krs, Qt (dk, bqp). */
+/* St rows [0, R) over all bqp query columns: two-vector groups, then one
+ * vector when bqp is an odd number of vectors. */
+INLINE void qk_rows(const int R, T *restrict St, const T *restrict K, int64_t krs,
+                    const T *restrict Qt, int64_t bqp, int64_t dk)
+{
+    int64_t i = 0;
+    for (; i + TW <= bqp; i += TW) qk_tile(R, 2, St + i, bqp, K, krs, Qt + i, dk);
+    if (i < bqp) qk_tile(R, 1, St + i, bqp, K, krs, Qt + i, dk);
+}
+
+/* Prefetch into L2 the rows [j, j + r) of the tiles the item reads next (pf),
+ * spread over the work of rows [j, j + r) of the current tile. */
+typedef struct {
+    const T *v;        /* V rows of this tile: (nv, dv) row stride vrs */
+    const T *k;        /* K rows of the next tile: (nk, dk) row stride krs */
+    int64_t nv, nk, vrs, krs, dv, dk;
+} tile_pf;
+
+INLINE void prefetch_l2(const T *p, int64_t n)
+{
+    for (int64_t c = 0; c < n; c += 64 / (int64_t)sizeof(T)) __builtin_prefetch(p + c, 0, 2);
+}
+
+INLINE void tile_prefetch(const tile_pf *pf, int64_t j, int64_t r)
+{
+    for (int64_t x = j; x < j + r && x < pf->nv; x++) prefetch_l2(pf->v + x * pf->vrs, pf->dv);
+    for (int64_t x = j; x < j + r && x < pf->nk; x++) prefetch_l2(pf->k + x * pf->krs, pf->dk);
+}
+
+/* St (nb, bqp) = K[0..nb) . Qt;  K (nb, dk) row stride krs, Qt (dk, bqp).
+ * Meanwhile prefetches pf's rows (NULL: none). */
 static void qk_block(T *restrict St, const T *restrict K, int64_t krs, const T *restrict Qt,
-                     int64_t bqp, int64_t dk, int64_t nb)
+                     int64_t bqp, int64_t dk, int64_t nb, const tile_pf *pf)
 {
     int64_t j = 0;
-    for (; j + RB <= nb; j += RB)
-        for (int64_t i = 0; i < bqp; i += TW)
-            qk_tile(RB, St + j * bqp + i, bqp, K + j * krs, krs, Qt + i, dk);
-    for (; j + 4 <= nb; j += 4)
-        for (int64_t i = 0; i < bqp; i += TW)
-            qk_tile(4, St + j * bqp + i, bqp, K + j * krs, krs, Qt + i, dk);
-    for (; j < nb; j++)
-        for (int64_t i = 0; i < bqp; i += TW)
-            qk_tile(1, St + j * bqp + i, bqp, K + j * krs, krs, Qt + i, dk);
+    for (; j + RB <= nb; j += RB) {
+        if (pf) tile_prefetch(pf, j, RB);
+        qk_rows(RB, St + j * bqp, K + j * krs, krs, Qt, bqp, dk);
+    }
+    if (pf) tile_prefetch(pf, j, nb - j);
+    for (; j + 4 <= nb; j += 4) qk_rows(4, St + j * bqp, K + j * krs, krs, Qt, bqp, dk);
+    for (; j < nb; j++) qk_rows(1, St + j * bqp, K + j * krs, krs, Qt, bqp, dk);
+}
+
+/* Ot columns [i, i + NV*L) += Pt^T-contracted with V, over all dv rows of Ot. */
+INLINE void pv_cols(const int NV, T *restrict Ot, const T *restrict Pt, const T *restrict V,
+                    int64_t vrs, int64_t bqp, int64_t dv, int64_t nb)
+{
+    int64_t c = 0;
+    for (; c + RB <= dv; c += RB) pv_tile(RB, NV, Ot + c * bqp, bqp, Pt, V + c, vrs, nb);
+    for (; c + 4 <= dv; c += 4) pv_tile(4, NV, Ot + c * bqp, bqp, Pt, V + c, vrs, nb);
+    for (; c < dv; c++) pv_tile(1, NV, Ot + c * bqp, bqp, Pt, V + c, vrs, nb);
 }
 
 /* Ot (dv, bqp) += (Pt (nb, bqp))^T-contracted with V (nb, dv) row stride vrs. */
 static void pv_block(T *restrict Ot, const T *restrict Pt, const T *restrict V, int64_t vrs,
                      int64_t bqp, int64_t dv, int64_t nb)
 {
-    for (int64_t i = 0; i < bqp; i += TW) {
-        int64_t c = 0;
-        for (; c + RB <= dv; c += RB) pv_tile(RB, Ot + c * bqp + i, bqp, Pt + i, V + c, vrs, nb);
-        for (; c + 4 <= dv; c += 4) pv_tile(4, Ot + c * bqp + i, bqp, Pt + i, V + c, vrs, nb);
-        for (; c < dv; c++) pv_tile(1, Ot + c * bqp + i, bqp, Pt + i, V + c, vrs, nb);
-    }
+    int64_t i = 0;
+    for (; i + TW <= bqp; i += TW) pv_cols(2, Ot + i, Pt + i, V, vrs, bqp, dv, nb);
+    if (i < bqp) pv_cols(1, Ot + i, Pt + i, V, vrs, bqp, dv, nb);
 }
 
 /* Bool mask of one tile as bit words: bit (j % 32) of W[j / 32][i] is
@@ -429,7 +467,7 @@ static void pack_queries(const fa_attention_args *a, const fa_item *it, T *Qt, i
  * to apply.  Returns -1 when the bool mask forbids the whole tile (St is not
  * computed), 1 when W must be applied, 0 otherwise. */
 static int tile_scores(const fa_attention_args *a, const fa_item *it, const band_t *b, T *St,
-                       const T *Qt, IT *W, int64_t bqp, int64_t j0, int64_t nb)
+                       const T *Qt, IT *W, int64_t bqp, int64_t j0, int64_t nb, const tile_pf *pf)
 {
     const int64_t bq = it->bq;
     int bits = 0;
@@ -438,7 +476,7 @@ static int tile_scores(const fa_attention_args *a, const fa_item *it, const band
         if (kind == 0) return -1;
         bits = kind == 1;
     }
-    qk_block(St, (const T *)it->k + j0 * a->k_rs, a->k_rs, Qt, bqp, a->dk, nb);
+    qk_block(St, (const T *)it->k + j0 * a->k_rs, a->k_rs, Qt, bqp, a->dk, nb, pf);
     if (a->softcap > 0) {
         const T c = (T)a->softcap, ic = 1 / c;
         for (int64_t x = 0; x < nb * bqp; x += L) vstore(St + x, vtanh(vload(St + x) * ic) * c);
@@ -519,8 +557,12 @@ void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_i
     for (int64_t j0 = b.j_lo; j0 < b.j_hi; j0 += bk) {
         const int64_t nb = (b.j_hi - j0 < bk) ? b.j_hi - j0 : bk;
 
-        /* Passes 2-3: scores with every modifier and mask except a bool mask's bits. */
-        const int bits = tile_scores(a, it, &b, St, Qt, W, bqp, j0, nb);
+        /* Passes 2-3: scores with every modifier and mask except a bool mask's bits,
+         * while this tile's V rows and the next tile's K rows are prefetched. */
+        const int64_t nb_next = b.j_hi - (j0 + nb) < bk ? b.j_hi - (j0 + nb) : bk;
+        const tile_pf pf = {(const T *)it->v + j0 * a->v_rs, (const T *)it->k + (j0 + nb) * a->k_rs,
+                            nb, nb_next, a->v_rs, a->k_rs, dv, dk};
+        const int bits = tile_scores(a, it, &b, St, Qt, W, bqp, j0, nb, &pf);
         if (bits < 0) continue;
 
         /* Pass 4: online softmax, one vector of query rows at a time. */
@@ -586,7 +628,7 @@ void FN(fa_weights_item)(const fa_attention_args *a, const fa_tiles *tl, const f
     for (int pass = 0; pass < 2; pass++) {
         for (int64_t j0 = b.j_lo; j0 < b.j_hi; j0 += bk) {
             const int64_t nb = (b.j_hi - j0 < bk) ? b.j_hi - j0 : bk;
-            const int bits = tile_scores(a, it, &b, St, Qt, W, bqp, j0, nb);
+            const int bits = tile_scores(a, it, &b, St, Qt, W, bqp, j0, nb, NULL);
             if (bits < 0) continue;
             if (bits) apply_bits(St, W, bqp, nb);
             for (int64_t i = 0; i < bqp; i += L) {
@@ -685,7 +727,8 @@ void FN(fa_attn_merge)(const fa_attention_args *a, const fa_item *it, const void
 }
 
 /* ---------------------------------------------------------------------------
- * Few query rows (decode): bq <= FA_ROWS_MAX rows against a long key range.
+ * Few query rows (decode, speculative verification): bq <= FA_ROWS_MAX (8)
+ * rows against a long key range.
  * Per key tile: scores by dot products along dk (K row read once for all
  * rows), the online softmax vectorised along the keys, then acc += p . V row
  * by row (V row read once).  Memory-bound by design: K and V stream through

@@ -503,12 +503,13 @@ def test_longdouble_rejected(rng):
 # few query rows (the row kernel) and split keys (flash-decoding merge)
 # ---------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [F32, F64])
-@pytest.mark.parametrize("nq", [1, 2, 3, 4])
+@pytest.mark.parametrize("nq", [1, 2, 3, 5, 8, 9])
 @pytest.mark.parametrize("nk", [1, 9, 511, 513, 1024, 1537, 5000])
 @pytest.mark.parametrize("threads", [1, 2, 4])
 def test_decode_rows_and_splits(isa, rng, dtype, nq, nk, threads):
-    """One head: with 2 or 4 threads and n_k >= 1024 the keys are split across
-    threads and merged by the logsumexp rule."""
+    """One head: up to 8 query rows take the row kernel (9: the tiled one); with
+    2 or 4 threads and n_k >= 1024 the keys are split across threads and merged
+    by the logsumexp rule."""
     d = 72  # not a multiple of the vector width: exercises the dot-product tails
     q, k, v = rand(rng, (1, nq, d), dtype), rand(rng, (1, nk, d), dtype), rand(rng, (1, nk, 40), dtype)
     check(q, k, v, num_threads=threads)
