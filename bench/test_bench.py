@@ -1,53 +1,48 @@
 """pytest-benchmark: fastattn against the NumPy reference (and PyTorch when it
-is installed) on a few shapes.
+is installed) on the grid of `python -m fastattn.bench` (fastattn.bench.WORKLOADS:
+the same shapes, inputs and calls).
 
-    pytest bench                        time them
-    pytest bench --benchmark-disable    run each once (a smoke test, as in CI)
+    pytest bench                          time them all
+    pytest bench -k "N2048 and d64"       some of them
+    pytest bench --benchmark-disable      run each once (a smoke test, as in CI)
 
-The full side-by-side table with ratios is `python -m fastattn.bench`.
+Each workload is a benchmark group, so pytest-benchmark's table compares the
+peers of one workload.  The side-by-side table with ratios, the matrix-product
+ceiling and the memory lines is `python -m fastattn.bench`.
 """
 
 import numpy as np
 import pytest
 
-import fastattn
-from fastattn import reference
+from fastattn import _core
+from fastattn.bench import WORKLOADS, has_reference, make_inputs, peer_calls
 
 try:
     import torch
 except Exception:  # torch is an optional peer
     torch = None
 
-SHAPES = {
-    "B1H8N512d64": ((1, 8, 512, 64), np.float32, False),
-    "B1H8N512d64-f64": ((1, 8, 512, 64), np.float64, False),
-    "B1H8N1024d64-causal": ((1, 8, 1024, 64), np.float32, True),
-    "B32H12N128d64": ((32, 12, 128, 64), np.float32, False),
-    "decode-H32Nk4096d128": ((1, 32, 4096, 128), np.float32, False),
-}
-PEERS = ["fastattn", "reference"] + (["torch"] if torch is not None else [])
+
+def _peers(w):
+    peers = ["fastattn"]
+    if has_reference(w):   # the reference builds the n_q x n_k matrix: not at N8192
+        peers.append("reference")
+    if torch is not None and "window" not in w["options"]:   # SDPA has no sliding window
+        peers.append("torch")
+    return peers
 
 
-def _inputs(shape, dtype, name):
-    rng = np.random.default_rng(0)
-    k = rng.standard_normal(shape).astype(dtype)
-    v = rng.standard_normal(shape).astype(dtype)
-    q = k[..., :1, :].copy() if name.startswith("decode") else rng.standard_normal(shape).astype(dtype)
-    return q, k, v
+CASES = [pytest.param(w, peer, id=f"{w['name'].strip(' .')}-{peer}")
+         for w in WORKLOADS for peer in _peers(w)]
 
 
-@pytest.mark.parametrize("peer", PEERS)
-@pytest.mark.parametrize("name", list(SHAPES))
-def test_attention(benchmark, name, peer):
-    shape, dtype, causal = SHAPES[name]
-    q, k, v = _inputs(shape, dtype, name)
-    benchmark.group = name
-    if peer == "fastattn":
-        out = benchmark(fastattn.attention, q, k, v, causal=causal)
-    elif peer == "reference":
-        out = benchmark(reference.attention, q, k, v, causal=causal)
-    else:
-        torch.set_num_threads(fastattn._core.max_threads())
-        tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
-        out = benchmark(torch.nn.functional.scaled_dot_product_attention, tq, tk, tv, is_causal=causal).numpy()
-    assert out.shape == q.shape[:-1] + (v.shape[-1],)
+@pytest.mark.parametrize("w, peer", CASES)
+def test_attention(benchmark, w, peer):
+    B, H, nq, nk, d = w["shape"]
+    if torch is not None:
+        torch.set_num_threads(_core.max_threads())
+    call = peer_calls(w, make_inputs(w), torch=torch)[peer]
+    benchmark.group = w["name"].strip(" .")
+    out = np.asarray(benchmark(call))
+    assert out.shape == (B, H, nq, d)
+    assert np.isfinite(out).all()

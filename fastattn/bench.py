@@ -34,7 +34,7 @@ import numpy as np
 
 from . import _core, attention, reference
 
-__all__ = ["WORKLOADS", "QUICK", "main", "run"]
+__all__ = ["WORKLOADS", "QUICK", "has_reference", "main", "make_inputs", "peer_calls", "run"]
 
 
 # name, (B, H, n_q, n_k, d), dtype, options
@@ -107,8 +107,9 @@ def _torch():
     return torch
 
 
-def _make(w, seed=0):
-    """Inputs of a workload, and fastattn's options for it."""
+def make_inputs(w, seed=0):
+    """Inputs of workload `w` (an entry of WORKLOADS): q, k, v, mask (or None), and
+    fastattn's keyword options for it."""
     B, H, nq, nk, d = w["shape"]
     rng = np.random.default_rng(seed)
     dt = np.dtype(w["dtype"])
@@ -138,17 +139,32 @@ def _stream_buffer():
     return _STREAM_BUF[0]
 
 
-def _measure(w, threads, torch, repeats, with_reference, mm):
-    """One row of the table: fastattn, and its peers, on one workload."""
-    q, k, v, mask, kw = _make(w)
+def _flops(w, kw):
+    """Floating-point operations of a workload (the keys each query really sees)."""
     B, H, nq, nk, d = w["shape"]
-    flops = 2 * B * H * nq * nk * (d + d) / (2 if w["causal"] and nq == nk else 1)
-    if "window" in kw:   # the keys each query really sees
-        left = kw["window"][0]
-        flops = 2 * B * H * nq * (min(left, nk) + 1) * (d + d)
+    if "window" in kw:
+        return 2 * B * H * nq * (min(kw["window"][0], nk) + 1) * (d + d)
     if "kv_lengths" in kw:
-        flops = 2 * H * nq * float(kw["kv_lengths"].sum()) * (d + d)
-    fns = {"fastattn": lambda: attention(q, k, v, mask=mask, causal=w["causal"], num_threads=threads, **kw)}
+        return 2 * H * nq * float(kw["kv_lengths"].sum()) * (d + d)
+    return 2 * B * H * nq * nk * (d + d) / (2 if w["causal"] and nq == nk else 1)
+
+
+def has_reference(w):
+    """Whether the NumPy reference runs on a workload: it builds the n_q x n_k matrix."""
+    _, _, nq, nk, _ = w["shape"]
+    return nq * nk <= 4096 * 4096
+
+
+def peer_calls(w, inputs, threads=None, torch=None):
+    """Zero-argument calls that run workload `w` on `inputs` (from `make_inputs`), by peer:
+    "fastattn", "reference" (when `has_reference`), "torch" (when `torch` is given and
+    PyTorch has the computation). One definition for the table and for `bench/`."""
+    q, k, v, mask, kw = inputs
+    nk = w["shape"][3]
+    calls = {
+        "fastattn": lambda: attention(q, k, v, mask=mask, causal=w["causal"], num_threads=threads, **kw)}
+    if has_reference(w):
+        calls["reference"] = lambda: reference.attention(q, k, v, mask=mask, causal=w["causal"], **kw)
     # PyTorch's SDPA has no sliding window (only a dense N x N mask, another computation): no peer there
     if torch is not None and "window" not in kw:
         tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
@@ -158,16 +174,27 @@ def _measure(w, threads, torch, repeats, with_reference, mm):
         if "kv_lengths" in kw:   # PyTorch takes a padded cache as a key-padding bool mask
             tm = torch.from_numpy(np.arange(nk)[None, None, None, :] < kw["kv_lengths"][:, :, None, None])
         tkw = dict(enable_gqa=True) if "enable_gqa" in kw else {}
-        fns["torch"] = lambda: sdpa(tq, tk, tv, attn_mask=tm, is_causal=w["causal"], **tkw)
+        calls["torch"] = lambda: sdpa(tq, tk, tv, attn_mask=tm, is_causal=w["causal"], **tkw).numpy()
+    return calls
+
+
+def _measure(w, threads, torch, repeats, with_reference, mm):
+    """One row of the table: fastattn, and its peers, on one workload."""
+    inputs = make_inputs(w)
+    q, k, v, mask, kw = inputs
+    B, H, nq, nk, d = w["shape"]
+    flops = _flops(w, kw)
+    calls = peer_calls(w, inputs, threads, torch)
+    ref = calls.pop("reference", None)
+    fns = dict(calls)
     decode = nq <= 8   # memory-bound: time a plain streaming read beside it (the ceiling)
     if decode:
         buf = _stream_buffer()
         fns["stream"] = lambda: _core._stream_read(buf, threads)
     names = list(fns)
     times = dict(zip(names, _median_times([fns[n] for n in names], repeats)))
-    if with_reference and nq * nk <= 4096 * 4096:   # the reference builds the n_q x n_k matrix
-        (times["reference"],) = _median_times(
-            [lambda: reference.attention(q, k, v, mask=mask, causal=w["causal"], **kw)], 3, min_time=0)
+    if with_reference and ref is not None:
+        (times["reference"],) = _median_times([ref], 3, min_time=0)
         _settle()
     t = times["fastattn"]
     row = dict(name=w["name"], shape=list(w["shape"]), dtype=w["dtype"], causal=w["causal"],
@@ -201,7 +228,7 @@ def run(workloads, repeats=5, threads=None, with_reference=True, with_torch=True
             log(row)
     scaling = None
     if threads >= 2 and any(w["name"] == "B1 H8 N2048 d64" for w in workloads):
-        q, k, v, _, _ = _make(WORKLOADS[2])
+        q, k, v, _, _ = make_inputs(WORKLOADS[2])
         t1, tn = _median_times([lambda: attention(q, k, v, num_threads=1),
                                 lambda: attention(q, k, v, num_threads=threads)], repeats)
         scaling = dict(workload="B1 H8 N2048 d64", one_thread_ms=t1 * 1e3, threads=threads,
