@@ -74,8 +74,9 @@ static inline int64_t fa_attn_scratch_elems(const fa_tiles *t, int64_t dk, int64
 {
     return t->bqp * (dk + t->bk + dv + 2 + (t->bk + 31) / 32);
 }
-/* The row kernel: bq <= FA_ROWS_MAX query rows (8: measured faster than the
- * tiled kernel up to 8 rows against 4096 keys, slower from 12); dk is padded
+/* The row kernel: bq <= FA_ROWS_MAX query rows (8: with its register tiles,
+ * measured faster than the tiled kernel up to 12 rows with AVX-512 but only to
+ * 9 with AVX2, in cache on one thread; 8 suits both); dk is padded
  * to a whole number of vectors (at most FA_LANES_MAX lanes: float32 in 64 bytes). */
 #define FA_ROWS_MAX 8
 #define FA_LANES_MAX 16

@@ -516,6 +516,20 @@ def test_decode_rows_and_splits(isa, rng, dtype, nq, nk, threads):
     check(q, k, v, causal=True, num_threads=threads)
 
 
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("nq", range(1, 9))
+@pytest.mark.parametrize("dk, dv", [(128, 128), (64, 48), (72, 40), (16, 112), (7, 3), (100, 136), (256, 8)])
+def test_row_kernel_register_tiles(isa, rng, dtype, nq, dk, dv):
+    """The row kernel's register tiles: rows in groups of 4 (scores and P.V)
+    with every remainder (nq 1..8), P.V tiles of 8/4/2 vectors with every
+    narrower last tile (dv / lanes = 0..8, for 2, 4, 8 and 16 lanes) and the
+    scalar columns after them, dot products with and without a dk tail, and a
+    key count that leaves a tail after the 4-key blocks (303)."""
+    q, k, v = rand(rng, (2, nq, dk), dtype), rand(rng, (2, 303, dk), dtype), rand(rng, (2, 303, dv), dtype)
+    check(q, k, v, num_threads=1)
+    check(q, k, v, causal=True, num_threads=1)
+
+
 @pytest.mark.parametrize("threads", [2, 3])
 def test_split_with_masks_and_empty_splits(isa, rng, threads):
     nk = 3000
