@@ -798,19 +798,20 @@ INLINE void hsum4(vec a0, vec a1, vec a2, vec a3, T *restrict s)
 }
 
 /* Register tiles of the row kernel: RS_MAX query rows x 4 keys of scores and
- * RP_MAX rows x NV_MAX vectors of P.V, so that a K or V vector loaded once
- * serves several rows (32 vector registers with AVX-512, 16 otherwise).
- * Measured at 8 rows, H2 Nk2048 d128, one thread, K and V in cache, ns per
- * (row, key), before -> after: AVX-512 float32 8.0 -> 3.9, float64 17.9 -> 7.7;
- * AVX2 float32 9.9 -> 6.7, float64 21.6 -> 13.7.  At H32 Nk4096 from memory,
+ * R <= RP_MAX rows x up to PV_ACC / R vectors (at most 8) of P.V, so that a K
+ * or V vector loaded once serves several rows (32 vector registers with
+ * AVX-512, 16 otherwise).  Measured at 8 rows, H2 Nk2048 d128, one thread, K
+ * and V in L3, ns per (row, key), row by row -> tiles: AVX-512 float32 8.0 -> 3.9, float64 17.9 -> 7.7;
+ * AVX2 float32 9.9 -> 6.7, float64 21.6 -> 13.7; 2 and 4 rows (AVX-512
+ * float32) 12.2 -> 10.0 and 9.8 -> 6.6.  At H32 Nk4096 from memory,
  * 8 rows went from 46-62 % to 72-78 % of a plain streaming read. */
 #define RP_MAX 4
 #if FA_VB == 64
 #define RS_MAX 4
-#define NV_MAX 4
+#define PV_ACC 16
 #else
 #define RS_MAX 2
-#define NV_MAX 2
+#define PV_ACC 8
 #endif
 
 /* Scores of one row and four keys, K rows k0..k3: s[0..4) = Qs row . K row.
@@ -937,25 +938,26 @@ INLINE void rows_pv_tile(const int R, const int NV, T *restrict A, int64_t lda, 
         _Pragma("GCC unroll 8") for (int x = 0; x < NV; x++) vstore(A + i * lda + x * L, acc[i][x]);
 }
 
-/* rows_pv for R rows: the whole vectors of dv by tiles of NV_MAX vectors (one
- * row: 8, a single pass over each V row, as decoding streams V from memory)
- * and one narrower tile, then the last dv % L columns.  The first tile
- * prefetches whole V rows (the later ones find them in cache). */
-#define PV_TILE(NV) rows_pv_tile(R, NV, A + c, lda, S, ls, V + c, vrs, nb, c == 0 ? npf : 0, pf, dv)
+/* rows_pv for R rows: the whole vectors of dv by tiles of NVM vectors (R x NVM
+ * accumulators: PV_ACC, at most 8 vectors; one row takes 8, a single pass
+ * over each V row, as decoding streams V from memory) and one narrower tile,
+ * then the last dv % L columns.  The first tile prefetches whole V rows (the
+ * later ones find them in cache). */
+#define PV_TILE(NV) rows_pv_tile(R, NV, A + c, lda, S, ls, V + c, vrs, nb, (R == 1 || c == 0) ? npf : 0, pf, R == 1 ? NV * L : dv)
 INLINE void rows_pv_r(const int R, T *restrict A, int64_t lda, const T *restrict S, int64_t ls,
                       const T *restrict V, int64_t vrs, int64_t dv, int64_t nb, int64_t npf)
 {
-    const int NVM = R == 1 ? 8 : NV_MAX;
+    const int NVM = PV_ACC / R > 8 ? 8 : PV_ACC / R;
     const int64_t nvec = dv / L, pf = prefetch_dist(dv);
     int64_t c = 0;
     for (; c + NVM * L <= nvec * L; c += NVM * L) PV_TILE(NVM);
-    switch (nvec - c / L) { /* < NVM */
-    case 7: if (R == 1) PV_TILE(7); break;
-    case 6: if (R == 1) PV_TILE(6); break;
-    case 5: if (R == 1) PV_TILE(5); break;
-    case 4: if (R == 1) PV_TILE(4); break;
-    case 3: if (R == 1 || NV_MAX > 3) PV_TILE(3); break;
-    case 2: if (R == 1 || NV_MAX > 2) PV_TILE(2); break;
+    switch (nvec - c / L) { /* < NVM: the tests below are constants */
+    case 7: if (7 < NVM) PV_TILE(7); break;
+    case 6: if (6 < NVM) PV_TILE(6); break;
+    case 5: if (5 < NVM) PV_TILE(5); break;
+    case 4: if (4 < NVM) PV_TILE(4); break;
+    case 3: if (3 < NVM) PV_TILE(3); break;
+    case 2: if (2 < NVM) PV_TILE(2); break;
     case 1: PV_TILE(1); break;
     default: break;
     }

@@ -521,8 +521,8 @@ def test_decode_rows_and_splits(isa, rng, dtype, nq, nk, threads):
 @pytest.mark.parametrize("dk, dv", [(128, 128), (64, 48), (72, 40), (16, 112), (7, 3), (100, 136), (256, 8)])
 def test_row_kernel_register_tiles(isa, rng, dtype, nq, dk, dv):
     """The row kernel's register tiles: rows in groups of 4 (scores and P.V)
-    with every remainder (nq 1..8), P.V tiles of 8/4/2 vectors with every
-    narrower last tile (dv / lanes = 0..8, for 2, 4, 8 and 16 lanes) and the
+    with every remainder (nq 1..8), P.V tiles of 8, 5, 4 or 2 vectors with
+    every narrower last tile (dv / lanes = 0..17, for 2, 4, 8 and 16 lanes) and the
     scalar columns after them, dot products with and without a dk tail, and a
     key count that leaves a tail after the 4-key blocks (303)."""
     q, k, v = rand(rng, (2, nq, dk), dtype), rand(rng, (2, 303, dk), dtype), rand(rng, (2, 303, dv), dtype)
