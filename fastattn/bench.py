@@ -11,7 +11,7 @@ table reports medians, so the ratios are side by side.  PyTorch is optional
 torch.set_num_threads equal to fastattn's thread count.  GFLOP/s counts
 2 * B * H * n_q * n_k * (d_k + d_v) (half of it when causal), and "% mm" is
 that rate over NumPy's own matrix product (2048 x 2048, same dtype), measured
-in the same run.  Decoding (a few query rows) is bound by memory bandwidth
+at the start of the run (the best sample after a warm-up).  Decoding (a few query rows) is bound by memory bandwidth
 instead: for those rows a plain streaming read (256 MiB, same threads) is
 timed in the same interleaving, and the rate at which fastattn reads K and V
 is printed beside it.
@@ -64,9 +64,10 @@ WORKLOADS = [
 QUICK = [w for w in WORKLOADS if w["quick"]]
 
 
-def _median_times(fns, repeats, min_time=0.05):
-    """Run each fn of `fns` interleaved; per fn, the median seconds of one call.
-    Each sample repeats the call enough times to last about min_time."""
+def _interleaved_samples(fns, repeats, min_time=0.05):
+    """Run each fn of `fns` interleaved, `repeats` times; per fn, the list of
+    seconds per call.  Each sample repeats the call enough times to last about
+    min_time."""
     inner = []
     for f in fns:
         f()  # warm up
@@ -74,14 +75,19 @@ def _median_times(fns, repeats, min_time=0.05):
         f()
         dt = time.perf_counter() - t0
         inner.append(max(1, int(min_time / max(dt, 1e-7))))
-    samples = [[] for _ in fns]
+    samples: "list[list[float]]" = [[] for _ in fns]
     for _ in range(repeats):
         for i, f in enumerate(fns):
             t0 = time.perf_counter()
             for _ in range(inner[i]):
                 f()
             samples[i].append((time.perf_counter() - t0) / inner[i])
-    return [float(np.median(s)) for s in samples]
+    return samples
+
+
+def _median_times(fns, repeats, min_time=0.05):
+    """Per fn of `fns`, the median seconds of one call (interleaved samples)."""
+    return [float(np.median(s)) for s in _interleaved_samples(fns, repeats, min_time)]
 
 
 def _settle(seconds=0.2):
@@ -89,12 +95,19 @@ def _settle(seconds=0.2):
     time.sleep(seconds)
 
 
-def _matmul_rate(dtype, repeats):
+def _matmul_rate(dtype, repeats, warmup=0.3):
+    """NumPy's matrix-product rate (2048^2), the ceiling: after `warmup` seconds of
+    products (the first ones of a process, after an idle spell, ran up to 2x
+    slower here), the best of `repeats` samples, since interference only slows."""
     n = 2048
     rng = np.random.default_rng(0)
     a = rng.standard_normal((n, n)).astype(dtype)
     b = rng.standard_normal((n, n)).astype(dtype)
-    (t,) = _median_times([lambda: a @ b], repeats)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < warmup:
+        a @ b
+    (samples,) = _interleaved_samples([lambda: a @ b], repeats)
+    t = min(samples)
     _settle()
     return 2 * n**3 / t / 1e9
 
