@@ -72,6 +72,7 @@ cdef extern from "fastattn.h" nogil:
     int fa_set_isa(const char *name)
     int fa_isa_available(const char *name)
     void fa_set_tiles(int64_t bq, int64_t bk)
+    void fa_set_rows_max(int64_t n)
     int fa_openmp_enabled()
     int fa_max_threads()
     uint64_t fa_stream_read(const void *x, int64_t n, int num_threads)
@@ -261,6 +262,12 @@ def _set_tiles(int64_t bq=0, int64_t bk=0):
     """Force the tiled kernel's tile sizes (0: defaults).  Tuning and tests only;
     not thread-safe."""
     fa_set_tiles(bq, bk)
+
+
+def _set_rows_max(int64_t n=0):
+    """Force the largest number of query rows that takes the row kernel (at most
+    16; 0: the SIMD path's default).  Tuning and tests only; not thread-safe."""
+    fa_set_rows_max(n)
 
 
 def isa_name():

@@ -140,15 +140,23 @@ void fa_set_tiles(int64_t bq, int64_t bk)
     forced_bk = bk > 0 ? bk : 0;
 }
 
+/* The row kernel's limit forced by fa_set_rows_max (0: the ISA's). */
+static int64_t forced_rows_max = 0;
+
+void fa_set_rows_max(int64_t n)
+{
+    forced_rows_max = n <= 0 ? 0 : n < FA_ROWS_CAP ? n : FA_ROWS_CAP;
+}
+
 /* Query rows per item: 128, halved down to 32 while the packed queries Qt
  * (dk, bq) would exceed 32 KiB (so they stay in L1 beside the key tile;
  * measured 4-8 % faster at d = 128, 256 and for float64) and while that leaves
  * fewer than four items per thread. */
-static void choose_tiles(const fa_attention_args *a, int lanes, int rows_kernel, int64_t n_lead,
-                         int threads, fa_tiles *t)
+static void choose_tiles(const fa_attention_args *a, int lanes, int64_t rows_max, int rows_kernel,
+                         int64_t n_lead, int threads, fa_tiles *t)
 {
     const int64_t tw = lanes; /* bqp: whole vectors (the micro-kernels take one or two) */
-    int64_t bq_max = rows_kernel ? FA_ROWS_MAX : 128;
+    int64_t bq_max = rows_kernel ? rows_max : 128;
     const int64_t esz = a->dtype == FA_F32 ? 4 : 8;
     while (!rows_kernel && bq_max > 32 && a->dk * bq_max * esz > 32768) bq_max /= 2;
     while (!rows_kernel && bq_max > 32 && n_lead * ((a->nq + bq_max - 1) / bq_max) < 4 * (int64_t)threads)
@@ -219,7 +227,8 @@ static int run(const fa_attention_args *a, int weights)
     if (n_lead_total == 0 || a->nq == 0 || (weights && a->nk == 0)) return FA_OK;
 
     const fa_isa_table *isa = fa_isa_current();
-    const int rows_kernel = !weights && a->nq <= FA_ROWS_MAX;
+    const int64_t rows_max = forced_rows_max ? forced_rows_max : isa->rows_max;
+    const int rows_kernel = !weights && a->nq <= rows_max;
     const fa_attn_item_fn item_fn = weights       ? isa->weights_item[a->dtype]
                                     : rows_kernel ? isa->attn_item_rows[a->dtype]
                                                   : isa->attn_item[a->dtype];
@@ -228,7 +237,7 @@ static int run(const fa_attention_args *a, int weights)
     const size_t msz = a->mask_kind == FA_MASK_BOOL ? 1 : esz;
     const int want = a->num_threads > 0 ? a->num_threads : fa_max_threads();
     fa_tiles tiles;
-    choose_tiles(a, isa->lanes[a->dtype], rows_kernel, n_lead_total, want, &tiles);
+    choose_tiles(a, isa->lanes[a->dtype], rows_max, rows_kernel, n_lead_total, want, &tiles);
     const int64_t n_qb = (a->nq + tiles.bq - 1) / tiles.bq;
     const int64_t n_items = n_lead_total * n_qb;
 

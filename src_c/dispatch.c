@@ -12,10 +12,11 @@
 
 #include "internal.h"
 
-#define FA_TABLE(isa)                                                              \
+#define FA_TABLE(isa, rows_max)                                                    \
     {                                                                              \
         #isa,                                                                      \
         {0, 0}, /* lanes are filled in from the kernel files at first use */      \
+        rows_max,                                                                  \
         {fa_attn_item_f32_##isa, fa_attn_item_f64_##isa},                          \
         {fa_attn_item_rows_f32_##isa, fa_attn_item_rows_f64_##isa},                \
         {fa_attn_merge_f32_##isa, fa_attn_merge_f64_##isa},                        \
@@ -25,10 +26,19 @@
         {fa_exp_neg_f32_##isa, fa_exp_neg_f64_##isa},                              \
     }
 
-static fa_isa_table table_generic = FA_TABLE(generic);
+/* rows_max: the most query rows that take the row kernel rather than the tiled
+ * one (whose query rows fill the SIMD lanes: 9 rows cost as much as 16).  Measured
+ * with fa_set_rows_max, tiled time / row-kernel time at 9, 10, 11, 12, 13 rows,
+ * float32 (float64): AVX-512 from memory (H32 Nk4096 d128) 1.35 1.33 1.21 1.48
+ * 1.29 (1.32 1.20 1.20 1.28 1.20), in cache (H8 Nk512 d64) 1.20 1.09 1.00 1.05
+ * 0.92 (1.18 1.06 0.95 1.01 0.90); AVX2 from memory 1.21 1.11 1.02 0.99 0.84
+ * (1.17 1.13 1.05 0.99 1.09), in cache 1.25 1.13 1.05 1.02 0.94 (1.12 0.99 0.92
+ * 0.88 0.96); portable from memory 1.30 1.19 1.08 1.01, in cache 1.27 1.16 1.04
+ * 0.98. */
+static fa_isa_table table_generic = FA_TABLE(generic, 10);
 #ifdef FA_HAVE_AVX2_BUILD
-static fa_isa_table table_avx2 = FA_TABLE(avx2);
-static fa_isa_table table_avx512 = FA_TABLE(avx512);
+static fa_isa_table table_avx2 = FA_TABLE(avx2, 10);
+static fa_isa_table table_avx512 = FA_TABLE(avx512, 12);
 #endif
 
 static const fa_isa_table *current = NULL;

@@ -56,6 +56,7 @@ typedef void (*fa_exp_fn)(const void *x, void *y, int64_t n);
 typedef struct {
     const char *name;
     int lanes[2];                     /* SIMD lanes for FA_F32, FA_F64 */
+    int rows_max;                     /* n_q up to this takes the row kernel */
     fa_attn_item_fn attn_item[2];      /* tiled: many query rows */
     fa_attn_item_fn attn_item_rows[2]; /* few query rows (decode) */
     fa_attn_merge_fn attn_merge[2];
@@ -74,11 +75,10 @@ static inline int64_t fa_attn_scratch_elems(const fa_tiles *t, int64_t dk, int64
 {
     return t->bqp * (dk + t->bk + dv + 2 + (t->bk + 31) / 32);
 }
-/* The row kernel: bq <= FA_ROWS_MAX query rows (8: with its register tiles,
- * measured faster than the tiled kernel up to 12 rows with AVX-512 but only to
- * 9 with AVX2, in cache on one thread; 8 suits both); dk is padded
- * to a whole number of vectors (at most FA_LANES_MAX lanes: float32 in 64 bytes). */
-#define FA_ROWS_MAX 8
+/* The row kernel takes n_q <= rows_max query rows (the ISA table's, or the
+ * value forced by fa_set_rows_max, at most FA_ROWS_CAP); dk is padded to a
+ * whole number of vectors (at most FA_LANES_MAX lanes: float32 in 64 bytes). */
+#define FA_ROWS_CAP 16
 #define FA_LANES_MAX 16
 static inline int64_t fa_rows_scratch_elems(const fa_tiles *t, int64_t dk, int64_t dv)
 {

@@ -503,28 +503,39 @@ def test_longdouble_rejected(rng):
 # few query rows (the row kernel) and split keys (flash-decoding merge)
 # ---------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [F32, F64])
-@pytest.mark.parametrize("nq", [1, 2, 3, 5, 8, 9])
+@pytest.mark.parametrize("nq", [1, 2, 3, 5, 8, 9, 10, 11, 12, 13])
 @pytest.mark.parametrize("nk", [1, 9, 511, 513, 1024, 1537, 5000])
 @pytest.mark.parametrize("threads", [1, 2, 4])
 def test_decode_rows_and_splits(isa, rng, dtype, nq, nk, threads):
-    """One head: up to 8 query rows take the row kernel (9: the tiled one); with
-    2 or 4 threads and n_k >= 1024 the keys are split across threads and merged
-    by the logsumexp rule."""
+    """One head: up to 10 query rows (12 with AVX-512) take the row kernel, more
+    the tiled one: both sides of the limit on every path; with 2 or 4 threads
+    and n_k >= 1024 the keys are split across threads and merged by the
+    logsumexp rule."""
     d = 72  # not a multiple of the vector width: exercises the dot-product tails
     q, k, v = rand(rng, (1, nq, d), dtype), rand(rng, (1, nk, d), dtype), rand(rng, (1, nk, 40), dtype)
     check(q, k, v, num_threads=threads)
     check(q, k, v, causal=True, num_threads=threads)
 
 
+@pytest.fixture
+def rows_max():
+    """Force the largest n_q that takes the row kernel; restore the default after."""
+    from fastattn import _core
+    yield _core._set_rows_max
+    _core._set_rows_max(0)
+
+
 @pytest.mark.parametrize("dtype", [F32, F64])
-@pytest.mark.parametrize("nq", range(1, 9))
+@pytest.mark.parametrize("nq", range(1, 17))
 @pytest.mark.parametrize("dk, dv", [(128, 128), (64, 48), (72, 40), (16, 112), (7, 3), (100, 136), (256, 8)])
-def test_row_kernel_register_tiles(isa, rng, dtype, nq, dk, dv):
-    """The row kernel's register tiles: rows in groups of 4 (scores and P.V)
-    with every remainder (nq 1..8), P.V tiles of 8, 5, 4 or 2 vectors with
+def test_row_kernel_register_tiles(isa, rng, rows_max, dtype, nq, dk, dv):
+    """The row kernel (forced up to 16 rows, its cap) and its register tiles:
+    rows in groups of 4 (scores with AVX-512, and P.V) or 2 (scores otherwise)
+    with every remainder and several groups (nq 1..16), P.V tiles of 8, 5, 4 or 2 vectors with
     every narrower last tile (dv / lanes = 0..17, for 2, 4, 8 and 16 lanes) and the
     scalar columns after them, dot products with and without a dk tail, and a
     key count that leaves a tail after the 4-key blocks (303)."""
+    rows_max(16)
     q, k, v = rand(rng, (2, nq, dk), dtype), rand(rng, (2, 303, dk), dtype), rand(rng, (2, 303, dv), dtype)
     check(q, k, v, num_threads=1)
     check(q, k, v, causal=True, num_threads=1)
