@@ -116,6 +116,21 @@ static int team_size(int requested, int64_t items, double work)
     return n < 1 ? 1 : n;
 }
 
+/* Run body(arg) on a team of nthreads threads, or on the calling thread alone
+ * when nthreads is 1: its worksharing loops are then orphaned, so they run
+ * serially and their barriers are no-ops.  (A one-thread parallel region
+ * still costs libgomp two futex system calls, about a microsecond, which is
+ * a fifth of a small call.) */
+static void run_parallel(void (*body)(void *), void *arg, int nthreads)
+{
+    if (nthreads <= 1) {
+        body(arg);
+        return;
+    }
+#pragma omp parallel num_threads(nthreads)
+    body(arg);
+}
+
 /* 64-byte aligned scratch; free with free(raw). */
 static void *scratch_alloc(size_t bytes, void **raw)
 {
@@ -216,6 +231,59 @@ static void fill_item(const fa_attention_args *a, const fa_tiles *t, int64_t n_q
     it->part = NULL;
 }
 
+/* One attention call, ready to run (run below fills it). */
+typedef struct {
+    const fa_attention_args *a;
+    const fa_tiles *tiles;
+    fa_attn_item_fn item_fn;
+    fa_attn_merge_fn merge_fn;
+    size_t esz, msz, scratch_bytes;
+    int64_t n_qb, n_items, n_splits, chunk, part_elems;
+    void *parts;  /* (n_items, n_splits, part_elems) partial results, or NULL */
+    int status;   /* FA_ENOMEM when a thread's scratch could not be allocated */
+} run_plan;
+
+/* The work of each thread of the team (or of the caller alone): its own
+ * scratch, then a share of the (item, split) units; with split keys, after the
+ * loop's barrier, a share of the merges. */
+static void run_team(void *arg)
+{
+    run_plan *p = arg;
+    const fa_attention_args *a = p->a;
+    void *raw;
+    void *scratch = scratch_alloc(p->scratch_bytes, &raw);
+    RECORD_TEAM();
+    if (!scratch) {
+#pragma omp atomic write
+        p->status = FA_ENOMEM;
+    }
+    const int64_t n_units = p->n_items * p->n_splits;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t u = 0; u < n_units; u++) {
+        if (!scratch) continue;
+        const int64_t w = u / p->n_splits, sp = u % p->n_splits;
+        fa_item it;
+        fill_item(a, p->tiles, p->n_qb, w, p->esz, p->msz, &it);
+        if (p->parts) {
+            it.j_lo = sp * p->chunk;
+            it.j_hi = (it.j_lo + p->chunk < it.kv) ? it.j_lo + p->chunk : it.kv;
+            it.part = (char *)p->parts + (w * p->n_splits * p->part_elems + sp * it.bq * (a->dv + 2)) * (int64_t)p->esz;
+        }
+        p->item_fn(a, p->tiles, &it, scratch);
+    }
+    if (p->parts) { /* after the loop's barrier: merge each item's splits */
+#pragma omp for schedule(static)
+        for (int64_t w = 0; w < p->n_items; w++) {
+            if (!scratch) continue;
+            fa_item it;
+            fill_item(a, p->tiles, p->n_qb, w, p->esz, p->msz, &it);
+            p->merge_fn(a, &it, (char *)p->parts + w * p->n_splits * p->part_elems * (int64_t)p->esz,
+                        p->n_splits, scratch);
+        }
+    }
+    free(raw);
+}
+
 /* Attention (weights = 0) or its weights (weights = 1: out is (lead, nq, nk),
  * zero-filled; always the tiled kernel, never split). */
 static int run(const fa_attention_args *a, int weights)
@@ -259,49 +327,16 @@ static int run(const fa_attention_args *a, int weights)
     int64_t scratch_elems = rows_kernel ? fa_rows_scratch_elems(&tiles, a->dk, a->dv)
                                         : fa_attn_scratch_elems(&tiles, a->dk, weights ? 0 : a->dv);
     if (scratch_elems < a->dv + 2) scratch_elems = a->dv + 2;
-    const size_t scratch_bytes = (size_t)scratch_elems * esz;
     const double work = (double)n_lead_total * (double)a->nq * (double)(a->nk + 1) *
                         (double)(a->dk + a->dv + 8);
-    const int64_t n_units = n_items * n_splits;
-    const int nthreads = team_size(a->num_threads, n_units, work);
-    (void)nthreads; /* unused without OpenMP */
-    int status = FA_OK;
-
-#pragma omp parallel num_threads(nthreads)
-    {
-        void *raw;
-        void *scratch = scratch_alloc(scratch_bytes, &raw);
-        RECORD_TEAM();
-        if (!scratch) {
-#pragma omp atomic write
-            status = FA_ENOMEM;
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t u = 0; u < n_units; u++) {
-            if (!scratch) continue;
-            const int64_t w = u / n_splits, sp = u % n_splits;
-            fa_item it;
-            fill_item(a, &tiles, n_qb, w, esz, msz, &it);
-            if (parts) {
-                it.j_lo = sp * chunk;
-                it.j_hi = (it.j_lo + chunk < it.kv) ? it.j_lo + chunk : it.kv;
-                it.part = (char *)parts + (w * n_splits * part_elems + sp * it.bq * (a->dv + 2)) * (int64_t)esz;
-            }
-            item_fn(a, &tiles, &it, scratch);
-        }
-        if (parts) { /* after the loop's barrier: merge each item's splits */
-#pragma omp for schedule(static)
-            for (int64_t w = 0; w < n_items; w++) {
-                if (!scratch) continue;
-                fa_item it;
-                fill_item(a, &tiles, n_qb, w, esz, msz, &it);
-                merge_fn(a, &it, (char *)parts + w * n_splits * part_elems * (int64_t)esz, n_splits, scratch);
-            }
-        }
-        free(raw);
-    }
+    run_plan plan = {.a = a, .tiles = &tiles, .item_fn = item_fn, .merge_fn = merge_fn,
+                     .esz = esz, .msz = msz, .scratch_bytes = (size_t)scratch_elems * esz,
+                     .n_qb = n_qb, .n_items = n_items, .n_splits = n_splits, .chunk = chunk,
+                     .part_elems = part_elems, .parts = parts, .status = FA_OK};
+    const int nthreads = team_size(a->num_threads, n_items * n_splits, work);
+    run_parallel(run_team, &plan, nthreads);
     free(parts);
-    return status;
+    return plan.status;
 }
 
 int fa_attention(const fa_attention_args *a) { return run(a, 0); }
@@ -313,6 +348,41 @@ int fa_attention_weights(const fa_attention_args *a) { return run(a, 1); }
 /* ---------------------------------------------------------------------------
  * Softmax along the last axis, parallel over rows.
  * ------------------------------------------------------------------------- */
+typedef struct {
+    const fa_softmax_args *a;
+    fa_softmax_row_fn row_fn;
+    size_t esz, scratch_bytes;
+    int64_t rows;
+    int status;
+} softmax_plan;
+
+static void softmax_team(void *arg)
+{
+    softmax_plan *p = arg;
+    const fa_softmax_args *a = p->a;
+    void *raw;
+    void *scratch = scratch_alloc(p->scratch_bytes, &raw);
+    RECORD_TEAM();
+    if (!scratch) {
+#pragma omp atomic write
+        p->status = FA_ENOMEM;
+    }
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < p->rows; r++) {
+        if (!scratch) continue;
+        int64_t idx = r, ox = 0, oo = 0;
+        for (int d = a->n_lead - 1; d >= 0; d--) {
+            const int64_t i = idx % a->lead_shape[d];
+            idx /= a->lead_shape[d];
+            ox += i * a->x_lead[d];
+            oo += i * a->o_lead[d];
+        }
+        p->row_fn((const char *)a->x + ox * (int64_t)p->esz, a->x_s,
+                  (char *)a->out + oo * (int64_t)p->esz, a->o_s, a->n, scratch);
+    }
+    free(raw);
+}
+
 int fa_softmax(const fa_softmax_args *a)
 {
     if (a->dtype != FA_F32 && a->dtype != FA_F64) return FA_EINVAL;
@@ -321,38 +391,12 @@ int fa_softmax(const fa_softmax_args *a)
     for (int d = 0; d < a->n_lead; d++) rows *= a->lead_shape[d];
     if (rows == 0 || a->n == 0) return FA_OK;
 
-    const fa_softmax_row_fn row_fn = fa_isa_current()->softmax_row[a->dtype];
     const size_t esz = a->dtype == FA_F32 ? sizeof(float) : sizeof(double);
-    const size_t scratch_bytes = (size_t)fa_softmax_scratch_elems(a->n) * esz;
-    const int nthreads = team_size(a->num_threads, rows, 20.0 * (double)rows * (double)a->n);
-    (void)nthreads;
-    int status = FA_OK;
-
-#pragma omp parallel num_threads(nthreads)
-    {
-        void *raw;
-        void *scratch = scratch_alloc(scratch_bytes, &raw);
-        RECORD_TEAM();
-        if (!scratch) {
-#pragma omp atomic write
-            status = FA_ENOMEM;
-        }
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) {
-            if (!scratch) continue;
-            int64_t idx = r, ox = 0, oo = 0;
-            for (int d = a->n_lead - 1; d >= 0; d--) {
-                const int64_t i = idx % a->lead_shape[d];
-                idx /= a->lead_shape[d];
-                ox += i * a->x_lead[d];
-                oo += i * a->o_lead[d];
-            }
-            row_fn((const char *)a->x + ox * (int64_t)esz, a->x_s, (char *)a->out + oo * (int64_t)esz,
-                   a->o_s, a->n, scratch);
-        }
-        free(raw);
-    }
-    return status;
+    softmax_plan plan = {.a = a, .row_fn = fa_isa_current()->softmax_row[a->dtype], .esz = esz,
+                         .scratch_bytes = (size_t)fa_softmax_scratch_elems(a->n) * esz,
+                         .rows = rows, .status = FA_OK};
+    run_parallel(softmax_team, &plan, team_size(a->num_threads, rows, 20.0 * (double)rows * (double)a->n));
+    return plan.status;
 }
 
 /* ---------------------------------------------------------------------------
