@@ -116,6 +116,28 @@ static int team_size(int requested, int64_t items, double work)
     return n < 1 ? 1 : n;
 }
 
+/* 64-byte aligned scratch; free with free(raw). */
+static void *scratch_alloc(size_t bytes, void **raw)
+{
+    *raw = malloc(bytes + 64);
+    if (!*raw) return NULL;
+    return (void *)(((uintptr_t)*raw + 63) & ~(uintptr_t)63);
+}
+
+/* A team member's start: its own scratch (NULL, and *status = FA_ENOMEM, when
+ * it cannot be allocated; free(*raw) in any case), and the team size recorded
+ * for fa_last_threads. */
+static void *team_scratch(size_t bytes, void **raw, int *status)
+{
+    void *scratch = scratch_alloc(bytes, raw);
+    RECORD_TEAM();
+    if (!scratch) {
+#pragma omp atomic write
+        *status = FA_ENOMEM;
+    }
+    return scratch;
+}
+
 /* Run body(arg) on a team of nthreads threads, or on the calling thread alone
  * when nthreads is 1: its worksharing loops are then orphaned, so they run
  * serially and their barriers are no-ops.  (A one-thread parallel region
@@ -129,14 +151,6 @@ static void run_parallel(void (*body)(void *), void *arg, int nthreads)
     }
 #pragma omp parallel num_threads(nthreads)
     body(arg);
-}
-
-/* 64-byte aligned scratch; free with free(raw). */
-static void *scratch_alloc(size_t bytes, void **raw)
-{
-    *raw = malloc(bytes + 64);
-    if (!*raw) return NULL;
-    return (void *)(((uintptr_t)*raw + 63) & ~(uintptr_t)63);
 }
 
 /* ---------------------------------------------------------------------------
@@ -251,12 +265,7 @@ static void run_team(void *arg)
     run_plan *p = arg;
     const fa_attention_args *a = p->a;
     void *raw;
-    void *scratch = scratch_alloc(p->scratch_bytes, &raw);
-    RECORD_TEAM();
-    if (!scratch) {
-#pragma omp atomic write
-        p->status = FA_ENOMEM;
-    }
+    void *scratch = team_scratch(p->scratch_bytes, &raw, &p->status);
     const int64_t n_units = p->n_items * p->n_splits;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t u = 0; u < n_units; u++) {
@@ -361,12 +370,7 @@ static void softmax_team(void *arg)
     softmax_plan *p = arg;
     const fa_softmax_args *a = p->a;
     void *raw;
-    void *scratch = scratch_alloc(p->scratch_bytes, &raw);
-    RECORD_TEAM();
-    if (!scratch) {
-#pragma omp atomic write
-        p->status = FA_ENOMEM;
-    }
+    void *scratch = team_scratch(p->scratch_bytes, &raw, &p->status);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < p->rows; r++) {
         if (!scratch) continue;
