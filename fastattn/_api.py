@@ -377,6 +377,37 @@ def _prepare(q, k, v, mask, causal, scale, enable_gqa, window, softcap, alibi_sl
     return p
 
 
+def _plain(q: Any, k: Any, v: Any) -> bool:
+    """Is this the common call, which every check of _prepare passes and which
+    needs no conversion?  Three ndarrays (not subclasses) of one native float32
+    or float64 dtype, C-contiguous, shaped (..., n_q, d_k), (..., n_k, d_k) and
+    (..., n_k, d_v) with the same leading dims.  Checked in a few hundred
+    nanoseconds, where _prepare takes about 2.5 us: most of a small call."""
+    if not (type(q) is np.ndarray and type(k) is np.ndarray and type(v) is np.ndarray):
+        return False
+    dt = q.dtype
+    if not (dt == k.dtype and dt == v.dtype and (dt == _F32 or dt == _F64)):
+        return False
+    qs, ks, vs = q.shape, k.shape, v.shape
+    n = len(qs)
+    return (n >= 2 and n == len(ks) and qs[-1] == ks[-1] and qs[:-2] == ks[:-2] and ks[:-1] == vs[:-1]
+            and q.flags.c_contiguous and k.flags.c_contiguous and v.flags.c_contiguous)
+
+
+def _attention_plain(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool, scale: Any,
+                     num_threads: Any) -> np.ndarray:
+    """attention() of a call that _plain accepted: the same result as through
+    _prepare (the same C call on the same arrays), without its general work."""
+    d_k = q.shape[-1]
+    s = default_scale(d_k) if scale is None else _scale(scale, d_k)
+    nthreads = _num_threads(num_threads)
+    result = np.empty(q.shape[:-1] + v.shape[-1:], q.dtype)
+    if result.size:
+        _core.attention(q, k, v, None, _core.MASK_NONE, result, None, q.shape[:-2], bool(causal), s,
+                        nthreads)
+    return result
+
+
 def _merge_heads(a, gqa, core):
     """Undo the GQA head split: (..., Hkv, g, *core) -> (..., H, *core)."""
     if gqa is None:
@@ -441,6 +472,9 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, mask: Optional[ArrayL
               window: Optional[Window] = None, softcap: Optional[float] = None,
               alibi_slopes: Optional[ArrayLike] = None,
               kv_lengths: Optional[ArrayLike] = None) -> NDArray[Any] | tuple[NDArray[Any], NDArray[Any]]:
+    if (mask is None and out is None and not return_lse and not enable_gqa and window is None
+            and softcap is None and alibi_slopes is None and kv_lengths is None and _plain(q, k, v)):
+        return _attention_plain(q, k, v, causal, scale, num_threads)  # type: ignore[arg-type]
     p = _prepare(q, k, v, mask, causal, scale, enable_gqa, window, softcap, alibi_slopes, kv_lengths,
                  num_threads)
     full_shape = p.lead + (p.n_q, p.d_v)

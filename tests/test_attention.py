@@ -383,6 +383,62 @@ def test_out_one_dim_forms(rng):
 
 
 # ---------------------------------------------------------------------------
+# the plain call (contiguous ndarrays of one float dtype, equal leading dims,
+# no options) skips the general preparation: same checks, same result
+# ---------------------------------------------------------------------------
+def _strided(a):
+    """The same values in a non-contiguous view (rows every other row of a
+    buffer): the general path reads it in place, with the same C call."""
+    buf = np.zeros(a.shape[:-2] + (2 * a.shape[-2], a.shape[-1]), a.dtype)
+    buf[..., ::2, :] = a
+    return buf[..., ::2, :]
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("lead", [(), (3,), (2, 3), (1, 2, 1, 2)])
+@pytest.mark.parametrize("nq,nk", [(1, 64), (7, 1100), (70, 33)])
+@pytest.mark.parametrize("threads", [None, 1, 2])
+def test_plain_call_matches_general_path(isa, rng, dtype, lead, nq, nk, threads):
+    from fastattn._api import _plain
+    q, k, v = rand(rng, lead + (nq, 24), dtype), rand(rng, lead + (nk, 24), dtype), rand(rng, lead + (nk, 40), dtype)
+    for causal, scale in [(False, None), (True, 0.3)]:
+        assert _plain(q, k, v)
+        got = fastattn.attention(q, k, v, causal=causal, scale=scale, num_threads=threads)
+        assert got.dtype == dtype and got.shape == lead + (nq, 40)
+        gq, gk, gv = _strided(q), _strided(k), _strided(v)
+        assert not _plain(gq, gk, gv)
+        general = fastattn.attention(gq, gk, gv, causal=causal, scale=scale, num_threads=threads)
+        np.testing.assert_array_equal(got, general)
+        assert_close(got, reference64(q, k, v, causal=causal, scale=scale)[0], dtype)
+
+
+def test_plain_call_recognised(rng):
+    """_plain accepts exactly the calls that need no conversion and no broadcasting."""
+    from fastattn._api import _plain
+
+    class Sub(np.ndarray):
+        pass
+
+    q, k, v = rand(rng, (2, 5, 8)), rand(rng, (2, 6, 8)), rand(rng, (2, 6, 4))
+    assert _plain(q, k, v) and _plain(q[0], k[0], v[0]) and _plain(q.astype(F64), k.astype(F64), v.astype(F64))
+    not_plain = [
+        (q.tolist(), k, v),                                   # a list
+        (q.view(Sub), k, v),                                  # an ndarray subclass
+        (q.astype(np.float16), k, v),                         # converted to float32
+        (q, k.astype(F64), v),                                # mixed dtypes
+        (q.astype(">f4"), k, v),                              # byte-swapped
+        (q, k, np.asfortranarray(v)),                         # not C-contiguous
+        (q[:1], k, v),                                        # broadcast leading dims
+        (q[0, 0], k, v[:, :, 0]),                             # the 1-D forms
+        (q, np.ascontiguousarray(k[..., :7]), v),             # d_k differs
+        (q, k, np.ascontiguousarray(v[:, :5])),               # n_k differs
+        (q, k[None], v[None]),                                # different ranks
+    ]
+    for args in not_plain:
+        assert not _plain(*args)
+
+
+# ---------------------------------------------------------------------------
 # threads
 # ---------------------------------------------------------------------------
 @pytest.mark.parametrize("threads", [1, 2, 3])
