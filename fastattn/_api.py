@@ -572,8 +572,9 @@ attention.__doc__ = """Exact scaled dot-product attention, softmax(q k^T * scale
     -----
     A query row that may attend nothing (fully masked, n_k == 0, an empty
     window or kv length) gives zeros, never NaN, and lse = -inf.  NaN or inf in
-    an input reaches only the rows that attend it.  The GIL is released during
-    the computation.
+    an input reaches only the rows that attend it: a key hidden from a query
+    (mask, causal, window, kv_lengths) adds nothing to its row, even when its
+    value row holds inf or NaN.  The GIL is released during the computation.
 
     Raises
     ------

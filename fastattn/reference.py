@@ -17,6 +17,8 @@ Semantics shared with the fast path:
   p_i - left <= j <= p_i + right (None or negative: unbounded);
 * softmax subtracts the row max (numerically stable); a row whose scores are
   all -inf (nothing visible) gives zeros and lse = -inf, never NaN;
+* a value row of weight 0 (its key hidden from the query) adds nothing to the
+  query's output, even when it holds inf or NaN;
 * grouped-query attention: query head h uses key/value head h // (H // H_kv).
 """
 
@@ -188,6 +190,20 @@ def attention_weights(q: ArrayLike, k: ArrayLike, **options: Any) -> NDArray[Any
     return softmax(scores(q, k, **options), axis=-1)
 
 
+def _weighted_values(w: NDArray[Any], v: NDArray[Any]) -> NDArray[Any]:
+    """w @ v, where a value row of weight 0 adds nothing even if it holds inf
+    or NaN (w @ v alone would add 0 * inf = NaN to rows that do not see it)."""
+    finite = np.isfinite(v)
+    if finite.all():
+        return w @ v
+    out = w @ np.where(finite, v, 0)
+    seen = (w > 0).astype(w.dtype)               # the keys each row weighs
+    nan = seen @ np.isnan(v) > 0
+    pos = seen @ (v == np.inf) > 0
+    neg = seen @ (v == -np.inf) > 0
+    return np.where(nan | (pos & neg), np.nan, np.where(pos, np.inf, np.where(neg, -np.inf, out)))
+
+
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, mask: Optional[ArrayLike] = None, causal: bool = False,
               scale: Optional[float] = None, return_lse: bool = False, **options: Any) -> Any:
     """softmax(q k^T * scale + mask) v.
@@ -234,7 +250,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, mask: Optional[ArrayL
         e = np.exp(s - m)
     total = np.sum(e, axis=-1, keepdims=True)
     w = np.where(total == 0, 0, e / np.where(total == 0, 1, total))  # fully masked rows: zeros
-    out = w @ v.astype(dt, copy=False)
+    out = _weighted_values(w, v.astype(dt, copy=False))
     with np.errstate(divide="ignore"):
         lse = (m + np.log(total))[..., 0]
     lse = np.broadcast_to(lse, out.shape[:-1]).copy()  # v's leading dims too

@@ -336,6 +336,11 @@ static int run(const fa_attention_args *a, int weights)
     int64_t scratch_elems = rows_kernel ? fa_rows_scratch_elems(&tiles, a->dk, a->dv)
                                         : fa_attn_scratch_elems(&tiles, a->dk, weights ? 0 : a->dv);
     if (scratch_elems < a->dv + 2) scratch_elems = a->dv + 2;
+    { /* the row kernel for one row: redo_nonfinite_rows (kernel_body.h) */
+        const fa_tiles one = {.bq = 1, .bk = tiles.bk, .bqp = 1};
+        const int64_t row_elems = fa_rows_scratch_elems(&one, a->dk, a->dv);
+        if (!weights && scratch_elems < row_elems) scratch_elems = row_elems;
+    }
     const double work = (double)n_lead_total * (double)a->nq * (double)(a->nk + 1) *
                         (double)(a->dk + a->dv + 8);
     run_plan plan = {.a = a, .tiles = &tiles, .item_fn = item_fn, .merge_fn = merge_fn,

@@ -310,6 +310,8 @@ INLINE void pv_tile(const int R, const int NV, T *restrict ot, int64_t bqp, cons
 
 static void write_rows(const fa_attention_args *a, const fa_item *it, const T *acc, int64_t ai,
                        int64_t ac, const T *m, const T *l);
+static void redo_nonfinite_rows(const fa_attention_args *a, const fa_tiles *tl, const fa_item *it,
+                                void *scratch);
 
 /* St rows [0, R) over all bqp query columns: two-vector groups, then one
  * vector when bqp is an odd number of vectors. */
@@ -604,6 +606,7 @@ void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_i
 
     /* Pass 6: write out (acc element (i, c) is Ot[c * bqp + i]). */
     write_rows(a, it, Ot, 1, bqp, m, l);
+    redo_nonfinite_rows(a, tl, it, scratch);
 }
 
 /* ---------------------------------------------------------------------------
@@ -715,6 +718,7 @@ void FN(fa_attn_merge)(const fa_attention_args *a, const fa_item *it, const void
             const T *pr = parts + p * ps + i * (dv + 2);
             if (pr[dv + 1] == 0) continue;
             const T w = (T)exp(pr[dv] - M);
+            if (w == 0) continue; /* weighs nothing, even where it holds inf */
             lsum += w * pr[dv + 1];
             for (int64_t c = 0; c < dv; c++) acc[c] += w * pr[c];
         }
@@ -988,8 +992,24 @@ static void rows_pv(T *restrict A, const T *restrict S, int64_t ls, int64_t bq, 
     }
 }
 
-void FN(fa_attn_item_rows)(const fa_attention_args *a, const fa_tiles *tl, const fa_item *it,
-                           void *scratch)
+/* P . V that skips zero weights, so that a value row a query does not see
+ * (weight exactly 0) adds nothing even when it holds inf or NaN: for the rows
+ * that redo_nonfinite_rows recomputes.  A (dv) += S (nb) . V (nb, dv). */
+static void rows_pv_careful(T *restrict A, const T *restrict S, const T *restrict V, int64_t vrs,
+                            int64_t dv, int64_t nb)
+{
+    for (int64_t j = 0; j < nb; j++) {
+        const T p = S[j];
+        if (p == 0) continue;
+        const T *vj = V + j * vrs;
+        for (int64_t c = 0; c < dv; c++) A[c] += p * vj[c];
+    }
+}
+
+/* The row kernel; careful = 1 (one row, from redo_nonfinite_rows) takes the
+ * P . V above and clears the accumulator when its scale underflows to 0. */
+static void item_rows(const fa_attention_args *a, const fa_tiles *tl, const fa_item *it, void *scratch,
+                      int careful)
 {
     const int64_t bq = it->bq, bk = tl->bk, dk = a->dk, dv = a->dv;
     const int64_t dkp = (dk + L - 1) / L * L;
@@ -1081,13 +1101,67 @@ void FN(fa_attn_item_rows)(const fa_attention_args *a, const fa_tiles *tl, const
             const T alpha = alpha_buf[0];
             l[i] = l[i] * alpha + sum;
             m[i] = mn;
-            if (alpha != 1)
+            if (careful && alpha == 0) /* inf * 0 would be NaN: the old terms weigh 0 */
+                memset(A + i * dv, 0, (size_t)dv * sizeof(T));
+            else if (alpha != 1)
                 for (int64_t c = 0; c < dv; c++) A[i * dv + c] *= alpha;
         }
         /* A += P . V_tile */
-        rows_pv(A, S, bk, bq, v + j0 * a->v_rs, a->v_rs, dv, nb, b.j_hi - j0);
+        if (careful)
+            rows_pv_careful(A, S, v + j0 * a->v_rs, a->v_rs, dv, nb);
+        else
+            rows_pv(A, S, bk, bq, v + j0 * a->v_rs, a->v_rs, dv, nb, b.j_hi - j0);
     }
     write_rows(a, it, A, dv, 1, m, l);
+}
+
+/* ---------------------------------------------------------------------------
+ * Zero weights against inf and NaN.  A key that a row does not see (mask,
+ * causal, window) has weight exactly 0 there, but when its tile is visited for
+ * the item's other rows, P . V adds 0 * inf or 0 * NaN = NaN to the row.
+ * Rather than test every product in the hot loops, each row whose result (or
+ * split-key partial accumulator) came out non-finite is recomputed by the row
+ * kernel in its careful mode.  Only non-finite inputs or an overflow make a
+ * row non-finite, so the common cost is one check of each written value.
+ * A row that does see a non-finite value comes out the same again.
+ * Scratch: the row kernel's for one row (fa_rows_scratch_elems, bq = 1).
+ * ------------------------------------------------------------------------- */
+INLINE int all_finite(const T *r, int64_t n)
+{
+    vec z = vset1(0); /* x - x: 0, or NaN for inf and NaN */
+    int64_t c = 0;
+    for (; c + L <= n; c += L) z += vload(r + c) - vload(r + c);
+    T zs = 0;
+    for (; c < n; c++) zs += r[c] - r[c];
+    return zs == 0 && vall(z == vset1(0));
+}
+
+static void redo_nonfinite_rows(const fa_attention_args *a, const fa_tiles *tl, const fa_item *it,
+                                void *scratch)
+{
+    const int64_t dv = a->dv;
+    const size_t msz = a->mask_kind == FA_MASK_BOOL ? 1 : sizeof(T);
+    for (int64_t i = 0; i < it->bq; i++) {
+        const T *r = it->part ? (const T *)it->part + i * (dv + 2) : (const T *)it->out + i * a->o_rs;
+        if (all_finite(r, dv)) continue;
+        fa_item row = *it;
+        row.bq = 1;
+        row.i0 = it->i0 + i;
+        row.q = (const T *)it->q + i * a->q_rs;
+        row.mask = it->mask ? (const char *)it->mask + i * a->m_rs * (int64_t)msz : NULL;
+        row.out = (T *)it->out + i * a->o_rs;
+        row.lse = it->lse ? (T *)it->lse + i * a->lse_rs : NULL;
+        row.part = it->part ? (T *)it->part + i * (dv + 2) : NULL;
+        const fa_tiles t1 = {.bq = 1, .bk = tl->bk, .bqp = 1};
+        item_rows(a, &t1, &row, scratch, 1);
+    }
+}
+
+void FN(fa_attn_item_rows)(const fa_attention_args *a, const fa_tiles *tl, const fa_item *it,
+                           void *scratch)
+{
+    item_rows(a, tl, it, scratch, 0);
+    redo_nonfinite_rows(a, tl, it, scratch);
 }
 
 /* ---------------------------------------------------------------------------

@@ -243,6 +243,89 @@ def test_nan_reaches_only_its_rows(isa, rng, dtype):
     assert np.isinf(out[:, 2]).all() and np.isfinite(np.delete(out, 2, axis=1)).all()
 
 
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("nq", [1, 5, 12, 40, 200])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_hidden_nonfinite_values_add_nothing(isa, rng, dtype, nq, bad):
+    """A value row whose key a query may not see adds nothing to that query's
+    row, even inf or NaN, also inside a key tile the kernel visits for other
+    rows (0 * NaN would be NaN): mask, causal, window, split keys, both kernels."""
+    nk = 300
+    q, k, v = rand(rng, (2, nq, 16), dtype), rand(rng, (2, nk, 16), dtype), rand(rng, (2, nk, 8), dtype)
+    hidden = [3, 150, 299]
+    vb = v.copy()
+    vb[:, hidden, 1] = bad
+    vb[1, 151, 5] = bad                  # visible: reaches every row of head 1, column 5 only
+    mask = np.ones((nq, nk), bool)
+    mask[:, hidden] = False
+    mask[nq // 2] = False                # a row that sees nothing: zeros
+    fmask = np.where(mask, 0, -np.inf).astype(dtype)
+    for m in (mask, fmask):
+        out = check(q, k, vb, mask=m)[0]
+        assert np.isfinite(out[0]).all() and (out[:, nq // 2] == 0).all()
+        assert np.isfinite(np.delete(out[1], 5, axis=-1)).all()
+        if bad == bad:
+            assert np.isinf(np.delete(out[1], nq // 2, axis=0)[:, 5]).all()
+    vc = v.copy()
+    vc[:, -1] = bad                      # the last key: causal hides it from all rows but the last
+    out = check(q, k, vc, causal=True)[0]
+    assert np.isfinite(out[:, :-1]).all() and not np.isfinite(out[:, -1]).any()
+    vw = v.copy()
+    vw[:, 0] = bad                       # the first key: a window of 20 hides it from late rows
+    out = check(q, k, vw, window=(20, None))[0]
+    p = np.arange(nq) + nk - nq
+    assert np.isfinite(out[:, p > 20]).all() and not np.isfinite(out[:, p <= 20]).any()
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("threads", [1, 2, 4, 6])
+def test_hidden_nonfinite_values_split_keys(isa, rng, dtype, threads):
+    """The same across split-key parts (flash-decoding: fewer heads than
+    threads), where a part whose keys are all hidden adds nothing."""
+    q, k, v = rand(rng, (3, 1, 32), dtype), rand(rng, (3, 4000, 32), dtype), rand(rng, (3, 4000, 16), dtype)
+    v[:, [7, 2222, 3999], 2] = np.nan
+    v[:, 3000:, 4] = np.inf
+    mask = np.ones((1, 4000), bool)
+    mask[:, [7, 2222, 3999]] = False
+    mask[:, 3000:] = False
+    out = check(q, k, v, mask=mask, num_threads=threads)[0]
+    assert np.isfinite(out).all()
+    vk = rand(rng, (3, 4000, 16), dtype)
+    vk[:, 2222, 2] = np.nan
+    vk[:, 3000:, 4] = np.inf
+    kv = np.array([2222, 2223, 4000])            # kv_lengths: key 2222 exists for heads 1 and 2
+    out = check(q, k, vk, kv_lengths=kv, num_threads=threads)[0]
+    assert np.isfinite(out[0]).all() and np.isnan(out[1:, :, 2]).all()
+    assert np.isfinite(out[1, :, 4]) and np.isinf(out[2, :, 4])
+    # keys 800 below the row max weigh exactly 0 (exp underflows in both
+    # dtypes), so a part holding inf there adds nothing
+    kb = k.copy()
+    q0 = q[:, 0].astype(F64)
+    kb[:, 100] = q0 * (800 * np.sqrt(32) / np.sum(q0 * q0, axis=-1, keepdims=True))
+    vi = rand(rng, (3, 4000, 16), dtype)
+    vi[:, 3000:, 4] = np.inf
+    out = check(q, kb, vi, num_threads=threads)[0]
+    assert np.isfinite(out).all()
+    kb[:, 3500], kb[:, 100] = kb[:, 100], k[:, 100]   # the max comes after the inf keys
+    vi[:, 3000:, 4], vi[:, :500, 4] = 0, np.inf
+    out = check(q, kb, vi, num_threads=threads)[0]
+    assert np.isfinite(out).all()
+
+
+def test_reference_hidden_nonfinite_values():
+    """The reference's rule, against a plain loop over the visible keys."""
+    rng = np.random.default_rng(5)
+    q, k, v = rng.standard_normal((6, 4)), rng.standard_normal((9, 4)), rng.standard_normal((9, 3))
+    v[8, 0], v[7, 1], v[6, 2], v[5, 2] = np.nan, np.inf, -np.inf, np.inf
+    w = ref.attention_weights(q, k, causal=True)
+    with np.errstate(invalid="ignore"):   # inf + -inf
+        want = np.array([[sum(w[i, j] * v[j, c] for j in range(9) if w[i, j] > 0) for c in range(3)]
+                         for i in range(6)])
+    got = ref.attention(q, k, v, causal=True)
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+    assert np.isnan(got[5, 0]) and np.isinf(got[4, 1]) and np.isnan(got[3:, 2]).all()
+
+
 # ---------------------------------------------------------------------------
 # dtypes
 # ---------------------------------------------------------------------------
