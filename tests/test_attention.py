@@ -251,7 +251,8 @@ def test_hidden_nonfinite_values_add_nothing(isa, rng, dtype, nq, bad):
     row, even inf or NaN, also inside a key tile the kernel visits for other
     rows (0 * NaN would be NaN): mask, causal, window, split keys, both kernels."""
     nk = 300
-    q, k, v = rand(rng, (2, nq, 16), dtype), rand(rng, (2, nk, 16), dtype), rand(rng, (2, nk, 8), dtype)
+    # d_v = 20: whole vectors and a tail in the finiteness check of every path
+    q, k, v = rand(rng, (2, nq, 16), dtype), rand(rng, (2, nk, 16), dtype), rand(rng, (2, nk, 20), dtype)
     hidden = [3, 150, 299]
     vb = v.copy()
     vb[:, hidden, 1] = bad
@@ -289,6 +290,9 @@ def test_hidden_nonfinite_values_split_keys(isa, rng, dtype, threads):
     mask[:, [7, 2222, 3999]] = False
     mask[:, 3000:] = False
     out = check(q, k, v, mask=mask, num_threads=threads)[0]
+    assert np.isfinite(out).all()
+    q40 = rand(rng, (1, 40, 32), dtype)     # 40 rows, one head: the tiled kernel's split-key parts
+    out = check(q40, k[:1], v[:1], mask=mask, num_threads=threads)[0]
     assert np.isfinite(out).all()
     vk = rand(rng, (3, 4000, 16), dtype)
     vk[:, 2222, 2] = np.nan
