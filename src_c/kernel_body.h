@@ -241,6 +241,61 @@ void FN(fa_exp)(const void *x_, void *y_, int64_t n)
 }
 
 /* ---------------------------------------------------------------------------
+ * Transpose of an L x L block in registers: r[0..L) are its rows on entry and
+ * its columns on exit.  log2(L) rounds; the round of half-width h swaps the
+ * off-diagonal h x h blocks of every 2h x 2h block, two rows at a time.  With
+ * GCC the shuffle masks fold to constants (shufps, permt2ps and the like);
+ * other compilers go through memory.
+ * ------------------------------------------------------------------------- */
+#if defined(__GNUC__) && !defined(__clang__)
+#define FA_LANES (FA_VB / (FA_IS_F64 ? 8 : 4))
+/* lane x of the result takes lane FA_BM(x) of (a, b): index L + k is b[k] */
+#define FA_BM(x)                                                                       \
+    ((x) % (2 * h) < h ? (x) / (2 * h) * 2 * h + (x) % (2 * h) + hi * h                \
+                       : L + (x) / (2 * h) * 2 * h + (x) % (2 * h) - h + hi * h)
+#if FA_LANES == 16
+#define FA_BMASK {FA_BM(0), FA_BM(1), FA_BM(2), FA_BM(3), FA_BM(4), FA_BM(5), FA_BM(6), FA_BM(7), \
+                  FA_BM(8), FA_BM(9), FA_BM(10), FA_BM(11), FA_BM(12), FA_BM(13), FA_BM(14), FA_BM(15)}
+#elif FA_LANES == 8
+#define FA_BMASK {FA_BM(0), FA_BM(1), FA_BM(2), FA_BM(3), FA_BM(4), FA_BM(5), FA_BM(6), FA_BM(7)}
+#elif FA_LANES == 4
+#define FA_BMASK {FA_BM(0), FA_BM(1), FA_BM(2), FA_BM(3)}
+#elif FA_LANES == 2
+#define FA_BMASK {FA_BM(0), FA_BM(1)}
+#endif
+/* hi = 0: a's low halves of each 2h block, then b's; hi = 1: the high halves */
+INLINE vec swap_blocks(vec a, vec b, const int h, const int hi)
+{
+    const ivec mask = FA_BMASK;
+    return __builtin_shuffle(a, b, mask);
+}
+INLINE void transpose_block(vec *r)
+{
+    _Pragma("GCC unroll 4") for (int h = L / 2; h >= 1; h /= 2)
+    {
+        _Pragma("GCC unroll 16") for (int x = 0; x < L; x++)
+        {
+            if (x & h) continue;
+            const vec lo = r[x], up = r[x + h];
+            r[x] = swap_blocks(lo, up, h, 0);
+            r[x + h] = swap_blocks(lo, up, h, 1);
+        }
+    }
+}
+#undef FA_BMASK
+#undef FA_BM
+#undef FA_LANES
+#else
+INLINE void transpose_block(vec *r)
+{
+    T b[L][L];
+    memcpy(b, r, sizeof b);
+    for (int x = 0; x < L; x++)
+        for (int y = 0; y < L; y++) r[x][y] = b[y][x];
+}
+#endif
+
+/* ---------------------------------------------------------------------------
  * Register-blocked micro-kernels.  R rows of one operand times NV = 2 vectors
  * (TW query columns) of the other: 2R accumulators.  R is at most RB: 6 with
  * 16 registers (12 accumulators, plus two loads and a broadcast: 15 of the 16
@@ -451,15 +506,27 @@ static band_t item_band(const fa_attention_args *a, const fa_item *it)
 }
 
 /* Pack the item's queries, times scale, transposed and zero-padded:
- *   Qt (dk, bqp) <- q (bq, dk) row stride q_rs */
+ *   Qt (dk, bqp) <- q (bq, dk) row stride q_rs
+ * L x L blocks in registers (bqp is a whole number of vectors; rows past bq
+ * are zeros), then the columns past the last whole vector one by one. */
 static void pack_queries(const fa_attention_args *a, const fa_item *it, T *Qt, int64_t bqp)
 {
     const T *q = it->q;
     const T scale = (T)a->scale;
-    for (int64_t i = 0; i < it->bq; i++)
-        for (int64_t c = 0; c < a->dk; c++) Qt[c * bqp + i] = q[i * a->q_rs + c] * scale;
-    for (int64_t c = 0; c < a->dk; c++)
-        for (int64_t i = it->bq; i < bqp; i++) Qt[c * bqp + i] = 0;
+    const int64_t bq = it->bq, dk = a->dk;
+    int64_t c0 = 0;
+    for (; c0 + L <= dk; c0 += L)
+        for (int64_t i0 = 0; i0 < bqp; i0 += L) {
+            vec r[L];
+            _Pragma("GCC unroll 16") for (int x = 0; x < L; x++)
+                r[x] = i0 + x < bq ? vload(q + (i0 + x) * a->q_rs + c0) * scale : vset1(0);
+            transpose_block(r);
+            _Pragma("GCC unroll 16") for (int x = 0; x < L; x++) vstore(Qt + (c0 + x) * bqp + i0, r[x]);
+        }
+    for (int64_t c = c0; c < dk; c++) {
+        for (int64_t i = 0; i < bq; i++) Qt[c * bqp + i] = q[i * a->q_rs + c] * scale;
+        for (int64_t i = bq; i < bqp; i++) Qt[c * bqp + i] = 0;
+    }
 }
 
 /* Scores of the key tile [j0, j0 + nb) for the item's rows:
@@ -662,30 +729,60 @@ void FN(fa_weights_item)(const fa_attention_args *a, const fa_tiles *tl, const f
             for (int64_t j = 0; j < a->nk; j++) out[i * a->o_rs + j] = l[i];
 }
 
+/* dst (nr, nc) row stride ds <- src element (i, c) at src[c * ss + i], times
+ * 1 / l[i] (0 where l[i] == 0) when l is given: a transposed accumulator turned
+ * back, in L x L blocks in registers.  ss is a whole number of vectors >= nr. */
+static void untranspose_rows(T *dst, int64_t ds, const T *src, int64_t ss, int64_t nr, int64_t nc,
+                             const T *l)
+{
+    for (int64_t i0 = 0; i0 < nr; i0 += L) {
+        const int64_t n = nr - i0 < L ? nr - i0 : L;
+        T f[L];
+        for (int64_t x = 0; x < L; x++) f[x] = !l || x >= n ? 1 : l[i0 + x] == 0 ? 0 : 1 / l[i0 + x];
+        int64_t c0 = 0;
+        for (; c0 + L <= nc; c0 += L) {
+            vec r[L];
+            _Pragma("GCC unroll 16") for (int x = 0; x < L; x++) r[x] = vload(src + (c0 + x) * ss + i0);
+            transpose_block(r);
+            for (int64_t x = 0; x < n; x++) vstore(dst + (i0 + x) * ds + c0, r[x] * f[x]);
+        }
+        for (int64_t x = 0; x < n; x++)
+            for (int64_t c = c0; c < nc; c++) dst[(i0 + x) * ds + c] = src[c * ss + i0 + x] * f[x];
+    }
+}
+
 /* Write one item's rows from the accumulator, running max and sum:
  * out = acc / l (zeros when l == 0), lse = m + log(l) (-inf when l == 0);
  * or, with it->part, the unnormalised (acc, m, l) for a split-key merge.
- *   acc  (bq, dv) element (i, c) at acc[i * ai + c * ac]
+ *   acc  (bq, dv) element (i, c) at acc[i * ai + c * ac]; either rows of dv
+ *        (ac == 1) or transposed (ai == 1, ac a whole number of vectors >= bq)
  *   m, l (bq) */
 static void write_rows(const fa_attention_args *a, const fa_item *it, const T *acc, int64_t ai,
                        int64_t ac, const T *m, const T *l)
 {
     const int64_t bq = it->bq, dv = a->dv;
+    const int transposed = ac != 1;
     if (it->part) {
         T *part = it->part;
+        if (transposed) untranspose_rows(part, dv + 2, acc, ac, bq, dv, NULL);
         for (int64_t i = 0; i < bq; i++) {
             T *pr = part + i * (dv + 2);
-            for (int64_t c = 0; c < dv; c++) pr[c] = acc[i * ai + c * ac];
+            if (!transposed)
+                for (int64_t c = 0; c < dv; c++) pr[c] = acc[i * ai + c];
             pr[dv] = m[i];
             pr[dv + 1] = l[i];
         }
         return;
     }
     T *out = it->out;
-    for (int64_t i = 0; i < bq; i++) {
-        const T inv = (l[i] == 0) ? 0 : 1 / l[i];
-        T *orow = out + i * a->o_rs;
-        for (int64_t c = 0; c < dv; c++) orow[c] = acc[i * ai + c * ac] * inv;
+    if (transposed) {
+        untranspose_rows(out, a->o_rs, acc, ac, bq, dv, l);
+    } else {
+        for (int64_t i = 0; i < bq; i++) {
+            const T inv = (l[i] == 0) ? 0 : 1 / l[i];
+            T *orow = out + i * a->o_rs;
+            for (int64_t c = 0; c < dv; c++) orow[c] = acc[i * ai + c] * inv;
+        }
     }
     if (it->lse) {
         T *lse = it->lse;
