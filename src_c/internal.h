@@ -26,6 +26,10 @@ typedef struct {
  * With part != NULL the item writes its unnormalised partial result instead
  * of out and lse, for a split-key merge:
  *   part  (bq, dv + 2): acc[0..dv), running max, running sum
+ * next_q, next_k: what the thread reads first for its next item (prefetched by
+ * the tiled kernel during its last key tile), or NULL:
+ *   next_q  (next_bq, dk)  row stride a->q_rs
+ *   next_k  (next_nk, dk)  row stride a->k_rs
  */
 typedef struct {
     const void *q, *k, *v, *mask;
@@ -36,6 +40,8 @@ typedef struct {
     int64_t kv;           /* keys that exist for this leading index */
     int64_t off;          /* kv - nq: row i's aligned position is i + off */
     double slope;         /* ALiBi slope of this leading index (0: none) */
+    const void *next_q, *next_k;
+    int64_t next_bq, next_nk;
 } fa_item;
 
 typedef void (*fa_attn_item_fn)(const fa_attention_args *a, const fa_tiles *t,

@@ -378,12 +378,14 @@ INLINE void qk_rows(const int R, T *restrict St, const T *restrict K, int64_t kr
     if (i < bqp) qk_tile(R, 1, St + i, bqp, K, krs, Qt + i, dk);
 }
 
-/* Prefetch into L2 the rows [j, j + r) of the tiles the item reads next (pf),
+/* Prefetch into L2 the rows [j, j + r) of what the item reads next (pf),
  * spread over the work of rows [j, j + r) of the current tile. */
 typedef struct {
     const T *v;        /* V rows of this tile: (nv, dv) row stride vrs */
-    const T *k;        /* K rows of the next tile: (nk, dk) row stride krs */
-    int64_t nv, nk, vrs, krs, dv, dk;
+    const T *k;        /* K rows of the next tile, or of the thread's next item's
+                        * first tile: (nk, dk) row stride krs */
+    const T *q;        /* the next item's query rows: (nq, dk) row stride qrs */
+    int64_t nv, nk, nq, vrs, krs, qrs, dv, dk;
 } tile_pf;
 
 INLINE void prefetch_l2(const T *p, int64_t n)
@@ -395,6 +397,7 @@ INLINE void tile_prefetch(const tile_pf *pf, int64_t j, int64_t r)
 {
     for (int64_t x = j; x < j + r && x < pf->nv; x++) prefetch_l2(pf->v + x * pf->vrs, pf->dv);
     for (int64_t x = j; x < j + r && x < pf->nk; x++) prefetch_l2(pf->k + x * pf->krs, pf->dk);
+    for (int64_t x = j; x < j + r && x < pf->nq; x++) prefetch_l2(pf->q + x * pf->qrs, pf->dk);
 }
 
 /* St (nb, bqp) = K[0..nb) . Qt;  K (nb, dk) row stride krs, Qt (dk, bqp).
@@ -407,7 +410,7 @@ static void qk_block(T *restrict St, const T *restrict K, int64_t krs, const T *
         if (pf) tile_prefetch(pf, j, RB);
         qk_rows(RB, St + j * bqp, K + j * krs, krs, Qt, bqp, dk);
     }
-    if (pf) tile_prefetch(pf, j, nb - j);
+    if (pf) tile_prefetch(pf, j, INT64_MAX - j); /* the rest, also rows past nb */
     for (; j + 4 <= nb; j += 4) qk_rows(4, St + j * bqp, K + j * krs, krs, Qt, bqp, dk);
     for (; j < nb; j++) qk_rows(1, St + j * bqp, K + j * krs, krs, Qt, bqp, dk);
 }
@@ -627,10 +630,17 @@ void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_i
         const int64_t nb = (b.j_hi - j0 < bk) ? b.j_hi - j0 : bk;
 
         /* Passes 2-3: scores with every modifier and mask except a bool mask's bits,
-         * while this tile's V rows and the next tile's K rows are prefetched. */
+         * while this tile's V rows and the next tile's K rows are prefetched (in
+         * the last tile: the first K rows and the queries of the thread's next item). */
         const int64_t nb_next = b.j_hi - (j0 + nb) < bk ? b.j_hi - (j0 + nb) : bk;
-        const tile_pf pf = {(const T *)it->v + j0 * a->v_rs, (const T *)it->k + (j0 + nb) * a->k_rs,
-                            nb, nb_next, a->v_rs, a->k_rs, dv, dk};
+        const int last = nb_next <= 0;
+        const tile_pf pf = {.v = (const T *)it->v + j0 * a->v_rs,
+                            .k = last ? it->next_k : (const T *)it->k + (j0 + nb) * a->k_rs,
+                            .q = it->next_q,
+                            .nv = nb,
+                            .nk = last ? it->next_nk : nb_next,
+                            .nq = last ? it->next_bq : 0,
+                            .vrs = a->v_rs, .krs = a->k_rs, .qrs = a->q_rs, .dv = dv, .dk = dk};
         const int bits = tile_scores(a, it, &b, St, Qt, W, bqp, j0, nb, &pf);
         if (bits < 0) continue;
 
