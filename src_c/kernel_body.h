@@ -31,6 +31,29 @@
 #include <immintrin.h> /* max, and movemask for the bool-mask bit words (SSE2, AVX2 in the AVX files) */
 #endif
 
+/* The AVX files name their target features in FA_TARGET: every function from
+ * here on is compiled for them (GCC: a target pragma; clang: a target attribute
+ * on each function, popped at the end of this file).  The headers above stay
+ * baseline code. */
+#ifdef FA_TARGET
+#define FA_PRAGMA_(x) _Pragma(#x)
+#define FA_PRAGMA(x) FA_PRAGMA_(x)
+#if defined(__clang__)
+FA_PRAGMA(clang attribute push(__attribute__((target(FA_TARGET))), apply_to = function))
+#else
+FA_PRAGMA(GCC target(FA_TARGET))
+#endif
+#endif
+
+/* Full unrolling of the register-tile loops (n: their largest trip count),
+ * so that the accumulator arrays live in registers. */
+#if defined(__clang__)
+#define UNROLL(n) _Pragma("unroll")
+#else
+#define UNROLL_(x) _Pragma(#x)
+#define UNROLL(n) UNROLL_(GCC unroll n)
+#endif
+
 #define FA_CAT3_(a, b, c) a##_##b##_##c
 #define FA_CAT3(a, b, c) FA_CAT3_(a, b, c)
 #define FN(name) FA_CAT3(name, FA_SUF, FA_ISA)
@@ -271,9 +294,9 @@ INLINE vec swap_blocks(vec a, vec b, const int h, const int hi)
 }
 INLINE void transpose_block(vec *r)
 {
-    _Pragma("GCC unroll 4") for (int h = L / 2; h >= 1; h /= 2)
+    UNROLL(4) for (int h = L / 2; h >= 1; h /= 2)
     {
-        _Pragma("GCC unroll 16") for (int x = 0; x < L; x++)
+        UNROLL(16) for (int x = 0; x < L; x++)
         {
             if (x & h) continue;
             const vec lo = r[x], up = r[x + h];
@@ -317,17 +340,17 @@ INLINE void qk_tile(const int R, const int NV, T *restrict st, int64_t bqp, cons
                     int64_t krs, const T *restrict qt, int64_t dk)
 {
     vec a0[RB], a1[RB];
-    _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) a0[r] = a1[r] = vset1(0);
+    UNROLL(16) for (int r = 0; r < R; r++) a0[r] = a1[r] = vset1(0);
     for (int64_t c = 0; c < dk; c++) {
         const vec b0 = vload(qt + c * bqp), b1 = NV == 2 ? vload(qt + c * bqp + L) : b0;
-        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)
+        UNROLL(16) for (int r = 0; r < R; r++)
         {
             const T x = kr[r * krs + c];
             a0[r] += x * b0;
             if (NV == 2) a1[r] += x * b1;
         }
     }
-    _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)
+    UNROLL(16) for (int r = 0; r < R; r++)
     {
         vstore(st + r * bqp, a0[r]);
         if (NV == 2) vstore(st + r * bqp + L, a1[r]);
@@ -342,21 +365,21 @@ INLINE void pv_tile(const int R, const int NV, T *restrict ot, int64_t bqp, cons
                     const T *restrict vc, int64_t vrs, int64_t nb)
 {
     vec a0[RB], a1[RB];
-    _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)
+    UNROLL(16) for (int r = 0; r < R; r++)
     {
         a0[r] = vload(ot + r * bqp);
         a1[r] = NV == 2 ? vload(ot + r * bqp + L) : a0[r];
     }
     for (int64_t j = 0; j < nb; j++) {
         const vec p0 = vload(pt + j * bqp), p1 = NV == 2 ? vload(pt + j * bqp + L) : p0;
-        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)
+        UNROLL(16) for (int r = 0; r < R; r++)
         {
             const T x = vc[j * vrs + r];
             a0[r] += x * p0;
             if (NV == 2) a1[r] += x * p1;
         }
     }
-    _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)
+    UNROLL(16) for (int r = 0; r < R; r++)
     {
         vstore(ot + r * bqp, a0[r]);
         if (NV == 2) vstore(ot + r * bqp + L, a1[r]);
@@ -521,10 +544,10 @@ static void pack_queries(const fa_attention_args *a, const fa_item *it, T *Qt, i
     for (; c0 + L <= dk; c0 += L)
         for (int64_t i0 = 0; i0 < bqp; i0 += L) {
             vec r[L];
-            _Pragma("GCC unroll 16") for (int x = 0; x < L; x++)
+            UNROLL(16) for (int x = 0; x < L; x++)
                 r[x] = i0 + x < bq ? vload(q + (i0 + x) * a->q_rs + c0) * scale : vset1(0);
             transpose_block(r);
-            _Pragma("GCC unroll 16") for (int x = 0; x < L; x++) vstore(Qt + (c0 + x) * bqp + i0, r[x]);
+            UNROLL(16) for (int x = 0; x < L; x++) vstore(Qt + (c0 + x) * bqp + i0, r[x]);
         }
     for (int64_t c = c0; c < dk; c++) {
         for (int64_t i = 0; i < bq; i++) Qt[c * bqp + i] = q[i * a->q_rs + c] * scale;
@@ -752,7 +775,7 @@ static void untranspose_rows(T *dst, int64_t ds, const T *src, int64_t ss, int64
         int64_t c0 = 0;
         for (; c0 + L <= nc; c0 += L) {
             vec r[L];
-            _Pragma("GCC unroll 16") for (int x = 0; x < L; x++) r[x] = vload(src + (c0 + x) * ss + i0);
+            UNROLL(16) for (int x = 0; x < L; x++) r[x] = vload(src + (c0 + x) * ss + i0);
             transpose_block(r);
             for (int64_t x = 0; x < n; x++) vstore(dst + (i0 + x) * ds + c0, r[x] * f[x]);
         }
@@ -959,17 +982,17 @@ INLINE void rows_scores_rx4(const int R, T *restrict S, int64_t ls, const T *res
                             const T *restrict k3, int64_t dk, int64_t dkv)
 {
     vec acc[RS_MAX][4];
-    _Pragma("GCC unroll 4") for (int i = 0; i < R; i++)
-        _Pragma("GCC unroll 4") for (int x = 0; x < 4; x++) acc[i][x] = vset1(0);
+    UNROLL(4) for (int i = 0; i < R; i++)
+        UNROLL(4) for (int x = 0; x < 4; x++) acc[i][x] = vset1(0);
     for (int64_t c = 0; c < dkv; c += L) {
         const vec x0 = vload(k0 + c), x1 = vload(k1 + c), x2 = vload(k2 + c), x3 = vload(k3 + c);
-        _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {
+        UNROLL(4) for (int i = 0; i < R; i++) {
             const vec qv = vload(Qs + i * dkp + c);
             acc[i][0] += qv * x0; acc[i][1] += qv * x1;
             acc[i][2] += qv * x2; acc[i][3] += qv * x3;
         }
     }
-    _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {
+    UNROLL(4) for (int i = 0; i < R; i++) {
         T *si = S + i * ls;
         const T *qi = Qs + i * dkp;
         hsum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3], si);
@@ -1033,20 +1056,20 @@ INLINE void rows_pv_tile(const int R, const int NV, T *restrict A, int64_t lda, 
                          int64_t pfn)
 {
     vec acc[RP_MAX][8];
-    _Pragma("GCC unroll 4") for (int i = 0; i < R; i++)
-        _Pragma("GCC unroll 8") for (int x = 0; x < NV; x++) acc[i][x] = vload(A + i * lda + x * L);
+    UNROLL(4) for (int i = 0; i < R; i++)
+        UNROLL(8) for (int x = 0; x < NV; x++) acc[i][x] = vload(A + i * lda + x * L);
     for (int64_t j = 0; j < nb; j++) {
         const T *vj = V + j * vrs;
         if (j + pf < npf) prefetch_row(vj + pf * vrs, pfn);
         vec vv[8];
-        _Pragma("GCC unroll 8") for (int x = 0; x < NV; x++) vv[x] = vload(vj + x * L);
-        _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {
+        UNROLL(8) for (int x = 0; x < NV; x++) vv[x] = vload(vj + x * L);
+        UNROLL(4) for (int i = 0; i < R; i++) {
             const T p = S[i * ls + j]; /* scalar x vector: a broadcast (vset1 would add 0 first) */
-            _Pragma("GCC unroll 8") for (int x = 0; x < NV; x++) acc[i][x] += p * vv[x];
+            UNROLL(8) for (int x = 0; x < NV; x++) acc[i][x] += p * vv[x];
         }
     }
-    _Pragma("GCC unroll 4") for (int i = 0; i < R; i++)
-        _Pragma("GCC unroll 8") for (int x = 0; x < NV; x++) vstore(A + i * lda + x * L, acc[i][x]);
+    UNROLL(4) for (int i = 0; i < R; i++)
+        UNROLL(8) for (int x = 0; x < NV; x++) vstore(A + i * lda + x * L, acc[i][x]);
 }
 
 /* rows_pv for R rows: the whole vectors of dv by tiles of NVM vectors (R x NVM
@@ -1355,3 +1378,7 @@ void FN(fa_softmax_row)(const void *x_, int64_t xs, void *o_, int64_t os, int64_
         }
     }
 }
+
+#if defined(FA_TARGET) && defined(__clang__)
+#pragma clang attribute pop
+#endif

@@ -3,7 +3,7 @@
  * dispatch.c calls them only after CPUID reports both AVX2 and FMA.  No static
  * initialisers here: they would run at load time on any CPU. */
 #if defined(__x86_64__) || defined(_M_X64)
-#pragma GCC target("avx2,fma")
+#define FA_TARGET "avx2,fma"
 #define FA_T float
 #define FA_IT int32_t
 #define FA_UT uint32_t

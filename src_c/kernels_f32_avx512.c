@@ -4,7 +4,7 @@
  * and the OS saves the ZMM and mask registers.  No static initialisers here:
  * they would run at load time on any CPU. */
 #if defined(__x86_64__) || defined(_M_X64)
-#pragma GCC target("avx512f,avx512dq,avx512bw,avx512vl,avx2,fma")
+#define FA_TARGET "avx512f,avx512dq,avx512bw,avx512vl,avx2,fma"
 #define FA_T float
 #define FA_IT int32_t
 #define FA_UT uint32_t
