@@ -394,16 +394,28 @@ def _plain(q: Any, k: Any, v: Any) -> bool:
             and q.flags.c_contiguous and k.flags.c_contiguous and v.flags.c_contiguous)
 
 
+def _plain_out(out: Any, q: Any, k: Any, v: Any) -> bool:
+    """Can a plain call write into `out` as it is?  An ndarray (not a
+    subclass) of q's dtype and the result's shape, C-contiguous, writeable and
+    clear of the inputs; anything else goes the general way (its checks, its
+    errors, a temporary when out overlaps an input)."""
+    return (type(out) is np.ndarray and out.dtype == q.dtype and out.shape == q.shape[:-1] + v.shape[-1:]
+            and out.flags.c_contiguous and out.flags.writeable
+            and not (np.may_share_memory(out, q) or np.may_share_memory(out, k) or np.may_share_memory(out, v)))
+
+
 def _attention_plain(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool, scale: Any,
-                     num_threads: Any) -> np.ndarray:
-    """attention() of a call that _plain accepted: the same result as through
-    _prepare (the same C call on the same arrays), without its general work."""
+                     num_threads: Any, out: Optional[np.ndarray], return_lse: bool) -> Any:
+    """attention() of a call that _plain (and _plain_out) accepted: the same
+    result as through _prepare (the same C call on the same arrays), without
+    its general work."""
     s, nthreads = _scale(scale, q.shape[-1]), _num_threads(num_threads)
-    result = np.empty(q.shape[:-1] + v.shape[-1:], q.dtype)
-    if result.size:
-        _core.attention(q, k, v, None, _core.MASK_NONE, result, None, q.shape[:-2], bool(causal), s,
+    result = np.empty(q.shape[:-1] + v.shape[-1:], q.dtype) if out is None else out
+    lse = np.empty(q.shape[:-1], q.dtype) if return_lse else None
+    if result.size or lse is not None:
+        _core.attention(q, k, v, None, _core.MASK_NONE, result, lse, q.shape[:-2], bool(causal), s,
                         nthreads)
-    return result
+    return (result, lse) if return_lse else result
 
 
 def _merge_heads(a, gqa, core):
@@ -470,9 +482,10 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, mask: Optional[ArrayL
               window: Optional[Window] = None, softcap: Optional[float] = None,
               alibi_slopes: Optional[ArrayLike] = None,
               kv_lengths: Optional[ArrayLike] = None) -> NDArray[Any] | tuple[NDArray[Any], NDArray[Any]]:
-    if (mask is None and out is None and not return_lse and not enable_gqa and window is None
-            and softcap is None and alibi_slopes is None and kv_lengths is None and _plain(q, k, v)):
-        return _attention_plain(q, k, v, causal, scale, num_threads)  # type: ignore[arg-type]
+    if (mask is None and not enable_gqa and window is None and softcap is None and alibi_slopes is None
+            and kv_lengths is None and _plain(q, k, v) and (out is None or _plain_out(out, q, k, v))):
+        return _attention_plain(q, k, v, causal, scale, num_threads, out,  # type: ignore[arg-type]
+                                return_lse)
     p = _prepare(q, k, v, mask, causal, scale, enable_gqa, window, softcap, alibi_slopes, kv_lengths,
                  num_threads)
     full_shape = p.lead + (p.n_q, p.d_v)

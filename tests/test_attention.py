@@ -496,7 +496,24 @@ def test_plain_call_matches_general_path(isa, rng, dtype, lead, nq, nk, threads)
         assert not _plain(gq, gk, gv)
         general = fastattn.attention(gq, gk, gv, causal=causal, scale=scale, num_threads=threads)
         np.testing.assert_array_equal(got, general)
-        assert_close(got, reference64(q, k, v, causal=causal, scale=scale)[0], dtype)
+        want, want_lse = reference64(q, k, v, causal=causal, scale=scale)
+        assert_close(got, want, dtype)
+        # out= and return_lse=True take the plain path too
+        out = np.full(got.shape, np.nan, dtype)
+        res, lse = fastattn.attention(q, k, v, causal=causal, scale=scale, num_threads=threads, out=out,
+                                      return_lse=True)
+        g_out = _strided(np.full(got.shape, np.nan, dtype))
+        g_res, g_lse = fastattn.attention(gq, gk, gv, causal=causal, scale=scale, num_threads=threads,
+                                          out=g_out, return_lse=True)
+        assert res is out and g_res is g_out and lse.dtype == dtype and lse.shape == lead + (nq,)
+        np.testing.assert_array_equal(out, got)
+        np.testing.assert_array_equal(out, g_out)
+        np.testing.assert_array_equal(lse, g_lse)
+        assert_close(lse, want_lse, dtype)
+        res2, lse2 = fastattn.attention(q, k, v, causal=causal, scale=scale, num_threads=threads,
+                                        return_lse=True)
+        np.testing.assert_array_equal(res2, got)
+        np.testing.assert_array_equal(lse2, lse)
 
 
 def test_plain_call_recognised(rng):
@@ -523,6 +540,52 @@ def test_plain_call_recognised(rng):
     ]
     for args in not_plain:
         assert not _plain(*args)
+
+
+def test_plain_out_recognised(rng):
+    """An out= that the plain call writes into as it is; any other goes the
+    general way, with the same result (and the same errors)."""
+    from fastattn._api import _plain, _plain_out
+
+    class Sub(np.ndarray):
+        pass
+
+    q, k, v = rand(rng, (2, 5, 8)), rand(rng, (2, 6, 8)), rand(rng, (2, 6, 4))
+    want = fastattn.attention(q, k, v)
+    assert _plain_out(np.empty((2, 5, 4), F32), q, k, v)
+    ro = np.empty((2, 5, 4), F32)
+    ro.flags.writeable = False
+    not_plain = [
+        np.empty((2, 5, 4), F32).view(Sub),                   # a subclass
+        np.empty((2, 5, 4), F64),                             # another dtype
+        np.empty((2, 5, 4), ">f4"),                           # byte-swapped
+        np.empty((2, 4, 5), F32).transpose(0, 2, 1),          # not C-contiguous
+        np.empty((2, 5, 8), F32)[..., :4],                    # not contiguous
+        np.empty((5, 4), F32),                                # another shape
+        ro,                                                   # read-only
+        [[0.0] * 4] * 5,                                      # not an ndarray
+    ]
+    for out in not_plain:
+        assert not _plain_out(out, q, k, v)
+    for bad, exc in [(not_plain[1], TypeError), (not_plain[5], ValueError), (ro, ValueError),
+                     (not_plain[7], TypeError)]:
+        with pytest.raises(exc):
+            fastattn.attention(q, k, v, out=bad)
+    for out in not_plain[3:5]:
+        assert fastattn.attention(q, k, v, out=out) is out
+        np.testing.assert_array_equal(out, want)
+    # an out that overlaps an input (q, k or v): the general path computes into
+    # a temporary, so the input is read whole before out is written
+    for i in range(3):
+        args = [q, k, v]
+        x = args[i]
+        buf = np.zeros(x.size + 40, F32)
+        buf[:x.size] = x.ravel()
+        args[i] = buf[:x.size].reshape(x.shape)
+        out = buf[x.size - 20:x.size + 20].reshape(2, 5, 4)   # x's last 20 values, then 20 more
+        assert _plain(*args) and not _plain_out(out, *args)
+        assert fastattn.attention(*args, out=out) is out
+        np.testing.assert_array_equal(out, want)
 
 
 # ---------------------------------------------------------------------------
