@@ -585,7 +585,9 @@ attention.__doc__ = """Exact scaled dot-product attention, softmax(q k^T * scale
     window or kv length) gives zeros, never NaN, and lse = -inf.  NaN or inf in
     an input reaches only the rows that attend it: a key hidden from a query
     (mask, causal, window, kv_lengths) adds nothing to its row, even when its
-    value row holds inf or NaN.  The GIL is released during the computation.
+    value row holds inf or NaN; a key the row sees adds its inf and NaN even
+    when its weight underflows to 0.  The GIL is released during the
+    computation.
 
     Raises
     ------
@@ -716,8 +718,12 @@ def merge_attention(outs: Sequence[ArrayLike],
     s = np.sum(w, axis=0)
     out = np.zeros(shape, dt)
     with np.errstate(invalid="ignore", divide="ignore"):
-        for wp, o in zip(w, parts):  # a part of weight 0 adds nothing, even where it holds NaN
-            out += np.where(wp[..., None] > 0, wp[..., None] * o, 0)
+        for wp, o, lp in zip(w, parts, L):
+            # A part that saw no key (lse = -inf) adds nothing, even where it holds NaN;
+            # one whose weight underflowed to 0 adds only its inf and NaN (its true
+            # weight is positive), as attention() does across its own split keys.
+            keep = np.where(np.isfinite(o) | np.isneginf(lp)[..., None], 0, o)
+            out += np.where(wp[..., None] > 0, wp[..., None] * o, keep)
         out = np.where(s[..., None] == 0, 0, out / np.where(s == 0, 1, s)[..., None])
         lse = Ms + np.log(s)
     return out.astype(dt, copy=False), lse.astype(dt, copy=False)

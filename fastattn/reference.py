@@ -17,8 +17,10 @@ Semantics shared with the fast path:
   p_i - left <= j <= p_i + right (None or negative: unbounded);
 * softmax subtracts the row max (numerically stable); a row whose scores are
   all -inf (nothing visible) gives zeros and lse = -inf, never NaN;
-* a value row of weight 0 (its key hidden from the query) adds nothing to the
-  query's output, even when it holds inf or NaN;
+* a key hidden from a query (score -inf) adds nothing to the query's output,
+  even when its value row holds inf or NaN; a key the query sees adds its inf
+  and NaN values even when its weight underflows to 0 (its true weight is
+  positive);
 * grouped-query attention: query head h uses key/value head h // (H // H_kv).
 """
 
@@ -190,14 +192,16 @@ def attention_weights(q: ArrayLike, k: ArrayLike, **options: Any) -> NDArray[Any
     return softmax(scores(q, k, **options), axis=-1)
 
 
-def _weighted_values(w: NDArray[Any], v: NDArray[Any]) -> NDArray[Any]:
-    """w @ v, where a value row of weight 0 adds nothing even if it holds inf
-    or NaN (w @ v alone would add 0 * inf = NaN to rows that do not see it)."""
+def _weighted_values(w: NDArray[Any], v: NDArray[Any], seen: NDArray[Any]) -> NDArray[Any]:
+    """w @ v, where a key hidden from a row (seen False) adds nothing to it even
+    if its value row holds inf or NaN (w @ v alone would add 0 * inf = NaN),
+    and a key the row sees adds its inf and NaN even when its weight underflows
+    to 0 (its true weight is positive, and inf * tiny = inf)."""
     finite = np.isfinite(v)
     if finite.all():
         return w @ v
     out = w @ np.where(finite, v, 0)
-    seen = (w > 0).astype(w.dtype)               # the keys each row weighs
+    seen = seen.astype(w.dtype)
     nan = seen @ np.isnan(v) > 0
     pos = seen @ (v == np.inf) > 0
     neg = seen @ (v == -np.inf) > 0
@@ -250,7 +254,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, mask: Optional[ArrayL
         e = np.exp(s - m)
     total = np.sum(e, axis=-1, keepdims=True)
     w = np.where(total == 0, 0, e / np.where(total == 0, 1, total))  # fully masked rows: zeros
-    out = _weighted_values(w, v.astype(dt, copy=False))
+    out = _weighted_values(w, v.astype(dt, copy=False), ~np.isneginf(s))
     with np.errstate(divide="ignore"):
         lse = (m + np.log(total))[..., 0]
     lse = np.broadcast_to(lse, out.shape[:-1]).copy()  # v's leading dims too

@@ -826,7 +826,8 @@ static void write_rows(const fa_attention_args *a, const fa_item *it, const T *a
 /* Merge the split-key partial results of one item (flash-decoding):
  *   parts  (nparts, bq, dv + 2): acc, running max m, running sum l per row
  * M = max_p m_p;  l = sum_p exp(m_p - M) l_p;  acc = sum_p exp(m_p - M) acc_p.
- * Parts that saw no key (l_p == 0) add nothing; NaN propagates.
+ * Parts that saw no key (l_p == 0) add nothing; a part whose weight underflows
+ * to 0 adds only its inf and NaN (see rows_pv_careful); NaN propagates.
  * Scratch: dv + 2 elements. */
 void FN(fa_attn_merge)(const fa_attention_args *a, const fa_item *it, const void *parts_,
                        int64_t nparts, void *scratch)
@@ -848,7 +849,11 @@ void FN(fa_attn_merge)(const fa_attention_args *a, const fa_item *it, const void
             const T *pr = parts + p * ps + i * (dv + 2);
             if (pr[dv + 1] == 0) continue;
             const T w = (T)exp(pr[dv] - M);
-            if (w == 0) continue; /* weighs nothing, even where it holds inf */
+            if (w == 0) { /* underflowed: only its inf and NaN count (see rows_pv_careful) */
+                for (int64_t c = 0; c < dv; c++)
+                    if (pr[c] - pr[c] != 0) acc[c] += pr[c];
+                continue;
+            }
             lsum += w * pr[dv + 1];
             for (int64_t c = 0; c < dv; c++) acc[c] += w * pr[c];
         }
@@ -1130,8 +1135,17 @@ static void rows_pv_careful(T *restrict A, const T *restrict S, const T *restric
 {
     for (int64_t j = 0; j < nb; j++) {
         const T p = S[j];
-        if (p == 0) continue;
         const T *vj = V + j * vrs;
+        if (p == 0) {
+            /* -0: a hidden key, which adds nothing.  +0: a key the row sees
+             * whose weight underflowed; its true weight is positive, so its
+             * inf and NaN values still count (inf * tiny = inf), its finite
+             * ones add nothing. */
+            if (!signbit(p))
+                for (int64_t c = 0; c < dv; c++)
+                    if (vj[c] - vj[c] != 0) A[c] += vj[c];
+            continue;
+        }
         for (int64_t c = 0; c < dv; c++) A[c] += p * vj[c];
     }
 }
@@ -1208,17 +1222,23 @@ static void item_rows(const fa_attention_args *a, const fa_tiles *tl, const fa_i
             {
                 vec vs = vset1(0);
                 int64_t j = 0;
+                /* careful: a hidden key (score -inf) gets weight -0, told apart from
+                 * a weight that underflowed to +0 (rows_pv_careful) */
+                const vec hid = -vset1(0);
                 for (; j + L <= nb; j += L) { /* arguments <= 0 (or NaN): the attention exp */
-                    const vec p = vexp_neg(vload(si + j) - mu);
-                    vstore(si + j, p);
+                    const vec x = vload(si + j);
+                    const vec p = vexp_neg(x - mu);
+                    vstore(si + j, careful ? vsel(x == vset1(-INFINITY), hid, p) : p);
                     vs += p;
                 }
                 if (j < nb) {
                     T buf[L];
-                    for (int r = 0; r < L; r++) buf[r] = (j + r < nb) ? si[j + r] - mu : -INFINITY;
-                    const vec p = vexp_neg(vload(buf));
+                    for (int r = 0; r < L; r++) buf[r] = (j + r < nb) ? si[j + r] : -INFINITY;
+                    const vec x = vload(buf);
+                    const vec p = vexp_neg(x - mu);
                     vs += p;
-                    memcpy(buf, &p, sizeof buf);
+                    const vec ps = careful ? vsel(x == vset1(-INFINITY), hid, p) : p;
+                    memcpy(buf, &ps, sizeof buf);
                     for (int r = 0; j + r < nb; r++) si[j + r] = buf[r];
                 }
                 sum = hsum(vs);
@@ -1231,9 +1251,10 @@ static void item_rows(const fa_attention_args *a, const fa_tiles *tl, const fa_i
             const T alpha = alpha_buf[0];
             l[i] = l[i] * alpha + sum;
             m[i] = mn;
-            if (careful && alpha == 0) /* inf * 0 would be NaN: the old terms weigh 0 */
-                memset(A + i * dv, 0, (size_t)dv * sizeof(T));
-            else if (alpha != 1)
+            if (careful && alpha == 0) { /* inf * 0 would be NaN: the old terms weigh 0, */
+                for (int64_t c = 0; c < dv; c++) /* but their inf and NaN stay (see rows_pv_careful) */
+                    if (A[i * dv + c] - A[i * dv + c] == 0) A[i * dv + c] = 0;
+            } else if (alpha != 1)
                 for (int64_t c = 0; c < dv; c++) A[i * dv + c] *= alpha;
         }
         /* A += P . V_tile */

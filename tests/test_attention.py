@@ -302,18 +302,55 @@ def test_hidden_nonfinite_values_split_keys(isa, rng, dtype, threads):
     assert np.isfinite(out[0]).all() and np.isnan(out[1:, :, 2]).all()
     assert np.isfinite(out[1, :, 4]) and np.isinf(out[2, :, 4])
     # keys 800 below the row max weigh exactly 0 (exp underflows in both
-    # dtypes), so a part holding inf there adds nothing
+    # dtypes), but the row sees them: their true weight is positive, so their
+    # inf values make the result inf (exact), in whichever part they fall
     kb = k.copy()
     q0 = q[:, 0].astype(F64)
     kb[:, 100] = q0 * (800 * np.sqrt(32) / np.sum(q0 * q0, axis=-1, keepdims=True))
     vi = rand(rng, (3, 4000, 16), dtype)
     vi[:, 3000:, 4] = np.inf
     out = check(q, kb, vi, num_threads=threads)[0]
-    assert np.isfinite(out).all()
+    assert np.isposinf(out[..., 4]).all() and np.isfinite(np.delete(out, 4, axis=-1)).all()
     kb[:, 3500], kb[:, 100] = kb[:, 100], k[:, 100]   # the max comes after the inf keys
-    vi[:, 3000:, 4], vi[:, :500, 4] = 0, np.inf
+    vi[:, 3000:, 4], vi[:, :500, 4] = 0, -np.inf
     out = check(q, kb, vi, num_threads=threads)[0]
-    assert np.isfinite(out).all()
+    assert np.isneginf(out[..., 4]).all() and np.isfinite(np.delete(out, 4, axis=-1)).all()
+    vi[:, 7, 5] = np.nan                               # and NaN, 800 below the max, too
+    out = check(q, kb, vi, num_threads=threads)[0]
+    assert np.isnan(out[..., 5]).all()
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("nq", [1, 5, 40])
+@pytest.mark.parametrize("threads", [1, 2, 4])
+@pytest.mark.parametrize("big_first", [True, False])
+def test_underflowed_weights_keep_nonfinite_values(isa, rng, dtype, nq, threads, big_first):
+    """A key that a row sees has a positive weight, however far its score lies
+    below the row max: when the weight underflows to 0, its inf and NaN values
+    still reach the row (inf * tiny = inf), its finite values add nothing.  A
+    hidden key adds nothing at all.  Row kernel (1 and 5 rows), tiled kernel
+    (40 rows), split keys (1 row, 2-4 threads), and the big score before the
+    inf keys (their weights underflow) or after them (the accumulator's scale
+    underflows)."""
+    d, nk = 16, 3000
+    q = rand(rng, (2, nq, d), dtype)
+    q[..., 0] = 1 + np.abs(q[..., 0])
+    k, v = rand(rng, (2, nk, d), dtype), rand(rng, (2, nk, 6), dtype)
+    big = 10 if big_first else nk - 10
+    k[:, big] = 0
+    k[:, big, 0] = 1000 * np.sqrt(d)          # scores >= 1000: every other weight underflows, in float64 too
+    lo, hi = (1500, 2500) if big_first else (100, 1100)
+    v[:, lo:hi, 1] = np.inf                   # seen, weight 0
+    v[:, lo + 7, 2] = np.nan                  # seen, weight 0
+    v[:, lo + 8, 3] = -np.inf                 # hidden by the mask
+    v[:, lo + 9, 4] = np.nan                  # hidden by the mask
+    mask = np.ones((nq, nk), bool)
+    mask[:, [lo + 8, lo + 9]] = False
+    out = check(q, k, v, mask=mask, num_threads=threads)[0]
+    assert np.isposinf(out[..., 1]).all() and np.isnan(out[..., 2]).all()
+    assert np.isfinite(out[..., [0, 3, 4, 5]]).all()
+    # the big key's weight is 1, every other's 0: the finite columns are its value row
+    assert_close(out[..., [0, 3, 4, 5]], np.repeat(v[:, None, big][..., [0, 3, 4, 5]], nq, axis=1), dtype)
 
 
 def test_reference_hidden_nonfinite_values():

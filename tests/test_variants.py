@@ -262,6 +262,28 @@ def test_merge_masked_parts(rng):
     assert np.all(out[1] == 0) and np.isneginf(lse[1])
 
 
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_merge_underflowed_part_keeps_nonfinite(rng, dtype):
+    """A part whose weight underflows to 0 next to another still saw its keys:
+    its inf and NaN reach the merged result, as in attention() over all keys."""
+    d = 8
+    q = rand(rng, (3, d), dtype)
+    q[:, 0] = 1 + np.abs(q[:, 0])
+    k, v = rand(rng, (40, d), dtype), rand(rng, (40, 4), dtype)
+    k[3] = 0
+    k[3, 0] = 1000 * np.sqrt(d)                # part 1 holds a key scored >= 1000 above the rest
+    v[25, 1], v[30, 2] = np.inf, np.nan        # part 2: weight 0 after the merge
+    o1, l1 = fastattn.attention(q, k[:20], v[:20], return_lse=True)
+    o2, l2 = fastattn.attention(q, k[20:], v[20:], return_lse=True)
+    out, lse = fastattn.merge_attention([o1, o2], [l1, l2])
+    whole = fastattn.attention(q, k, v)
+    want = ref.attention(q.astype(F64), k.astype(F64), v.astype(F64))
+    assert np.isposinf(out[:, 1]).all() and np.isnan(out[:, 2]).all()
+    np.testing.assert_array_equal(np.isfinite(out), np.isfinite(want))
+    np.testing.assert_array_equal(np.isfinite(whole), np.isfinite(want))
+    assert_close(out[:, [0, 3]], want[:, [0, 3]], dtype)
+
+
 def test_merge_errors(rng):
     o, lse = rand(rng, (3, 4)), rand(rng, (3,))
     with pytest.raises(ValueError, match="at least one"):
