@@ -35,9 +35,9 @@
  * here on is compiled for them (GCC: a target pragma; clang: a target attribute
  * on each function, popped at the end of this file).  The headers above stay
  * baseline code. */
-#ifdef FA_TARGET
 #define FA_PRAGMA_(x) _Pragma(#x)
-#define FA_PRAGMA(x) FA_PRAGMA_(x)
+#define FA_PRAGMA(x) FA_PRAGMA_(x) /* a pragma built from macros */
+#ifdef FA_TARGET
 #if defined(__clang__)
 FA_PRAGMA(clang attribute push(__attribute__((target(FA_TARGET))), apply_to = function))
 #else
@@ -50,8 +50,7 @@ FA_PRAGMA(GCC target(FA_TARGET))
 #if defined(__clang__)
 #define UNROLL(n) _Pragma("unroll")
 #else
-#define UNROLL_(x) _Pragma(#x)
-#define UNROLL(n) UNROLL_(GCC unroll n)
+#define UNROLL(n) FA_PRAGMA(GCC unroll n)
 #endif
 
 #define FA_CAT3_(a, b, c) a##_##b##_##c
@@ -851,7 +850,7 @@ void FN(fa_attn_merge)(const fa_attention_args *a, const fa_item *it, const void
             const T w = (T)exp(pr[dv] - M);
             if (w == 0) { /* underflowed: only its inf and NaN count (see rows_pv_careful) */
                 for (int64_t c = 0; c < dv; c++)
-                    if (pr[c] - pr[c] != 0) acc[c] += pr[c];
+                    if (!isfinite(pr[c])) acc[c] += pr[c];
                 continue;
             }
             lsum += w * pr[dv + 1];
@@ -1127,9 +1126,9 @@ static void rows_pv(T *restrict A, const T *restrict S, int64_t ls, int64_t bq, 
     }
 }
 
-/* P . V that skips zero weights, so that a value row a query does not see
- * (weight exactly 0) adds nothing even when it holds inf or NaN: for the rows
- * that redo_nonfinite_rows recomputes.  A (dv) += S (nb) . V (nb, dv). */
+/* P . V for the rows that redo_nonfinite_rows recomputes, where the weight
+ * of a key the query does not see is -0 (item_rows, careful): such a value
+ * row adds nothing even when it holds inf or NaN.  A (dv) += S (nb) . V (nb, dv). */
 static void rows_pv_careful(T *restrict A, const T *restrict S, const T *restrict V, int64_t vrs,
                             int64_t dv, int64_t nb)
 {
@@ -1143,15 +1142,16 @@ static void rows_pv_careful(T *restrict A, const T *restrict S, const T *restric
              * ones add nothing. */
             if (!signbit(p))
                 for (int64_t c = 0; c < dv; c++)
-                    if (vj[c] - vj[c] != 0) A[c] += vj[c];
+                    if (!isfinite(vj[c])) A[c] += vj[c];
             continue;
         }
         for (int64_t c = 0; c < dv; c++) A[c] += p * vj[c];
     }
 }
 
-/* The row kernel; careful = 1 (one row, from redo_nonfinite_rows) takes the
- * P . V above and clears the accumulator when its scale underflows to 0. */
+/* The row kernel; careful = 1 (one row, from redo_nonfinite_rows) marks the
+ * weights of hidden keys -0, takes the P . V above, and when the accumulator's
+ * scale underflows to 0 keeps only its inf and NaN entries. */
 static void item_rows(const fa_attention_args *a, const fa_tiles *tl, const fa_item *it, void *scratch,
                       int careful)
 {
@@ -1253,7 +1253,7 @@ static void item_rows(const fa_attention_args *a, const fa_tiles *tl, const fa_i
             m[i] = mn;
             if (careful && alpha == 0) { /* inf * 0 would be NaN: the old terms weigh 0, */
                 for (int64_t c = 0; c < dv; c++) /* but their inf and NaN stay (see rows_pv_careful) */
-                    if (A[i * dv + c] - A[i * dv + c] == 0) A[i * dv + c] = 0;
+                    if (isfinite(A[i * dv + c])) A[i * dv + c] = 0;
             } else if (alpha != 1)
                 for (int64_t c = 0; c < dv; c++) A[i * dv + c] *= alpha;
         }
