@@ -112,20 +112,31 @@ INLINE int vall(ivec m)
  * Vector exp.  n = round(x / ln 2), r = x - n ln 2 in two parts (Cody-Waite),
  * exp(r) by polynomial, times 2^n built in the exponent bits (in two halves so
  * that subnormal results come out right).  NaN stays NaN, -inf gives 0, +inf
- * gives +inf.  float32: degree-7 polynomial (Cephes coefficients), about 1 ulp;
- * float64: Taylor series to degree 13 (truncation below 1e-17), about 1 ulp.
+ * gives +inf.
+ *
+ * EXP_HORNER: the AVX2 and AVX-512 builds (FMA) take exp(r) = 1 + r g(r) in
+ * plain Horner form, g a Chebyshev fit of (exp(r) - 1) / r on |r| <= ln 2 / 2
+ * (mpmath.chebyfit): float32 degree 6 (relative error 4e-9), float64 degree 11
+ * (6e-18).  Max error over every float32 argument of vexp_neg: 0.965 ulp (the
+ * earlier Cephes polynomial: 1.01); float64: 0.89 ulp on 4e7 samples.  The
+ * baseline build has no FMA (x86-64), where that form rounds to 1.24 ulp, so it
+ * keeps the more expensive 1 + r + r^2 q(r) with r added exactly: float32
+ * degree 7 (Cephes), float64 the Taylor series to degree 13; both within 1 ulp.
  * ------------------------------------------------------------------------- */
-/* The shared core: for |xc| in range, n = round(xc / ln 2) and
- * p = exp(xc - n ln 2), so that exp(xc) = p * 2^n. */
-INLINE vec exp_reduce(vec xc, ivec *n_out)
+/* The shared core: for |xc| in range, n = round(xc / ln 2) (as an integer in
+ * n_out and as a float in nf_out) and p = exp(xc - n ln 2), so that
+ * exp(xc) = p * 2^n. */
+INLINE vec exp_reduce(vec xc, ivec *n_out, vec *nf_out)
 {
 #if FA_IS_F64
     const T magic = 6755399441055744.0; /* 1.5 * 2^52: adding it rounds to an integer */
     const vec t = xc * 1.4426950408889634 + magic;
     const vec nf = t - magic;
     *n_out = (ivec)t - (ivec)vset1(magic);
+    *nf_out = nf;
     vec r = xc - nf * 6.93147180369123816490e-01;
     r = r - nf * 1.90821492927058770002e-10;
+#if FA_VB == 16 /* see EXP_HORNER */
     vec p = vset1(1.0 / 6227020800.0);
     p = p * r + 1.0 / 479001600.0;
     p = p * r + 1.0 / 39916800.0;
@@ -140,12 +151,28 @@ INLINE vec exp_reduce(vec xc, ivec *n_out)
     p = p * r + 0.5;
     return p * (r * r) + r + 1.0;
 #else
+    vec p = vset1(2.5105259538448493419e-8);
+    p = p * r + 2.7626426376580332797e-7;
+    p = p * r + 2.7557255297969644392e-6;
+    p = p * r + 2.4801504180837138252e-5;
+    p = p * r + 1.9841269874901259234e-4;
+    p = p * r + 1.3888888932619635148e-3;
+    p = p * r + 8.3333333333261120526e-3;
+    p = p * r + 4.1666666666572767692e-2;
+    p = p * r + 1.6666666666666671008e-1;
+    p = p * r + 5.0000000000000056451e-1;
+    p = p * r + 1.0;
+    return p * r + 1.0;
+#endif
+#else
     const T magic = 12582912.0f; /* 1.5 * 2^23 */
     const vec t = xc * 1.44269504088896341f + magic;
     const vec nf = t - magic;
     *n_out = (ivec)t - (ivec)vset1(magic);
+    *nf_out = nf;
     vec r = xc - nf * 0.693359375f;
     r = r + nf * 2.12194440e-4f;
+#if FA_VB == 16 /* see EXP_HORNER */
     vec p = vset1(1.9875691500e-4f);
     p = p * r + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
@@ -153,6 +180,15 @@ INLINE vec exp_reduce(vec xc, ivec *n_out)
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     return p * (r * r) + r + 1.0f;
+#else
+    vec p = vset1(1.3933685862617173589e-3f);
+    p = p * r + 8.3691843822919614316e-3f;
+    p = p * r + 4.1666464602026541557e-2f;
+    p = p * r + 1.6666504936963596529e-1f;
+    p = p * r + 5.0000000134981778643e-1f;
+    p = p * r + 1.00000001080395231f;
+    return p * r + 1.0f;
+#endif
 #endif
 }
 
@@ -180,7 +216,8 @@ INLINE vec vexp(vec x)
     vec xc = vsel(zero, vset1(0), x);
     xc = vsel(xc > EXP_HUGE, vset1(EXP_HUGE), xc);
     ivec n;
-    const vec p = exp_reduce(xc, &n);
+    vec nf;
+    const vec p = exp_reduce(xc, &n, &nf);
     const ivec n1 = (ivec)((uvec)(n + 8 * EXP_BIAS) >> 1) - 4 * EXP_BIAS;
     const ivec n2 = n - n1;
     const vec y = p * (vec)((n1 + EXP_BIAS) << EXP_MANT) * (vec)((n2 + EXP_BIAS) << EXP_MANT);
@@ -194,11 +231,29 @@ INLINE vec vexp(vec x)
  * as `vexp(x, neg=True)` in the test suite. */
 INLINE vec vexp_neg(vec x)
 {
+#if (defined(__x86_64__) || defined(_M_X64)) && FA_VB == 64
+    /* AVX-512: p * 2^n by vscalef, and the flush to 0 by its zero-masking (NaN
+     * compares not-less, so it stays NaN): 5 fewer integer and select
+     * operations, measured 1.5x faster in the exp loop on Zen 5.  The lanes it
+     * zeroes may compute garbage (inf - inf), which costs nothing here. */
+    ivec n; /* unused: the compiler drops it */
+    vec nf;
+    const vec p = exp_reduce(x, &n, &nf);
+#if FA_IS_F64
+    const __mmask8 keep = _mm512_cmp_pd_mask((__m512d)x, _mm512_set1_pd(EXP_TINY), _CMP_NLT_UQ);
+    return (vec)_mm512_maskz_scalef_pd(keep, (__m512d)p, (__m512d)nf);
+#else
+    const __mmask16 keep = _mm512_cmp_ps_mask((__m512)x, _mm512_set1_ps(EXP_TINY), _CMP_NLT_UQ);
+    return (vec)_mm512_maskz_scalef_ps(keep, (__m512)p, (__m512)nf);
+#endif
+#else
     const ivec zero = x < EXP_TINY;
     ivec n;
-    const vec p = exp_reduce(vsel(zero, vset1(0), x), &n);
+    vec nf;
+    const vec p = exp_reduce(vsel(zero, vset1(0), x), &n, &nf);
     const vec y = p * (vec)((n + EXP_BIAS) << EXP_MANT);
     return (vec)((ivec)y & ~zero);
+#endif
 }
 
 void FN(fa_exp_neg)(const void *x_, void *y_, int64_t n)
