@@ -123,6 +123,14 @@ INLINE int vall(ivec m)
  * keeps the more expensive 1 + r + r^2 q(r) with r added exactly: float32
  * degree 7 (Cephes), float64 the Taylor series to degree 13; both within 1 ulp.
  * ------------------------------------------------------------------------- */
+/* c[0] r^(n-1) + c[1] r^(n-2) + ... + c[n-1] */
+INLINE vec horner(vec r, const T *c, const int n)
+{
+    vec p = vset1(c[0]);
+    UNROLL(16) for (int i = 1; i < n; i++) p = p * r + c[i];
+    return p;
+}
+
 /* The shared core: for |xc| in range, n = round(xc / ln 2) (as an integer in
  * n_out and as a float in nf_out) and p = exp(xc - n ln 2), so that
  * exp(xc) = p * 2^n. */
@@ -136,33 +144,17 @@ INLINE vec exp_reduce(vec xc, ivec *n_out, vec *nf_out)
     *nf_out = nf;
     vec r = xc - nf * 6.93147180369123816490e-01;
     r = r - nf * 1.90821492927058770002e-10;
-#if FA_VB == 16 /* see EXP_HORNER */
-    vec p = vset1(1.0 / 6227020800.0);
-    p = p * r + 1.0 / 479001600.0;
-    p = p * r + 1.0 / 39916800.0;
-    p = p * r + 1.0 / 3628800.0;
-    p = p * r + 1.0 / 362880.0;
-    p = p * r + 1.0 / 40320.0;
-    p = p * r + 1.0 / 5040.0;
-    p = p * r + 1.0 / 720.0;
-    p = p * r + 1.0 / 120.0;
-    p = p * r + 1.0 / 24.0;
-    p = p * r + 1.0 / 6.0;
-    p = p * r + 0.5;
-    return p * (r * r) + r + 1.0;
-#else
-    vec p = vset1(2.5105259538448493419e-8);
-    p = p * r + 2.7626426376580332797e-7;
-    p = p * r + 2.7557255297969644392e-6;
-    p = p * r + 2.4801504180837138252e-5;
-    p = p * r + 1.9841269874901259234e-4;
-    p = p * r + 1.3888888932619635148e-3;
-    p = p * r + 8.3333333333261120526e-3;
-    p = p * r + 4.1666666666572767692e-2;
-    p = p * r + 1.6666666666666671008e-1;
-    p = p * r + 5.0000000000000056451e-1;
-    p = p * r + 1.0;
-    return p * r + 1.0;
+#if FA_VB == 16 /* see EXP_HORNER: 1 + r + r^2 q(r), q the Taylor series */
+    static const T q[] = {1.0 / 6227020800.0, 1.0 / 479001600.0, 1.0 / 39916800.0, 1.0 / 3628800.0,
+                          1.0 / 362880.0, 1.0 / 40320.0, 1.0 / 5040.0, 1.0 / 720.0, 1.0 / 120.0,
+                          1.0 / 24.0, 1.0 / 6.0, 0.5};
+    return horner(r, q, 12) * (r * r) + r + 1.0;
+#else /* 1 + r g(r) */
+    static const T g[] = {2.5105259538448493419e-8, 2.7626426376580332797e-7, 2.7557255297969644392e-6,
+                          2.4801504180837138252e-5, 1.9841269874901259234e-4, 1.3888888932619635148e-3,
+                          8.3333333333261120526e-3, 4.1666666666572767692e-2, 1.6666666666666671008e-1,
+                          5.0000000000000056451e-1, 1.0};
+    return horner(r, g, 11) * r + 1.0;
 #endif
 #else
     const T magic = 12582912.0f; /* 1.5 * 2^23 */
@@ -172,22 +164,14 @@ INLINE vec exp_reduce(vec xc, ivec *n_out, vec *nf_out)
     *nf_out = nf;
     vec r = xc - nf * 0.693359375f;
     r = r + nf * 2.12194440e-4f;
-#if FA_VB == 16 /* see EXP_HORNER */
-    vec p = vset1(1.9875691500e-4f);
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    return p * (r * r) + r + 1.0f;
-#else
-    vec p = vset1(1.3933685862617173589e-3f);
-    p = p * r + 8.3691843822919614316e-3f;
-    p = p * r + 4.1666464602026541557e-2f;
-    p = p * r + 1.6666504936963596529e-1f;
-    p = p * r + 5.0000000134981778643e-1f;
-    p = p * r + 1.00000001080395231f;
-    return p * r + 1.0f;
+#if FA_VB == 16 /* see EXP_HORNER: 1 + r + r^2 q(r), q from Cephes */
+    static const T q[] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
+                          1.6666665459e-1f, 5.0000001201e-1f};
+    return horner(r, q, 6) * (r * r) + r + 1.0f;
+#else /* 1 + r g(r) */
+    static const T g[] = {1.3933685862617173589e-3f, 8.3691843822919614316e-3f, 4.1666464602026541557e-2f,
+                          1.6666504936963596529e-1f, 5.0000000134981778643e-1f, 1.00000001080395231f};
+    return horner(r, g, 6) * r + 1.0f;
 #endif
 #endif
 }
