@@ -99,6 +99,23 @@ INLINE vec vmax(vec a, vec b)
     return vsel(a > b, a, b);
 #endif
 }
+/* whether any lane of a comparison result is set */
+INLINE int vany(ivec m)
+{
+#if (defined(__x86_64__) || defined(_M_X64)) && FA_VB == 64
+    return _mm512_test_epi32_mask((__m512i)m, (__m512i)m) != 0;
+#elif (defined(__x86_64__) || defined(_M_X64)) && FA_VB == 32
+    return !_mm256_testz_si256((__m256i)m, (__m256i)m);
+#elif defined(__x86_64__) || defined(_M_X64)
+    return _mm_movemask_epi8((__m128i)m) != 0;
+#else
+    IT x[L];
+    memcpy(x, &m, sizeof x);
+    for (int i = 0; i < L; i++)
+        if (x[i]) return 1;
+    return 0;
+#endif
+}
 INLINE int vall(ivec m)
 {
     IT x[L];
@@ -208,11 +225,12 @@ INLINE vec vexp(vec x)
     return vsel(x > EXP_HUGE, vset1(INFINITY), (vec)((ivec)y & ~zero));
 }
 
-/* exp for the attention kernels, whose arguments are <= 0 (or NaN): no
- * overflow handling and one exponent scale; results below the smallest normal
- * number are flushed to 0 (an absolute error below 2.3e-308 / 1.2e-38 on
- * weights that sum to 1).  NaN stays NaN, -inf gives 0.  Tested against NumPy
- * as `vexp(x, neg=True)` in the test suite. */
+/* exp for the attention kernels, whose arguments are <= 0, or up to FUSE_LAG
+ * (24) in the fused exp, or NaN: no overflow handling and one exponent scale;
+ * results below the smallest normal number are flushed to 0 (an absolute error
+ * below 2.3e-308 / 1.2e-38 on weights that sum to 1).  NaN stays NaN, -inf
+ * gives 0.  Tested against NumPy as `vexp(x, neg=True)` in the test suite, on
+ * [-inf, 30]. */
 INLINE vec vexp_neg(vec x)
 {
 #if (defined(__x86_64__) || defined(_M_X64)) && FA_VB == 64
@@ -371,12 +389,76 @@ INLINE void transpose_block(vec *r)
 #endif
 enum { RB = FA_VB == 64 ? FA_RB64 : 6 };
 
+/* The fused exp (pass 4 in fa_attn_item).  A key tile with no score modifier
+ * takes its probabilities p = exp(s - m) straight from the accumulator
+ * registers of Q.K^T, so that St is written once and never read back for the
+ * max and the exp.  m is a reference max per query row, which may lag the true
+ * running max by up to FUSE_LAG: the online softmax is exact for any reference
+ * (l, Ot and lse all refer to m), and p <= e^24 = 2.6e10 cannot overflow l.
+ * Each register tile checks its column max first; where one exceeds
+ * m + FUSE_LAG (the first keys of a row, or a score far above all before it),
+ * fuse_regrow raises m to the max in every lane that rose and rescales l, Ot and
+ * the tile's rows already written.  Scores that keep rising steeply (a ramp of
+ * 100 per 256 keys) would rescale at every few register tiles: after 2 such
+ * calls per query vector the item goes on unfused.  A row's Ot can overflow
+ * only where n_k |v| is within a factor e^24 of the dtype's limit; such a row
+ * comes out non-finite and is redone carefully (redo_nonfinite_rows).
+ * Measured 3-4 % faster at B1 H8 N2048 d64, float32 and float64. */
+#define FUSE_LAG 24
+typedef struct {
+    T *m, *l;        /* (bqp) reference max and row sums of the item */
+    T *Ot;           /* (dv, bqp) the output accumulator */
+    T *St;           /* (nb, bqp) the tile's first row */
+    int64_t bqp, dv;
+    int64_t regrows; /* rescaling calls of fuse_regrow in the item so far */
+} fuse_t;
+
+/* Called when some lane of bm (the max of a register tile's rows [j, j + R) in
+ * the query columns [i, i + L)) exceeds the reference max by more than
+ * FUSE_LAG: raise the reference to bm in every lane where bm is above it (so
+ * that lanes do not call one by one), and rescale their l, Ot and the
+ * probabilities of the tile's rows [0, j) already written.  A row that has
+ * seen no finite score (m = -inf) has nothing to rescale: l = 0, and Ot = 0
+ * (or NaN from 0 * NaN, which a multiply keeps). */
+static __attribute__((noinline)) void fuse_regrow(fuse_t *f, int64_t i, int64_t j, vec bm)
+{
+    const vec mo = vload(f->m + i);
+    const ivec grow = bm > mo;
+    vstore(f->m + i, vsel(grow, bm, mo));
+    if (!vany(grow & (mo > -INFINITY))) return;
+    f->regrows++;
+    const vec alpha = vsel(grow, vexp_neg(mo - bm), vset1(1));
+    vstore(f->l + i, vload(f->l + i) * alpha);
+    for (int64_t c = 0; c < f->dv; c++) vstore(f->Ot + c * f->bqp + i, vload(f->Ot + c * f->bqp + i) * alpha);
+    for (int64_t r = 0; r < j; r++) vstore(f->St + r * f->bqp + i, vload(f->St + r * f->bqp + i) * alpha);
+}
+
+/* The fused exp of R rows of one query vector (columns [i, i + L)), rows
+ * [j, j + R) of the tile: a[r] <- exp(a[r] - m), their sum added to l. */
+INLINE void fuse_exp(const int R, vec *a, fuse_t *f, int64_t i, int64_t j)
+{
+    vec bm = vset1(-INFINITY);
+    UNROLL(16) for (int r = 0; r < R; r++) bm = vmax(a[r], bm);
+    if (vany(bm > vload(f->m + i) + (T)FUSE_LAG)) fuse_regrow(f, i, j, bm);
+    const vec m = vload(f->m + i);
+    const vec mu = vsel(m == vset1(-INFINITY), vset1(0), m); /* as in pass 4 */
+    vec sum = vset1(0);
+    UNROLL(16) for (int r = 0; r < R; r++)
+    {
+        a[r] = vexp_neg(a[r] - mu);
+        sum += a[r];
+    }
+    vstore(f->l + i, vload(f->l + i) + sum);
+}
+
 /* St[r][0..NV*L) = sum_c kr[r][c] * Qt[c][0..NV*L)   for r < R
+ * or, with f, their probabilities (fuse_exp; st is f->St + j * bqp + i):
  *   st  (R, NV*L)   row stride bqp
  *   kr  (R, dk)     row stride krs
  *   qt  (dk, NV*L)  row stride bqp */
-INLINE void qk_tile(const int R, const int NV, T *restrict st, int64_t bqp, const T *restrict kr,
-                    int64_t krs, const T *restrict qt, int64_t dk)
+INLINE void qk_tile(const int R, const int NV, T *st, int64_t bqp, const T *restrict kr,
+                    int64_t krs, const T *restrict qt, int64_t dk, fuse_t *f, int64_t i,
+                    int64_t j)
 {
     vec a0[RB], a1[RB];
     UNROLL(16) for (int r = 0; r < R; r++) a0[r] = a1[r] = vset1(0);
@@ -388,6 +470,10 @@ INLINE void qk_tile(const int R, const int NV, T *restrict st, int64_t bqp, cons
             a0[r] += x * b0;
             if (NV == 2) a1[r] += x * b1;
         }
+    }
+    if (f) {
+        fuse_exp(R, a0, f, i, j);
+        if (NV == 2) fuse_exp(R, a1, f, i + L, j);
     }
     UNROLL(16) for (int r = 0; r < R; r++)
     {
@@ -432,12 +518,12 @@ static void redo_nonfinite_rows(const fa_attention_args *a, const fa_tiles *tl, 
 
 /* St rows [0, R) over all bqp query columns: two-vector groups, then one
  * vector when bqp is an odd number of vectors. */
-INLINE void qk_rows(const int R, T *restrict St, const T *restrict K, int64_t krs,
-                    const T *restrict Qt, int64_t bqp, int64_t dk)
+INLINE void qk_rows(const int R, T *St, const T *restrict K, int64_t krs,
+                    const T *restrict Qt, int64_t bqp, int64_t dk, fuse_t *f, int64_t j)
 {
     int64_t i = 0;
-    for (; i + TW <= bqp; i += TW) qk_tile(R, 2, St + i, bqp, K, krs, Qt + i, dk);
-    if (i < bqp) qk_tile(R, 1, St + i, bqp, K, krs, Qt + i, dk);
+    for (; i + TW <= bqp; i += TW) qk_tile(R, 2, St + i, bqp, K, krs, Qt + i, dk, f, i, j);
+    if (i < bqp) qk_tile(R, 1, St + i, bqp, K, krs, Qt + i, dk, f, i, j);
 }
 
 /* Prefetch into L2 the rows [j, j + r) of what the item reads next (pf),
@@ -462,19 +548,20 @@ INLINE void tile_prefetch(const tile_pf *pf, int64_t j, int64_t r)
     for (int64_t x = j; x < j + r && x < pf->nq; x++) prefetch_l2(pf->q + x * pf->qrs, pf->dk);
 }
 
-/* St (nb, bqp) = K[0..nb) . Qt;  K (nb, dk) row stride krs, Qt (dk, bqp).
- * Meanwhile prefetches pf's rows (NULL: none). */
-static void qk_block(T *restrict St, const T *restrict K, int64_t krs, const T *restrict Qt,
-                     int64_t bqp, int64_t dk, int64_t nb, const tile_pf *pf)
+/* St (nb, bqp) = K[0..nb) . Qt;  K (nb, dk) row stride krs, Qt (dk, bqp);
+ * or, with f (f->St == St), their probabilities (the fused exp).  Meanwhile
+ * prefetches pf's rows (NULL: none). */
+static void qk_block(T *St, const T *restrict K, int64_t krs, const T *restrict Qt,
+                     int64_t bqp, int64_t dk, int64_t nb, const tile_pf *pf, fuse_t *f)
 {
     int64_t j = 0;
     for (; j + RB <= nb; j += RB) {
         if (pf) tile_prefetch(pf, j, RB);
-        qk_rows(RB, St + j * bqp, K + j * krs, krs, Qt, bqp, dk);
+        qk_rows(RB, St + j * bqp, K + j * krs, krs, Qt, bqp, dk, f, j);
     }
     if (pf) tile_prefetch(pf, j, INT64_MAX - j); /* the rest, also rows past nb */
-    for (; j + 4 <= nb; j += 4) qk_rows(4, St + j * bqp, K + j * krs, krs, Qt, bqp, dk);
-    for (; j < nb; j++) qk_rows(1, St + j * bqp, K + j * krs, krs, Qt, bqp, dk);
+    for (; j + 4 <= nb; j += 4) qk_rows(4, St + j * bqp, K + j * krs, krs, Qt, bqp, dk, f, j);
+    for (; j < nb; j++) qk_rows(1, St + j * bqp, K + j * krs, krs, Qt, bqp, dk, f, j);
 }
 
 /* Ot columns [i, i + NV*L) += Pt^T-contracted with V, over all dv rows of Ot. */
@@ -598,10 +685,14 @@ static void pack_queries(const fa_attention_args *a, const fa_item *it, T *Qt, i
  *   St (nb, bqp) = K_tile . Qt (Qt already scaled), then softcap, ALiBi,
  *   float mask and the band (causal, window), on every lane or the real rows.
  * A bool mask is packed into bit words W (ceil(nb / 32), bqp) for the caller
- * to apply.  Returns -1 when the bool mask forbids the whole tile (St is not
- * computed), 1 when W must be applied, 0 otherwise. */
+ * to apply.  With f, a tile that has none of those modifiers (nor a bool mask
+ * with a False in it) gets its probabilities instead (the fused exp, FUSE_LAG).
+ * Returns -1 when the bool mask forbids the whole tile (St is not computed),
+ * 2 when St holds the fused probabilities, 1 when W must be applied, 0
+ * otherwise. */
 static int tile_scores(const fa_attention_args *a, const fa_item *it, const band_t *b, T *St,
-                       const T *Qt, IT *W, int64_t bqp, int64_t j0, int64_t nb, const tile_pf *pf)
+                       const T *Qt, IT *W, int64_t bqp, int64_t j0, int64_t nb, const tile_pf *pf,
+                       fuse_t *f)
 {
     const int64_t bq = it->bq;
     int bits = 0;
@@ -610,7 +701,15 @@ static int tile_scores(const fa_attention_args *a, const fa_item *it, const band
         if (kind == 0) return -1;
         bits = kind == 1;
     }
-    qk_block(St, (const T *)it->k + j0 * a->k_rs, a->k_rs, Qt, bqp, a->dk, nb, pf);
+    /* band: key j hides rows i < j - base - right and rows i > j - base + left */
+    const int cut_right = b->has_right && j0 + nb - 1 > b->base + b->right;
+    const int cut_left = b->has_left && j0 < b->base + bq - 1 - b->left;
+    if (f && !bits && !cut_right && !cut_left && !(a->softcap > 0) && it->slope == 0 &&
+        a->mask_kind != FA_MASK_ADD) {
+        qk_block(St, (const T *)it->k + j0 * a->k_rs, a->k_rs, Qt, bqp, a->dk, nb, pf, f);
+        return 2;
+    }
+    qk_block(St, (const T *)it->k + j0 * a->k_rs, a->k_rs, Qt, bqp, a->dk, nb, pf, NULL);
     if (a->softcap > 0) {
         const T c = (T)a->softcap, ic = 1 / c;
         for (int64_t x = 0; x < nb * bqp; x += L) vstore(St + x, vtanh(vload(St + x) * ic) * c);
@@ -631,9 +730,6 @@ static int tile_scores(const fa_attention_args *a, const fa_item *it, const band
         for (int64_t j = 0; j < nb; j++)
             for (int64_t i = 0; i < bq; i++) St[j * bqp + i] += mk[i * a->m_rs + j * a->m_cs];
     }
-    /* band: key j hides rows i < j - base - right and rows i > j - base + left */
-    const int cut_right = b->has_right && j0 + nb - 1 > b->base + b->right;
-    const int cut_left = b->has_left && j0 < b->base + bq - 1 - b->left;
     if (cut_right || cut_left)
         for (int64_t j = 0; j < nb; j++) {
             const int64_t jj = j0 + j;
@@ -667,8 +763,9 @@ static void apply_bits(T *St, const IT *W, int64_t bqp, int64_t nb)
  *   Qt   (dk, bqp)  queries of the item, times scale, transposed, zero-padded
  *   St   (bk, bqp)  scores of one key tile, transposed; then probabilities
  *   Ot   (dv, bqp)  unnormalised output accumulator, transposed
- *   m    (bqp)      running row max
- *   l    (bqp)      running row sum of exp(score - max)
+ *   m    (bqp)      reference max of each row: the running max, or up to
+ *                   FUSE_LAG below it after fused tiles
+ *   l    (bqp)      running row sum of exp(score - m)
  *   W    (ceil(bk / 32), bqp)  a bool mask tile as bit words (IT lanes)
  * ------------------------------------------------------------------------- */
 void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_item *it,
@@ -677,6 +774,7 @@ void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_i
     const int64_t bqp = tl->bqp, bk = tl->bk, dk = a->dk, dv = a->dv;
     T *Qt = scratch, *St = Qt + dk * bqp, *Ot = St + bk * bqp, *m = Ot + dv * bqp, *l = m + bqp;
     IT *W = (IT *)(l + bqp);
+    fuse_t fz = {.m = m, .l = l, .Ot = Ot, .St = St, .bqp = bqp, .dv = dv, .regrows = 0};
 
     /* Pass 1: pack the queries. */
     pack_queries(a, it, Qt, bqp);
@@ -703,40 +801,45 @@ void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_i
                             .nk = last ? it->next_nk : nb_next,
                             .nq = last ? it->next_bq : 0,
                             .vrs = a->v_rs, .krs = a->k_rs, .qrs = a->q_rs, .dv = dv, .dk = dk};
-        const int bits = tile_scores(a, it, &b, St, Qt, W, bqp, j0, nb, &pf);
+        /* the fused exp, until its rescaling costs more than it saves (FUSE_LAG) */
+        fuse_t *f = fz.regrows <= 2 * (bqp / L) ? &fz : NULL;
+        const int bits = tile_scores(a, it, &b, St, Qt, W, bqp, j0, nb, &pf, f);
         if (bits < 0) continue;
 
-        /* Pass 4: online softmax, one vector of query rows at a time. */
-        for (int64_t i = 0; i < bqp; i += L) {
-            vec bm = vset1(-INFINITY);
-            if (bits) {
-                for (int64_t j = 0; j < nb; j++) {
-                    const uvec w = (uvec)vload_i(W + (j >> 5) * bqp + i);
-                    const ivec keep = (ivec)((w >> (j & 31)) & 1) != 0;
-                    const vec s = vsel(keep, vload(St + j * bqp + i), vset1(-INFINITY));
-                    vstore(St + j * bqp + i, s);
-                    bm = vmax(s, bm);
+        /* Pass 4 (when the exp is not fused): online softmax, one vector of
+         * query rows at a time. */
+        if (bits != 2) {
+            for (int64_t i = 0; i < bqp; i += L) {
+                vec bm = vset1(-INFINITY);
+                if (bits) {
+                    for (int64_t j = 0; j < nb; j++) {
+                        const uvec w = (uvec)vload_i(W + (j >> 5) * bqp + i);
+                        const ivec keep = (ivec)((w >> (j & 31)) & 1) != 0;
+                        const vec s = vsel(keep, vload(St + j * bqp + i), vset1(-INFINITY));
+                        vstore(St + j * bqp + i, s);
+                        bm = vmax(s, bm);
+                    }
+                } else {
+                    for (int64_t j = 0; j < nb; j++) bm = vmax(vload(St + j * bqp + i), bm);
                 }
-            } else {
-                for (int64_t j = 0; j < nb; j++) bm = vmax(vload(St + j * bqp + i), bm);
+                const vec mo = vload(m + i), mn = vmax(bm, mo);
+                /* A row that has seen only -inf so far subtracts 0, so its
+                 * probabilities are exp(-inf) = 0 and never NaN.  The max need not
+                 * propagate NaN: a NaN score makes its p, and so l and the row's
+                 * output and lse, NaN anyway. */
+                const vec mu = vsel(mn == vset1(-INFINITY), vset1(0), mn);
+                const vec alpha = vexp_neg(mo - mu);
+                vec sum = vset1(0);
+                for (int64_t j = 0; j < nb; j++) {
+                    const vec p = vexp_neg(vload(St + j * bqp + i) - mu);
+                    vstore(St + j * bqp + i, p);
+                    sum += p;
+                }
+                vstore(l + i, vload(l + i) * alpha + sum);
+                vstore(m + i, mn);
+                if (!vall(alpha == vset1(1))) /* rescale only when some max grew */
+                    for (int64_t c = 0; c < dv; c++) vstore(Ot + c * bqp + i, vload(Ot + c * bqp + i) * alpha);
             }
-            const vec mo = vload(m + i), mn = vmax(bm, mo);
-            /* A row that has seen only -inf so far subtracts 0, so its
-             * probabilities are exp(-inf) = 0 and never NaN.  The max need not
-             * propagate NaN: a NaN score makes its p, and so l and the row's
-             * output and lse, NaN anyway. */
-            const vec mu = vsel(mn == vset1(-INFINITY), vset1(0), mn);
-            const vec alpha = vexp_neg(mo - mu);
-            vec sum = vset1(0);
-            for (int64_t j = 0; j < nb; j++) {
-                const vec p = vexp_neg(vload(St + j * bqp + i) - mu);
-                vstore(St + j * bqp + i, p);
-                sum += p;
-            }
-            vstore(l + i, vload(l + i) * alpha + sum);
-            vstore(m + i, mn);
-            if (!vall(alpha == vset1(1))) /* rescale only when some max grew */
-                for (int64_t c = 0; c < dv; c++) vstore(Ot + c * bqp + i, vload(Ot + c * bqp + i) * alpha);
         }
 
         /* Pass 5: Ot += P . V_tile */
@@ -770,7 +873,7 @@ void FN(fa_weights_item)(const fa_attention_args *a, const fa_tiles *tl, const f
     for (int pass = 0; pass < 2; pass++) {
         for (int64_t j0 = b.j_lo; j0 < b.j_hi; j0 += bk) {
             const int64_t nb = (b.j_hi - j0 < bk) ? b.j_hi - j0 : bk;
-            const int bits = tile_scores(a, it, &b, St, Qt, W, bqp, j0, nb, NULL);
+            const int bits = tile_scores(a, it, &b, St, Qt, W, bqp, j0, nb, NULL, NULL);
             if (bits < 0) continue;
             if (bits) apply_bits(St, W, bqp, nb);
             for (int64_t i = 0; i < bqp; i += L) {

@@ -63,5 +63,12 @@ def rand(rng, shape, dtype=np.float32, scale=1.0):
 
 
 @pytest.fixture
+def tiles():
+    """Force the tiled kernel's tile sizes (bq, bk; 0: the default); restore the defaults after."""
+    yield _core._set_tiles
+    _core._set_tiles(0, 0)
+
+
+@pytest.fixture
 def rng():
     return np.random.default_rng(1234)

@@ -368,6 +368,91 @@ def test_reference_hidden_nonfinite_values():
 
 
 # ---------------------------------------------------------------------------
+# the fused exp (kernel_body.h, FUSE_LAG): a key tile takes its probabilities
+# against a reference max that may lag the true one by up to 24; a register
+# tile whose scores rise further raises it and rescales l, Ot and the tile's
+# rows already written; after a few such rescales the item goes on unfused
+# ---------------------------------------------------------------------------
+def _scored_inputs(rng, dtype, nq, nk, scores, dv=6):
+    """q, k, v with q_i . k_j = scores[j] (rounded to eighths) + 0 or r_j, for
+    r_j in [-1, 1) also in eighths, so that every score is exact in float32:
+    large scores carry no rounding of their own into the weights."""
+    d = 4
+    q = np.zeros((2, nq, d), dtype)
+    q[..., 0] = 1
+    q[..., 1] = rng.integers(0, 2, (2, nq))
+    k = np.zeros((2, nk, d), dtype)
+    k[..., 0] = np.round(np.asarray(scores) * 8) / 8
+    k[..., 1] = rng.integers(-8, 8, (2, nk)) / 8
+    return q, k, rand(rng, (2, nk, dv), dtype)
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("growth", [0.5, 5.0, 15.0, 40.0, 100.0, 200.0])
+@pytest.mark.parametrize("nq,threads", [(40, 1), (300, 1), (20, 2), (300, 2)])
+def test_fused_exp_growing_scores(isa, rng, tiles, dtype, growth, nq, threads):
+    """Scores that grow by `growth` over each 64-key tile: the reference max
+    lags behind and probabilities exceed 1; it is raised now and then (15), or
+    at every few register tiles until the item goes on unfused (40 and more).
+    One item per row block, split keys (20 rows on 2 threads), causal, and
+    lse."""
+    tiles(0, 64)
+    nk = 640
+    q, k, v = _scored_inputs(rng, dtype, nq, nk, growth * np.arange(nk) / 64)
+    check(q, k, v, dtype, scale=1.0, num_threads=threads)
+    check(q, k, v, dtype, scale=1.0, num_threads=threads, causal=True)
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("jump", [3.0, 16.0, 23.5, 24.5, 30.0, 100.0, 1000.0, np.inf, np.nan])
+def test_fused_exp_one_big_score(isa, rng, dtype, jump):
+    """One key in the middle of a later tile (default tiles) scores `jump`
+    above all the others, for some rows: kept against the lagging max (up to
+    24), or the max is raised there, and the rows before it in the tile, l and
+    the output accumulator are rescaled.  inf and NaN scores as in the
+    reference (NaN rows)."""
+    nq, nk = 130, 1100
+    q, k, v = _scored_inputs(rng, dtype, nq, nk, rng.standard_normal(nk))
+    q[:, ::3, 2] = 1                          # every third row sees the jump
+    k[:, 700, 2] = jump
+    out, _ = check(q, k, v, dtype, scale=1.0)
+    if np.isfinite(jump) and jump >= 100:     # the jump's weight is 1, the others' below 1e-40
+        assert_close(out[:, ::3], np.repeat(v[:, None, 700], len(range(0, nq, 3)), axis=1), dtype)
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fused_exp_values_near_overflow(isa, rng, dtype, threads):
+    """Against a reference max about 7 below the true one, probabilities up to
+    e^8 times values near the dtype's limit overflow the accumulator: such a
+    row comes out non-finite from the fast pass and is computed again
+    carefully, so the result is the finite weighted mean of the values.
+    (Values that overflow the sum against the true max, within a factor n_k of
+    the limit, give inf, as they always have.)"""
+    nq, nk = 64, 1024
+    scores = np.zeros(nk)
+    scores[600:] = 7                          # later tiles, 7 (+-1) above the first keys' max
+    q, k, v = _scored_inputs(rng, dtype, nq, nk, scores)
+    big = np.finfo(dtype).max / (8 * nk)
+    v = np.full_like(v, big)
+    v[..., 1] = -big
+    out, _ = check(q, k, v, dtype, scale=1.0, num_threads=threads)
+    assert np.isfinite(out).all()
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_fused_exp_many_keys_far_above(isa, rng, dtype):
+    """20000 keys score 79 above the first 64: against a reference max that
+    lagged by 79, their weights e^79 would sum past float32's limit.  The lag
+    is bounded (24), so the row sum cannot overflow."""
+    nk = 20064
+    scores = np.full(nk, 79.0)
+    scores[:64] = 0
+    q, k, v = _scored_inputs(rng, dtype, 40, nk, scores)
+    check(q, k, v, dtype, scale=1.0)
+
+
+# ---------------------------------------------------------------------------
 # dtypes
 # ---------------------------------------------------------------------------
 def test_float16(isa, rng):

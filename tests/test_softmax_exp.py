@@ -166,10 +166,11 @@ def test_reference_attention_by_loops(rng):
 
 @pytest.mark.parametrize("dtype,lo,max_ulp", [(F32, -103.0, 1.5), (F64, -744.0, 1.0)])
 def test_vexp_neg_accuracy(isa, rng, dtype, lo, max_ulp):
-    """The attention kernels' exp (arguments <= 0): as accurate as vexp where
-    the result is a normal number; below that it may flush to exactly 0."""
-    x = np.concatenate([np.linspace(lo, 0, 200_001), -rng.exponential(5.0, 100_000),
-                        -rng.random(100_000) * 1e-3, [0.0, -0.0]]).astype(dtype)
+    """The attention kernels' exp (arguments <= 0, and up to 24 in the fused exp;
+    tested to 30): as accurate as vexp where the result is a normal number; below
+    that it may flush to exactly 0."""
+    x = np.concatenate([np.linspace(lo, 30, 200_001), -rng.exponential(5.0, 100_000),
+                        rng.random(100_000) * 30, -rng.random(100_000) * 1e-3, [0.0, -0.0]]).astype(dtype)
     # far below the row max, a finite score (a float mask of finfo.min) gives 0 as -inf does
     special = np.array([-np.finfo(dtype).max, -1e30, -1e5, -2000.0, -np.inf, np.nan], dtype)
     got_special = _core.vexp(special, neg=True)

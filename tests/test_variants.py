@@ -367,14 +367,6 @@ def test_gqa_reads_kv_in_place(rng):
 # ---------------------------------------------------------------------------
 # the tiling: results do not depend on the tile sizes
 # ---------------------------------------------------------------------------
-@pytest.fixture
-def tiles():
-    """Force the tiled kernel's tile sizes (bq, bk); restore the defaults after."""
-    from fastattn import _core
-    yield _core._set_tiles
-    _core._set_tiles(0, 0)
-
-
 @pytest.mark.parametrize("dtype", [F32, F64])
 @pytest.mark.parametrize("bq,bk", [(1, 1), (1, 37), (7, 5), (33, 31), (16, 32), (200, 64), (64, 1000)])
 def test_tile_sizes(isa, rng, tiles, dtype, bq, bk):
@@ -388,6 +380,7 @@ def test_tile_sizes(isa, rng, tiles, dtype, bq, bk):
     check(q, k, v, dtype)
     check(q, k, v, dtype, causal=True, mask=mask)
     check(q, k, v, dtype, mask=rng.standard_normal((nq, nk)).astype(dtype), window=(20, 3))
+    check(q, k, v, dtype, window=(20, None))   # no mask: fused tiles between the edges
     check(q, k, v, dtype, softcap=2.0, alibi_slopes=0.3, kv_lengths=np.array([100, nk]), causal=True)
     w = fastattn.attention_weights(q, k, mask=mask, causal=True)
     assert_close(w, ref.attention_weights(q.astype(F64), k.astype(F64), mask=mask, causal=True), dtype)
