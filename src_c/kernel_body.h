@@ -382,7 +382,9 @@ INLINE void transpose_block(vec *r)
  * AVX2 registers), FA_RB64 with the 32 registers of AVX-512.  NV = 1 (L query
  * columns) serves a last odd vector of query rows, so that bqp is a multiple
  * of L, not of TW: few query rows waste less (5 rows on AVX-512 pad to 16, not
- * 32).
+ * 32).  One loop over the head dim serves every d: copies of qk_block and
+ * pv_block compiled for d = 64 (bqp 128) and d = 128 (bqp 64), and the dk loop
+ * unrolled by 4, measured within +-2 % (B1 H2/H8 N2048, one and two threads).
  * ------------------------------------------------------------------------- */
 #ifndef FA_RB64
 #define FA_RB64 12
