@@ -416,6 +416,12 @@ typedef struct {
     int64_t regrows; /* rescaling calls of fuse_regrow in the item so far */
 } fuse_t;
 
+/* x[r * stride + 0..L) *= alpha for r < n: one query vector of Ot or St */
+INLINE void scale_rows(T *x, int64_t stride, int64_t n, vec alpha)
+{
+    for (int64_t r = 0; r < n; r++) vstore(x + r * stride, vload(x + r * stride) * alpha);
+}
+
 /* Called when some lane of bm (the max of a register tile's rows [j, j + R) in
  * the query columns [i, i + L)) exceeds the reference max by more than
  * FUSE_LAG: raise the reference to bm in every lane where bm is above it (so
@@ -432,8 +438,8 @@ static __attribute__((noinline)) void fuse_regrow(fuse_t *f, int64_t i, int64_t 
     f->regrows++;
     const vec alpha = vsel(grow, vexp_neg(mo - bm), vset1(1));
     vstore(f->l + i, vload(f->l + i) * alpha);
-    for (int64_t c = 0; c < f->dv; c++) vstore(f->Ot + c * f->bqp + i, vload(f->Ot + c * f->bqp + i) * alpha);
-    for (int64_t r = 0; r < j; r++) vstore(f->St + r * f->bqp + i, vload(f->St + r * f->bqp + i) * alpha);
+    scale_rows(f->Ot + i, f->bqp, f->dv, alpha);
+    scale_rows(f->St + i, f->bqp, j, alpha);
 }
 
 /* The fused exp of R rows of one query vector (columns [i, i + L)), rows
@@ -840,8 +846,7 @@ void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_i
                 }
                 vstore(l + i, vload(l + i) * alpha + sum);
                 vstore(m + i, mn);
-                if (!vall(alpha == vset1(1))) /* rescale only when some max grew */
-                    for (int64_t c = 0; c < dv; c++) vstore(Ot + c * bqp + i, vload(Ot + c * bqp + i) * alpha);
+                if (!vall(alpha == vset1(1))) scale_rows(Ot + i, bqp, dv, alpha); /* only when some max grew */
             }
         }
 
