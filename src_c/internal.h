@@ -23,9 +23,10 @@ typedef struct {
  *   mask  (bq, nk)  strides a->m_rs, a->m_cs, or NULL
  *   out   (bq, dv)  row stride a->o_rs
  *   lse   (bq)      stride a->lse_rs, or NULL
- * With part != NULL the item writes its unnormalised partial result instead
- * of out and lse, for a split-key merge:
- *   part  (bq, dv + 2): acc[0..dv), running max, running sum
+ * With part != NULL the item writes its partial result instead of out and
+ * lse, for a split-key merge:
+ *   part  (bq, dv + 2): acc[0..dv) / sum (the mean over its keys), running
+ *                       max, running sum
  * next_q, next_k: what the thread reads first for its next item (prefetched by
  * the tiled kernel during its last key tile), or NULL:
  *   next_q  (next_bq, dk)  row stride a->q_rs

@@ -521,7 +521,7 @@ INLINE void pv_tile(const int R, const int NV, T *restrict ot, int64_t bqp, cons
 }
 
 static void write_rows(const fa_attention_args *a, const fa_item *it, const T *acc, int64_t ai,
-                       int64_t ac, const T *m, const T *l);
+                       int64_t ac, const T *m, const T *l, int normalised);
 static void redo_nonfinite_rows(const fa_attention_args *a, const fa_tiles *tl, const fa_item *it,
                                 void *scratch);
 
@@ -855,7 +855,7 @@ void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_i
     }
 
     /* Pass 6: write out (acc element (i, c) is Ot[c * bqp + i]). */
-    write_rows(a, it, Ot, 1, bqp, m, l);
+    write_rows(a, it, Ot, 1, bqp, m, l, 0);
     redo_nonfinite_rows(a, tl, it, scratch);
 }
 
@@ -936,36 +936,33 @@ static void untranspose_rows(T *dst, int64_t ds, const T *src, int64_t ss, int64
 
 /* Write one item's rows from the accumulator, running max and sum:
  * out = acc / l (zeros when l == 0), lse = m + log(l) (-inf when l == 0);
- * or, with it->part, the unnormalised (acc, m, l) for a split-key merge.
+ * or, with it->part, (acc / l, m, l) for a split-key merge.  With normalised,
+ * acc already holds acc / l (the careful row kernel and the merge), and is
+ * written as it is.
  *   acc  (bq, dv) element (i, c) at acc[i * ai + c * ac]; either rows of dv
  *        (ac == 1) or transposed (ai == 1, ac a whole number of vectors >= bq)
  *   m, l (bq) */
 static void write_rows(const fa_attention_args *a, const fa_item *it, const T *acc, int64_t ai,
-                       int64_t ac, const T *m, const T *l)
+                       int64_t ac, const T *m, const T *l, int normalised)
 {
     const int64_t bq = it->bq, dv = a->dv;
-    const int transposed = ac != 1;
-    if (it->part) {
-        T *part = it->part;
-        if (transposed) untranspose_rows(part, dv + 2, acc, ac, bq, dv, NULL);
-        for (int64_t i = 0; i < bq; i++) {
-            T *pr = part + i * (dv + 2);
-            if (!transposed)
-                for (int64_t c = 0; c < dv; c++) pr[c] = acc[i * ai + c];
-            pr[dv] = m[i];
-            pr[dv + 1] = l[i];
-        }
-        return;
-    }
-    T *out = it->out;
-    if (transposed) {
-        untranspose_rows(out, a->o_rs, acc, ac, bq, dv, l);
+    T *out = it->part ? it->part : it->out;
+    const int64_t os = it->part ? dv + 2 : a->o_rs;
+    if (ac != 1) { /* transposed */
+        untranspose_rows(out, os, acc, ac, bq, dv, normalised ? NULL : l);
     } else {
         for (int64_t i = 0; i < bq; i++) {
-            const T inv = (l[i] == 0) ? 0 : 1 / l[i];
-            T *orow = out + i * a->o_rs;
+            const T inv = normalised ? 1 : (l[i] == 0) ? 0 : 1 / l[i];
+            T *orow = out + i * os;
             for (int64_t c = 0; c < dv; c++) orow[c] = acc[i * ai + c] * inv;
         }
+    }
+    if (it->part) {
+        for (int64_t i = 0; i < bq; i++) {
+            out[i * os + dv] = m[i];
+            out[i * os + dv + 1] = l[i];
+        }
+        return;
     }
     if (it->lse) {
         T *lse = it->lse;
@@ -974,10 +971,12 @@ static void write_rows(const fa_attention_args *a, const fa_item *it, const T *a
 }
 
 /* Merge the split-key partial results of one item (flash-decoding):
- *   parts  (nparts, bq, dv + 2): acc, running max m, running sum l per row
- * M = max_p m_p;  l = sum_p exp(m_p - M) l_p;  acc = sum_p exp(m_p - M) acc_p.
- * Parts that saw no key (l_p == 0) add nothing; a part whose weight underflows
- * to 0 adds only its inf and NaN (see rows_pv_careful); NaN propagates.
+ *   parts  (nparts, bq, dv + 2): acc / l, running max m, running sum l per row
+ * M = max_p m_p;  w_p = exp(m_p - M) l_p;  l = sum_p w_p;
+ * out = sum_p (w_p / l) (acc / l)_p: a weighted mean of the parts' means, so it
+ * cannot overflow where the output itself does not.  Parts that saw no key
+ * (l_p == 0) add nothing; a part whose exp(m_p - M) underflows to 0 adds only
+ * its inf and NaN (see rows_pv_careful); NaN propagates.
  * Scratch: dv + 2 elements. */
 void FN(fa_attn_merge)(const fa_attention_args *a, const fa_item *it, const void *parts_,
                        int64_t nparts, void *scratch)
@@ -994,24 +993,28 @@ void FN(fa_attn_merge)(const fa_attention_args *a, const fa_item *it, const void
             if (lp != 0 || lp != lp) M = (mp > M || mp != mp) ? mp : M;
         }
         T lsum = 0;
+        for (int64_t p = 0; p < nparts; p++) {
+            const T *pr = parts + p * ps + i * (dv + 2);
+            if (pr[dv + 1] != 0) lsum += (T)exp(pr[dv] - M) * pr[dv + 1];
+        }
         for (int64_t c = 0; c < dv; c++) acc[c] = 0;
         for (int64_t p = 0; p < nparts; p++) {
             const T *pr = parts + p * ps + i * (dv + 2);
             if (pr[dv + 1] == 0) continue;
-            const T w = (T)exp(pr[dv] - M);
-            if (w == 0) { /* underflowed: only its inf and NaN count (see rows_pv_careful) */
+            const T e = (T)exp(pr[dv] - M);
+            if (e == 0) { /* underflowed: only its inf and NaN count (see rows_pv_careful) */
                 for (int64_t c = 0; c < dv; c++)
                     if (!isfinite(pr[c])) acc[c] += pr[c];
                 continue;
             }
-            lsum += w * pr[dv + 1];
+            const T w = e * pr[dv + 1] / lsum;
             for (int64_t c = 0; c < dv; c++) acc[c] += w * pr[c];
         }
         row.bq = 1;
         row.out = it->out ? (T *)it->out + i * a->o_rs : NULL;
         row.lse = it->lse ? (T *)it->lse + i * a->lse_rs : NULL;
         row.part = NULL;
-        write_rows(a, &row, acc, 0, 1, &M, &lsum);
+        write_rows(a, &row, acc, 0, 1, &M, &lsum, 1);
     }
 }
 
@@ -1025,7 +1028,7 @@ void FN(fa_attn_merge)(const fa_attention_args *a, const fa_item *it, const void
  * design: K and V stream through once.  Scratch, in elements of T:
  *   Qs   (bq, dkp)  the rows, times scale, zero-padded to dkp (multiple of L)
  *   S    (bq, bk)   scores of one key tile; then probabilities
- *   A    (bq, dv)   unnormalised output accumulator
+ *   A    (bq, dv)   output accumulator: unnormalised; careful: the mean
  *   m, l (bq)
  * ------------------------------------------------------------------------- */
 /* Software prefetch for the decode kernel, which streams K and V once from
@@ -1302,7 +1305,10 @@ static void rows_pv_careful(T *restrict A, const T *restrict S, const T *restric
 
 /* The row kernel; careful = 1 (one row, from redo_nonfinite_rows) marks the
  * weights of hidden keys -0, takes the P . V above, and when the accumulator's
- * scale underflows to 0 keeps only its inf and NaN entries. */
+ * scale underflows to 0 keeps only its inf and NaN entries.  It also keeps A
+ * as the mean so far (P / l before P . V, A rescaled by l_old alpha / l), not
+ * the sum: a sum of many values near the dtype's limit overflows where their
+ * mean does not, and such a row comes here after the fast kernels overflow. */
 static void item_rows(const fa_attention_args *a, const fa_tiles *tl, const fa_item *it, void *scratch,
                       int careful)
 {
@@ -1399,14 +1405,22 @@ static void item_rows(const fa_attention_args *a, const fa_tiles *tl, const fa_i
                 const vec al = vexp_neg(vset1(mo - mu));
                 memcpy(alpha_buf, &al, sizeof alpha_buf);
             }
-            const T alpha = alpha_buf[0];
-            l[i] = l[i] * alpha + sum;
+            const T alpha = alpha_buf[0], lo = l[i];
+            l[i] = lo * alpha + sum;
             m[i] = mn;
-            if (careful && alpha == 0) { /* inf * 0 would be NaN: the old terms weigh 0, */
+            T f = alpha;
+            if (careful) { /* A holds the mean so far: A <- A lo alpha / l + P . V / l */
+                const T inv = l[i] == 0 ? 0 : 1 / l[i];
+                f = lo * alpha * inv;
+                for (int64_t j = 0; j < nb; j++) si[j] *= inv; /* keeps the sign of -0 */
+            }
+            /* f is 0 exactly when alpha is (vexp_neg gives no subnormals, lo >= 1 and
+             * l <= lo alpha + bk), and then inf * 0 would be NaN: the old terms weigh 0, */
+            if (careful && f == 0) {
                 for (int64_t c = 0; c < dv; c++) /* but their inf and NaN stay (see rows_pv_careful) */
                     if (isfinite(A[i * dv + c])) A[i * dv + c] = 0;
-            } else if (alpha != 1)
-                for (int64_t c = 0; c < dv; c++) A[i * dv + c] *= alpha;
+            } else if (f != 1)
+                for (int64_t c = 0; c < dv; c++) A[i * dv + c] *= f;
         }
         /* A += P . V_tile */
         if (careful)
@@ -1414,7 +1428,7 @@ static void item_rows(const fa_attention_args *a, const fa_tiles *tl, const fa_i
         else
             rows_pv(A, S, bk, bq, v + j0 * a->v_rs, a->v_rs, dv, nb, b.j_hi - j0);
     }
-    write_rows(a, it, A, dv, 1, m, l);
+    write_rows(a, it, A, dv, 1, m, l, careful);
 }
 
 /* ---------------------------------------------------------------------------

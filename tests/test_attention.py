@@ -353,6 +353,31 @@ def test_underflowed_weights_keep_nonfinite_values(isa, rng, dtype, nq, threads,
     assert_close(out[..., [0, 3, 4, 5]], np.repeat(v[:, None, big][..., [0, 3, 4, 5]], nq, axis=1), dtype)
 
 
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("nq,threads", [(1, 1), (1, 2), (5, 2), (40, 1), (40, 2), (300, 2)])
+@pytest.mark.parametrize("kind", ["plain", "causal", "bool", "rising"])
+def test_values_near_the_dtype_limit(isa, rng, dtype, nq, threads, kind):
+    """Values up to half the dtype's largest number, over 3000 keys of nearly
+    equal weight: the output, a weighted mean of them, is finite, but their
+    weighted sum is not.  The fast kernels' unnormalised accumulators overflow,
+    and the careful redo keeps the running mean instead.  Row kernel (1 and 5
+    rows), tiled kernel, split keys, whose partial means are merged (1 and 5
+    rows on 2 threads); "rising": the later keys score 6 higher, so the
+    split-key parts have different maxima."""
+    nk, big = 3000, np.finfo(dtype).max / 2
+    q, k = rand(rng, (2, nq, 16), dtype) * 0.1, rand(rng, (2, nk, 16), dtype)
+    if kind == "rising":
+        q[..., 0] = 1
+        k[:, nk // 2:, 0] += 6
+    v = big * rng.uniform(0.5, 1, (2, nk, 8)).astype(dtype)
+    v[..., ::2] *= -1
+    kw = {"causal": True} if kind == "causal" else {}
+    if kind == "bool":
+        kw["mask"] = rng.random((nq, nk)) < 0.9
+    out, _ = check(q, k, v, dtype, num_threads=threads, **kw)
+    assert np.isfinite(out).all()
+
+
 def test_reference_hidden_nonfinite_values():
     """The reference's rule, against a plain loop over the visible keys."""
     rng = np.random.default_rng(5)
@@ -426,9 +451,8 @@ def test_fused_exp_values_near_overflow(isa, rng, dtype, threads):
     """Against a reference max about 7 below the true one, probabilities up to
     e^8 times values near the dtype's limit overflow the accumulator: such a
     row comes out non-finite from the fast pass and is computed again
-    carefully, so the result is the finite weighted mean of the values.
-    (Values that overflow the sum against the true max, within a factor n_k of
-    the limit, give inf, as they always have.)"""
+    carefully, so the result is the finite weighted mean of the values (see
+    also test_values_near_the_dtype_limit)."""
     nq, nk = 64, 1024
     scores = np.zeros(nk)
     scores[600:] = 7                          # later tiles, 7 (+-1) above the first keys' max
