@@ -266,7 +266,7 @@ def _set_tiles(int64_t bq=0, int64_t bk=0):
 
 def _set_rows_max(int64_t n=0):
     """Force the largest number of query rows that takes the row kernel (at most
-    16; 0: the SIMD path's default).  Tuning and tests only; not thread-safe."""
+    24; 0: the SIMD path's default).  Tuning and tests only; not thread-safe."""
     fa_set_rows_max(n)
 
 

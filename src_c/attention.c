@@ -177,6 +177,17 @@ void fa_set_rows_max(int64_t n)
     forced_rows_max = n <= 0 ? 0 : n < FA_ROWS_CAP ? n : FA_ROWS_CAP;
 }
 
+/* Bytes of K and V that a call reads (broadcast leading dims counted once). */
+static int64_t kv_bytes(const fa_attention_args *a)
+{
+    int64_t nk_rows = a->nk, nv_rows = a->nk;
+    for (int d = 0; d < a->n_lead; d++) {
+        if (a->k_lead[d] != 0) nk_rows *= a->lead_shape[d];
+        if (a->v_lead[d] != 0) nv_rows *= a->lead_shape[d];
+    }
+    return (nk_rows * a->dk + nv_rows * a->dv) * (a->dtype == FA_F32 ? 4 : 8);
+}
+
 /* Query rows per item: 128, halved down to 32 while the packed queries Qt
  * (dk, bq) would exceed 32 KiB (so they stay in L1 beside the key tile;
  * measured 4-8 % faster at d = 128, 256 and for float64) and while that leaves
@@ -341,7 +352,9 @@ static int run(const fa_attention_args *a, int weights)
     if (n_lead_total == 0 || a->nq == 0 || (weights && a->nk == 0)) return FA_OK;
 
     const fa_isa_table *isa = fa_isa_current();
-    const int64_t rows_max = forced_rows_max ? forced_rows_max : isa->rows_max;
+    const int64_t rows_max = forced_rows_max                           ? forced_rows_max
+                             : kv_bytes(a) > FA_KV_MEM_BYTES ? isa->rows_max_mem[a->dtype]
+                                                               : isa->rows_max;
     const int rows_kernel = !weights && a->nq <= rows_max;
     const fa_attn_item_fn item_fn = weights       ? isa->weights_item[a->dtype]
                                     : rows_kernel ? isa->attn_item_rows[a->dtype]

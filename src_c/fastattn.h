@@ -124,7 +124,7 @@ int fa_isa_available(const char *name);
 /* Force the tile sizes of the tiled kernel (query rows, key rows per tile);
  * 0 restores the defaults.  Not thread-safe: for tuning and tests only. */
 void fa_set_tiles(int64_t bq, int64_t bk);
-/* Force the largest n_q that takes the row kernel (at most 16); 0 restores the
+/* Force the largest n_q that takes the row kernel (at most 24); 0 restores the
  * ISA's default.  Not thread-safe: for tuning and tests only. */
 void fa_set_rows_max(int64_t n);
 

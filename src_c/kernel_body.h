@@ -1020,7 +1020,8 @@ void FN(fa_attn_merge)(const fa_attention_args *a, const fa_item *it, const void
 
 /* ---------------------------------------------------------------------------
  * Few query rows (decode, speculative verification): bq <= rows_max rows
- * (dispatch.c: 12 with AVX-512, 10 otherwise) against a long key range.
+ * (dispatch.c: 12 with AVX-512, or 24 (float64: 20) when K and V come from
+ * memory; 10 otherwise) against a long key range.
  * Per key tile: scores by dot products along dk (register tiles of up to 4
  * rows x 4 keys: a K vector loaded once serves the rows), the online softmax
  * vectorised along the keys, then A += P . V by register tiles of up to 4 rows

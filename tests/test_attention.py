@@ -878,19 +878,52 @@ def rows_max():
 
 
 @pytest.mark.parametrize("dtype", [F32, F64])
-@pytest.mark.parametrize("nq", range(1, 17))
+@pytest.mark.parametrize("nq", range(1, 25))
 @pytest.mark.parametrize("dk, dv", [(128, 128), (64, 48), (72, 40), (16, 112), (7, 3), (100, 136), (256, 8)])
 def test_row_kernel_register_tiles(isa, rng, rows_max, dtype, nq, dk, dv):
-    """The row kernel (forced up to 16 rows, its cap) and its register tiles:
+    """The row kernel (forced up to 24 rows, its cap) and its register tiles:
     rows in groups of 4 (scores with AVX-512, and P.V) or 2 (scores otherwise)
-    with every remainder and several groups (nq 1..16), P.V tiles of 8, 5, 4 or 2 vectors with
+    with every remainder and several groups (nq 1..24), P.V tiles of 8, 5, 4 or 2 vectors with
     every narrower last tile (dv / lanes = 0..17, for 2, 4, 8 and 16 lanes) and the
     scalar columns after them, dot products with and without a dk tail, and a
     key count that leaves a tail after the 4-key blocks (303)."""
-    rows_max(16)
+    rows_max(24)
     q, k, v = rand(rng, (2, nq, dk), dtype), rand(rng, (2, 303, dk), dtype), rand(rng, (2, 303, dv), dtype)
     check(q, k, v, num_threads=1)
     check(q, k, v, causal=True, num_threads=1)
+
+
+# The most query rows that take the row kernel, by SIMD path: K and V within
+# 48 MiB (float32, float64), and beyond (dispatch.c: rows_max, rows_max_mem).
+ROWS_MAX = {"avx512": ((12, 12), (24, 20))}
+ROWS_MAX_OTHER = ((10, 10), (10, 10))
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("kv_mib", [1, 40, 50])
+def test_row_kernel_choice_by_kv_size(isa, rng, rows_max, dtype, kv_mib):
+    """Which kernel takes 9 to 24 query rows depends on the SIMD path and on
+    whether K and V exceed 48 MiB (then they come from memory, where the row
+    kernel keeps ahead for more rows): the output is bitwise that of the kernel
+    forced by rows_max, and both agree with the reference.  GQA: K and V heads
+    shared by two query heads count once (40 MiB, not 80)."""
+    h_kv, d = 2, 64
+    nk = (kv_mib << 20) // (2 * h_kv * d * np.dtype(dtype).itemsize)
+    k, v = rand(rng, (h_kv, nk, d), dtype), rand(rng, (h_kv, nk, d), dtype)
+    big = kv_mib > 48
+    limit = ROWS_MAX.get(isa, ROWS_MAX_OTHER)[big][dtype == F64]
+    for nq in (9, 11, 13, 20, 21, 24):
+        q = rand(rng, (2 * h_kv, nq, d), dtype)
+        out = fastattn.attention(q, k, v, enable_gqa=True, num_threads=2)
+        rows_max(24)
+        by_rows = fastattn.attention(q, k, v, enable_gqa=True, num_threads=2)
+        rows_max(1)
+        tiled = fastattn.attention(q, k, v, enable_gqa=True, num_threads=2)
+        rows_max(0)
+        assert not np.array_equal(by_rows, tiled)    # the two kernels can be told apart
+        np.testing.assert_array_equal(out, by_rows if nq <= limit else tiled, err_msg=f"{nq} rows")
+        if nq in (13, 24):
+            check(q, k, v, dtype, enable_gqa=True, num_threads=2)
 
 
 @pytest.mark.parametrize("threads", [2, 3])
