@@ -893,6 +893,19 @@ def test_row_kernel_register_tiles(isa, rng, rows_max, dtype, nq, dk, dv):
     check(q, k, v, causal=True, num_threads=1)
 
 
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("nq", [13, 17, 24])
+def test_row_kernel_many_rows_split_keys(isa, rng, rows_max, dtype, nq):
+    """13 to 24 rows in the row kernel (the AVX-512 limit from memory) with one
+    head on 2 threads: the keys are split and the parts' means merged.  Plain,
+    causal and a bool mask."""
+    rows_max(24)
+    q, k, v = rand(rng, (nq, 64), dtype), rand(rng, (3000, 64), dtype), rand(rng, (3000, 48), dtype)
+    check(q, k, v, num_threads=2)
+    check(q, k, v, causal=True, num_threads=2)
+    check(q, k, v, mask=rng.random((nq, 3000)) < 0.5, num_threads=2)
+
+
 # The most query rows that take the row kernel, by SIMD path: K and V within
 # 48 MiB (float32, float64), and beyond (dispatch.c: rows_max, rows_max_mem).
 ROWS_MAX = {"avx512": ((12, 12), (24, 20))}
