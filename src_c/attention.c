@@ -352,9 +352,10 @@ static int run(const fa_attention_args *a, int weights)
     if (n_lead_total == 0 || a->nq == 0 || (weights && a->nk == 0)) return FA_OK;
 
     const fa_isa_table *isa = fa_isa_current();
-    const int64_t rows_max = forced_rows_max                           ? forced_rows_max
-                             : kv_bytes(a) > FA_KV_MEM_BYTES ? isa->rows_max_mem[a->dtype]
-                                                               : isa->rows_max;
+    const int big = kv_bytes(a) > FA_KV_MEM_BYTES || a->dk >= FA_ROWS_DK_BIG;
+    const int64_t rows_max = forced_rows_max ? forced_rows_max
+                             : big           ? isa->rows_max_big[a->dtype]
+                                             : isa->rows_max;
     const int rows_kernel = !weights && a->nq <= rows_max;
     const fa_attn_item_fn item_fn = weights       ? isa->weights_item[a->dtype]
                                     : rows_kernel ? isa->attn_item_rows[a->dtype]

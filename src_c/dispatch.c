@@ -12,12 +12,12 @@
 
 #include "internal.h"
 
-#define FA_TABLE(isa, rows_max, mem_f32, mem_f64)                                  \
+#define FA_TABLE(isa, rows_max, big_f32, big_f64)                                  \
     {                                                                              \
         #isa,                                                                      \
         {0, 0}, /* lanes are filled in from the kernel files at first use */      \
         rows_max,                                                                  \
-        {mem_f32, mem_f64},                                                        \
+        {big_f32, big_f64},                                                        \
         {fa_attn_item_f32_##isa, fa_attn_item_f64_##isa},                          \
         {fa_attn_item_rows_f32_##isa, fa_attn_item_rows_f64_##isa},                \
         {fa_attn_merge_f32_##isa, fa_attn_merge_f64_##isa},                        \
@@ -36,7 +36,7 @@
  * (1.17 1.13 1.05 0.99 1.09), in cache 1.25 1.13 1.05 1.02 0.94 (1.12 0.99 0.92
  * 0.88 0.96); portable from memory 1.30 1.19 1.08 1.01, in cache 1.27 1.16 1.04
  * 0.98.
- * rows_max_mem: the same when the call's K and V exceed FA_KV_MEM_BYTES (48 MiB,
+ * rows_max_big: the same when the call's K and V exceed FA_KV_MEM_BYTES (48 MiB,
  * more than this machine's 32 MiB L3), so that both kernels stream them from
  * memory, where the row kernel's software prefetch keeps ahead of the tiled
  * kernel for more rows.  Tiled / row-kernel time at 13, 16, 20, 24, 32 rows,
@@ -44,7 +44,16 @@
  * 1.24-1.33, 1.02 (32 MiB: 0.89-1.30, noisy; 16-24 MiB, in cache: 0.87-0.99 at
  * 13 to 16 rows); float64 64-128 MiB 1.11-1.28, 1.11-1.19, 1.07-1.24,
  * 0.94-1.09.  AVX2: the tiled kernel was as fast or faster from 11 rows on, in
- * cache or not (0.65-1.02), so it keeps 10. */
+ * cache or not (0.65-1.02), so it keeps 10.
+ * rows_max_big also holds when dk >= FA_ROWS_DK_BIG (128), K and V in cache:
+ * the row kernel's horizontal sums cost the same per score at any dk, so long
+ * dot products hide them.  AVX-512, 2 threads, K and V 8-16 MiB, tiled /
+ * row-kernel time at 13, 14, 15, 16, 17, 20, 24 rows: float32 d128 1.09-1.20,
+ * 0.99-1.10, 0.97, 1.00-1.08, 1.40, 1.21-1.26, 1.07-1.14 (one thread: 1.07,
+ * 0.99, 0.90, 0.95, 1.39, 1.28, 1.07); d256 1.20 at 13, 1.02 at 16, 1.31 at 20;
+ * float64 d128 1.07, 0.98, 0.89, 0.92, 1.19, 1.12, 0.95.  Below d128 the tiled
+ * kernel wins from 13 rows on (d64 and d96: 0.75-0.92 at 13-16 and 24 rows,
+ * d112 0.84-1.06). */
 static fa_isa_table table_generic = FA_TABLE(generic, 10, 10, 10);
 #ifdef FA_HAVE_AVX2_BUILD
 static fa_isa_table table_avx2 = FA_TABLE(avx2, 10, 10, 10);

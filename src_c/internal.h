@@ -64,8 +64,9 @@ typedef struct {
     const char *name;
     int lanes[2];                     /* SIMD lanes for FA_F32, FA_F64 */
     int rows_max;                     /* n_q up to this takes the row kernel */
-    int rows_max_mem[2];              /* ... when K and V come from memory
-                                       * (FA_KV_MEM_BYTES), for FA_F32, FA_F64 */
+    int rows_max_big[2];              /* ... when K and V come from memory
+                                       * (FA_KV_MEM_BYTES) or dk >= FA_ROWS_DK_BIG,
+                                       * for FA_F32, FA_F64 */
     fa_attn_item_fn attn_item[2];      /* tiled: many query rows */
     fa_attn_item_fn attn_item_rows[2]; /* few query rows (decode) */
     fa_attn_merge_fn attn_merge[2];
@@ -85,11 +86,13 @@ static inline int64_t fa_attn_scratch_elems(const fa_tiles *t, int64_t dk, int64
     return t->bqp * (dk + t->bk + dv + 2 + (t->bk + 31) / 32);
 }
 /* The row kernel takes n_q <= rows_max query rows (the ISA table's rows_max,
- * or rows_max_mem when the call's K and V exceed FA_KV_MEM_BYTES, or the value
+ * or rows_max_big when the call's K and V exceed FA_KV_MEM_BYTES or dk is at
+ * least FA_ROWS_DK_BIG, or the value
  * forced by fa_set_rows_max, at most FA_ROWS_CAP); dk is padded to a whole
  * number of vectors (at most FA_LANES_MAX lanes: float32 in 64 bytes). */
 #define FA_ROWS_CAP 24
 #define FA_KV_MEM_BYTES ((int64_t)48 << 20)
+#define FA_ROWS_DK_BIG 128
 #define FA_LANES_MAX 16
 static inline int64_t fa_rows_scratch_elems(const fa_tiles *t, int64_t dk, int64_t dv)
 {

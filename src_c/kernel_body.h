@@ -1021,12 +1021,12 @@ void FN(fa_attn_merge)(const fa_attention_args *a, const fa_item *it, const void
 /* ---------------------------------------------------------------------------
  * Few query rows (decode, speculative verification): bq <= rows_max rows
  * (dispatch.c: 12 with AVX-512, or 24 (float64: 20) when K and V come from
- * memory; 10 otherwise) against a long key range.
+ * memory or dk >= 128; 10 otherwise) against a long key range.
  * Per key tile: scores by dot products along dk (register tiles of up to 4
  * rows x 4 keys: a K vector loaded once serves the rows), the online softmax
- * vectorised along the keys, then A += P . V by register tiles of up to 4 rows
- * x 4 vectors (a V vector loaded once serves the rows).  Memory-bound by
- * design: K and V stream through once.  Scratch, in elements of T:
+ * vectorised along the keys, then A += P . V by register tiles of R rows x
+ * PV_ACC / R vectors (AVX-512: 8 x 3, 4 x 6; AVX2: 4 x 2; a V vector loaded
+ * once serves the rows).  Memory-bound by design: K and V stream through once.  Scratch, in elements of T:
  *   Qs   (bq, dkp)  the rows, times scale, zero-padded to dkp (multiple of L)
  *   S    (bq, bk)   scores of one key tile; then probabilities
  *   A    (bq, dv)   output accumulator: unnormalised; careful: the mean
@@ -1097,12 +1097,17 @@ INLINE void hsum4(vec a0, vec a1, vec a2, vec a3, T *restrict s)
  * and V in L3, ns per (row, key), row by row -> tiles: AVX-512 float32 8.0 -> 3.9, float64 17.9 -> 7.7;
  * AVX2 float32 9.9 -> 6.7, float64 21.6 -> 13.7; 2 and 4 rows (AVX-512
  * float32) 12.2 -> 10.0 and 9.8 -> 6.6.  At H32 Nk4096 from memory,
- * 8 rows went from 46-62 % to 72-78 % of a plain streaming read. */
-#define RP_MAX 4
+ * 8 rows went from 46-62 % to 72-78 % of a plain streaming read.
+ * AVX-512 P.V: 8 rows x 3 vectors (24 accumulators), in place of 4 x 4:
+ * 1.02-1.11x at 8-24 rows (d128 float32 and float64, K and V in L3 or from
+ * memory); splitting the key tile so that V stays in L1 across the row groups
+ * measured no better (the V loads are not what limits it). */
 #if FA_VB == 64
+#define RP_MAX 8
 #define RS_MAX 4
-#define PV_ACC 16
+#define PV_ACC 24
 #else
+#define RP_MAX 4
 #define RS_MAX 2
 #define PV_ACC 8
 #endif
@@ -1215,19 +1220,19 @@ INLINE void rows_pv_tile(const int R, const int NV, T *restrict A, int64_t lda, 
                          int64_t pfn)
 {
     vec acc[RP_MAX][8];
-    UNROLL(4) for (int i = 0; i < R; i++)
+    UNROLL(8) for (int i = 0; i < R; i++)
         UNROLL(8) for (int x = 0; x < NV; x++) acc[i][x] = vload(A + i * lda + x * L);
     for (int64_t j = 0; j < nb; j++) {
         const T *vj = V + j * vrs;
         if (j + pf < npf) prefetch_row(vj + pf * vrs, pfn);
         vec vv[8];
         UNROLL(8) for (int x = 0; x < NV; x++) vv[x] = vload(vj + x * L);
-        UNROLL(4) for (int i = 0; i < R; i++) {
+        UNROLL(8) for (int i = 0; i < R; i++) {
             const T p = S[i * ls + j]; /* scalar x vector: a broadcast (vset1 would add 0 first) */
             UNROLL(8) for (int x = 0; x < NV; x++) acc[i][x] += p * vv[x];
         }
     }
-    UNROLL(4) for (int i = 0; i < R; i++)
+    UNROLL(8) for (int i = 0; i < R; i++)
         UNROLL(8) for (int x = 0; x < NV; x++) vstore(A + i * lda + x * L, acc[i][x]);
 }
 
@@ -1274,6 +1279,14 @@ static void rows_pv(T *restrict A, const T *restrict S, int64_t ls, int64_t bq, 
         rows_pv_r(RP_MAX, A + i * dv, dv, S + i * ls, ls, V, vrs, dv, nb, i == 0 ? npf : 0);
     const int64_t npf_rest = i == 0 ? npf : 0;
     switch (bq - i) {
+#if RP_MAX == 8
+    case 7: rows_pv_r(7, A + i * dv, dv, S + i * ls, ls, V, vrs, dv, nb, npf_rest); break;
+    case 6: rows_pv_r(6, A + i * dv, dv, S + i * ls, ls, V, vrs, dv, nb, npf_rest); break;
+    case 5: rows_pv_r(5, A + i * dv, dv, S + i * ls, ls, V, vrs, dv, nb, npf_rest); break;
+    case 4: rows_pv_r(4, A + i * dv, dv, S + i * ls, ls, V, vrs, dv, nb, npf_rest); break;
+#elif RP_MAX != 4
+#error "rows_pv: a case for each remainder below RP_MAX"
+#endif
     case 3: rows_pv_r(3, A + i * dv, dv, S + i * ls, ls, V, vrs, dv, nb, npf_rest); break;
     case 2: rows_pv_r(2, A + i * dv, dv, S + i * ls, ls, V, vrs, dv, nb, npf_rest); break;
     case 1: rows_pv_r(1, A + i * dv, dv, S + i * ls, ls, V, vrs, dv, nb, npf_rest); break;

@@ -882,9 +882,10 @@ def rows_max():
 @pytest.mark.parametrize("dk, dv", [(128, 128), (64, 48), (72, 40), (16, 112), (7, 3), (100, 136), (256, 8)])
 def test_row_kernel_register_tiles(isa, rng, rows_max, dtype, nq, dk, dv):
     """The row kernel (forced up to 24 rows, its cap) and its register tiles:
-    rows in groups of 4 (scores with AVX-512, and P.V) or 2 (scores otherwise)
-    with every remainder and several groups (nq 1..24), P.V tiles of 8, 5, 4 or 2 vectors with
-    every narrower last tile (dv / lanes = 0..17, for 2, 4, 8 and 16 lanes) and the
+    rows in groups of 4 (scores with AVX-512) or 2 (scores otherwise) and of
+    8 (P.V with AVX-512) or 4 (P.V otherwise), with every remainder and several
+    groups (nq 1..24), P.V tiles of 8, 6, 5, 4, 3 or 2 vectors with every
+    narrower last tile (dv / lanes = 0..17, for 2, 4, 8 and 16 lanes) and the
     scalar columns after them, dot products with and without a dk tail, and a
     key count that leaves a tail after the 4-key blocks (303)."""
     rows_max(24)
@@ -907,23 +908,25 @@ def test_row_kernel_many_rows_split_keys(isa, rng, rows_max, dtype, nq):
 
 
 # The most query rows that take the row kernel, by SIMD path: K and V within
-# 48 MiB (float32, float64), and beyond (dispatch.c: rows_max, rows_max_mem).
+# 48 MiB and dk < 128 (float32, float64), and K and V beyond 48 MiB or dk >= 128
+# (dispatch.c: rows_max, rows_max_big).
 ROWS_MAX = {"avx512": ((12, 12), (24, 20))}
 ROWS_MAX_OTHER = ((10, 10), (10, 10))
 
 
 @pytest.mark.parametrize("dtype", [F32, F64])
-@pytest.mark.parametrize("kv_mib", [1, 40, 50])
-def test_row_kernel_choice_by_kv_size(isa, rng, rows_max, dtype, kv_mib):
-    """Which kernel takes 9 to 24 query rows depends on the SIMD path and on
+@pytest.mark.parametrize("kv_mib, d", [(1, 64), (40, 64), (50, 64), (1, 127), (1, 128), (1, 200)])
+def test_row_kernel_choice(isa, rng, rows_max, dtype, kv_mib, d):
+    """Which kernel takes 9 to 24 query rows depends on the SIMD path, on
     whether K and V exceed 48 MiB (then they come from memory, where the row
-    kernel keeps ahead for more rows): the output is bitwise that of the kernel
-    forced by rows_max, and both agree with the reference.  GQA: K and V heads
-    shared by two query heads count once (40 MiB, not 80)."""
-    h_kv, d = 2, 64
+    kernel keeps ahead for more rows) and on the head dim (from 128 on, long dot
+    products hide the row kernel's horizontal sums): the output is bitwise that
+    of the kernel forced by rows_max, and both agree with the reference.  GQA: K
+    and V heads shared by two query heads count once (40 MiB, not 80)."""
+    h_kv = 2
     nk = (kv_mib << 20) // (2 * h_kv * d * np.dtype(dtype).itemsize)
     k, v = rand(rng, (h_kv, nk, d), dtype), rand(rng, (h_kv, nk, d), dtype)
-    big = kv_mib > 48
+    big = kv_mib > 48 or d >= 128
     limit = ROWS_MAX.get(isa, ROWS_MAX_OTHER)[big][dtype == F64]
     for nq in (9, 11, 13, 20, 21, 24):
         q = rand(rng, (2 * h_kv, nq, d), dtype)
