@@ -47,7 +47,9 @@
  * cache or not (0.65-1.02), so it keeps 10.
  * rows_max_big also holds when dk >= FA_ROWS_DK_BIG (128), K and V in cache:
  * the row kernel's horizontal sums cost the same per score at any dk, so long
- * dot products hide them.  AVX-512, 2 threads, K and V 8-16 MiB, tiled /
+ * dot products hide them; and its P.V tile of 8 rows x 3 vectors (kernel_body.h;
+ * the 0.87-0.99 in cache above was measured with 4 x 4) lifted it past the
+ * tiled kernel there.  AVX-512, 2 threads, K and V 8-16 MiB, tiled /
  * row-kernel time at 13, 14, 15, 16, 17, 20, 24 rows: float32 d128 1.09-1.20,
  * 0.99-1.10, 0.97, 1.00-1.08, 1.40, 1.21-1.26, 1.07-1.14 (one thread: 1.07,
  * 0.99, 0.90, 0.95, 1.39, 1.28, 1.07); d256 1.20 at 13, 1.02 at 16, 1.31 at 20;
