@@ -1026,7 +1026,8 @@ void FN(fa_attn_merge)(const fa_attention_args *a, const fa_item *it, const void
  * rows x 4 keys: a K vector loaded once serves the rows), the online softmax
  * vectorised along the keys, then A += P . V by register tiles of R rows x
  * PV_ACC / R vectors (AVX-512: 8 x 3, 4 x 6; AVX2: 4 x 2; a V vector loaded
- * once serves the rows).  Memory-bound by design: K and V stream through once.  Scratch, in elements of T:
+ * once serves the rows).  Memory-bound by design: K and V stream through once.
+ * Scratch, in elements of T:
  *   Qs   (bq, dkp)  the rows, times scale, zero-padded to dkp (multiple of L)
  *   S    (bq, bk)   scores of one key tile; then probabilities
  *   A    (bq, dv)   output accumulator: unnormalised; careful: the mean
@@ -1099,8 +1100,8 @@ INLINE void hsum4(vec a0, vec a1, vec a2, vec a3, T *restrict s)
  * float32) 12.2 -> 10.0 and 9.8 -> 6.6.  At H32 Nk4096 from memory,
  * 8 rows went from 46-62 % to 72-78 % of a plain streaming read.
  * AVX-512 P.V: 8 rows x 3 vectors (24 accumulators), in place of 4 x 4:
- * 1.02-1.11x at 8-24 rows (d128 float32 and float64, K and V in L3 or from
- * memory); splitting the key tile so that V stays in L1 across the row groups
+ * 1.02-1.11x at 8-24 rows (d128 float32 and float64, K and V in L3; from
+ * memory within the noise, 0.95-1.07x); splitting the key tile so that V stays in L1 across the row groups
  * measured no better (the V loads are not what limits it). */
 #if FA_VB == 64
 #define RP_MAX 8
