@@ -73,6 +73,7 @@ cdef extern from "fastattn.h" nogil:
     int fa_isa_available(const char *name)
     void fa_set_tiles(int64_t bq, int64_t bk)
     void fa_set_rows_max(int64_t n)
+    void fa_set_fused(int mode)
     int fa_openmp_enabled()
     int fa_max_threads()
     uint64_t fa_stream_read(const void *x, int64_t n, int num_threads)
@@ -268,6 +269,12 @@ def _set_rows_max(int64_t n=0):
     """Force the largest number of query rows that takes the row kernel (at most
     24; 0: the SIMD path's default).  Tuning and tests only; not thread-safe."""
     fa_set_rows_max(n)
+
+
+def _set_fused(int mode=-1):
+    """Force the tiled kernel's fused exp on (1) or off (0); -1: the SIMD path's
+    default.  Tuning and tests only; not thread-safe."""
+    fa_set_fused(mode)
 
 
 def isa_name():

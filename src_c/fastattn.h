@@ -127,6 +127,9 @@ void fa_set_tiles(int64_t bq, int64_t bk);
 /* Force the largest n_q that takes the row kernel (at most 24); 0 restores the
  * ISA's default.  Not thread-safe: for tuning and tests only. */
 void fa_set_rows_max(int64_t n);
+/* Force the tiled kernel's fused exp on (1) or off (0); -1 restores the ISA's
+ * default.  Not thread-safe: for tuning and tests only. */
+void fa_set_fused(int mode);
 
 /* OpenMP: 1 when built with it; the default team size (1 without OpenMP);
  * the team size of the calling thread's last call; the path of the OpenMP

@@ -12,6 +12,8 @@ typedef struct {
     int64_t bq;   /* query rows per work item */
     int64_t bk;   /* key rows per tile */
     int64_t bqp;  /* bq rounded up to whole vectors of the kernel */
+    int64_t ld;   /* row stride of the tiled kernel's transposed tiles, >= bqp */
+    int fuse;     /* the tiled kernel takes the fused exp (kernel_body.h, FUSE_LAG) */
 } fa_tiles;
 
 /* One work item: query rows [i0, i0 + bq) of one leading index, against the
@@ -67,6 +69,8 @@ typedef struct {
     int rows_max_big[2];              /* ... when K and V come from memory
                                        * (FA_KV_MEM_BYTES) or dk >= FA_ROWS_DK_BIG,
                                        * for FA_F32, FA_F64 */
+    int fuse;                         /* the tiled kernel's fused exp: 1 where it
+                                       * measured faster (see dispatch.c) */
     fa_attn_item_fn attn_item[2];      /* tiled: many query rows */
     fa_attn_item_fn attn_item_rows[2]; /* few query rows (decode) */
     fa_attn_merge_fn attn_merge[2];
@@ -83,7 +87,7 @@ const fa_isa_table *fa_isa_current(void);
 #define FA_SOFTMAX_CHUNK 1024
 static inline int64_t fa_attn_scratch_elems(const fa_tiles *t, int64_t dk, int64_t dv)
 {
-    return t->bqp * (dk + t->bk + dv + 2 + (t->bk + 31) / 32);
+    return t->ld * (dk + t->bk + dv + 2 + (t->bk + 31) / 32);
 }
 /* The row kernel takes n_q <= rows_max query rows (the ISA table's rows_max,
  * or rows_max_big when the call's K and V exceed FA_KV_MEM_BYTES or dk is at

@@ -148,16 +148,25 @@ INLINE vec horner(vec r, const T *c, const int n)
     return p;
 }
 
-/* The shared core: for |xc| in range, n = round(xc / ln 2) (as an integer in
- * n_out and as a float in nf_out) and p = exp(xc - n ln 2), so that
- * exp(xc) = p * 2^n. */
-INLINE vec exp_reduce(vec xc, ivec *n_out, vec *nf_out)
-{
+/* The shared core: for |xc| in range, n = round(xc / ln 2) (as a float in
+ * nf_out) and p = exp(xc - n ln 2), so that exp(xc) = p * 2^n.  t_out holds
+ * the bits of t = xc / ln 2 + EXP_MAGIC + bias, whose low bits are n + bias:
+ * with bias = EXP_BIAS, t_out << EXP_MANT is the bit pattern of 2^n itself
+ * (for a normal 2^n; the magic's own bits shift out), which saves the integer
+ * add and subtract of the exponent per vector (measured 3-4 % faster at B1 H8
+ * N2048 d64 float32 on AVX2). */
 #if FA_IS_F64
-    const T magic = 6755399441055744.0; /* 1.5 * 2^52: adding it rounds to an integer */
+#define EXP_MAGIC 6755399441055744.0 /* 1.5 * 2^52: adding it rounds to an integer */
+#else
+#define EXP_MAGIC 12582912.0f /* 1.5 * 2^23 */
+#endif
+INLINE vec exp_reduce(vec xc, const T bias, ivec *t_out, vec *nf_out)
+{
+    const T magic = EXP_MAGIC + bias;
+#if FA_IS_F64
     const vec t = xc * 1.4426950408889634 + magic;
     const vec nf = t - magic;
-    *n_out = (ivec)t - (ivec)vset1(magic);
+    *t_out = (ivec)t;
     *nf_out = nf;
     vec r = xc - nf * 6.93147180369123816490e-01;
     r = r - nf * 1.90821492927058770002e-10;
@@ -174,10 +183,9 @@ INLINE vec exp_reduce(vec xc, ivec *n_out, vec *nf_out)
     return horner(r, g, 11) * r + 1.0;
 #endif
 #else
-    const T magic = 12582912.0f; /* 1.5 * 2^23 */
     const vec t = xc * 1.44269504088896341f + magic;
     const vec nf = t - magic;
-    *n_out = (ivec)t - (ivec)vset1(magic);
+    *t_out = (ivec)t;
     *nf_out = nf;
     vec r = xc - nf * 0.693359375f;
     r = r + nf * 2.12194440e-4f;
@@ -216,9 +224,10 @@ INLINE vec vexp(vec x)
     const ivec zero = x < EXP_ZERO;
     vec xc = vsel(zero, vset1(0), x);
     xc = vsel(xc > EXP_HUGE, vset1(EXP_HUGE), xc);
-    ivec n;
+    ivec tb;
     vec nf;
-    const vec p = exp_reduce(xc, &n, &nf);
+    const vec p = exp_reduce(xc, 0, &tb, &nf);
+    const ivec n = tb - (ivec)vset1(EXP_MAGIC);
     const ivec n1 = (ivec)((uvec)(n + 8 * EXP_BIAS) >> 1) - 4 * EXP_BIAS;
     const ivec n2 = n - n1;
     const vec y = p * (vec)((n1 + EXP_BIAS) << EXP_MANT) * (vec)((n2 + EXP_BIAS) << EXP_MANT);
@@ -239,9 +248,9 @@ INLINE vec vexp_neg(vec x)
      * operations.  With EXP_HORNER, the kernels' exp loop (load, subtract the
      * max, exp, store, sum) took 7.1 cycles a vector here, against 10.0 before.
      * The lanes it zeroes may compute garbage (inf - inf), at no cost. */
-    ivec n; /* unused: the compiler drops it */
+    ivec tb; /* unused: the compiler drops it */
     vec nf;
-    const vec p = exp_reduce(x, &n, &nf);
+    const vec p = exp_reduce(x, 0, &tb, &nf);
 #if FA_IS_F64
     const __mmask8 keep = _mm512_cmp_pd_mask((__m512d)x, _mm512_set1_pd(EXP_TINY), _CMP_NLT_UQ);
     return (vec)_mm512_maskz_scalef_pd(keep, (__m512d)p, (__m512d)nf);
@@ -250,11 +259,14 @@ INLINE vec vexp_neg(vec x)
     return (vec)_mm512_maskz_scalef_ps(keep, (__m512)p, (__m512)nf);
 #endif
 #else
+    /* Lanes below EXP_TINY compute exp(0) and are zeroed at the end: clamping
+     * them to EXP_TINY instead would give subnormal products, which cost the
+     * exp loop 2x on Zen 3 where many scores are masked (-inf). */
     const ivec zero = x < EXP_TINY;
-    ivec n;
+    ivec tb;
     vec nf;
-    const vec p = exp_reduce(vsel(zero, vset1(0), x), &n, &nf);
-    const vec y = p * (vec)((n + EXP_BIAS) << EXP_MANT);
+    const vec p = exp_reduce(vsel(zero, vset1(0), x), EXP_BIAS, &tb, &nf);
+    const vec y = p * (vec)(tb << EXP_MANT);
     return (vec)((ivec)y & ~zero);
 #endif
 }
@@ -406,13 +418,15 @@ enum { RB = FA_VB == 64 ? FA_RB64 : 6 };
  * only where n_k |v| is within a factor e^24 of the dtype's limit; such a row
  * comes out non-finite and is redone carefully (redo_nonfinite_rows).
  * Measured 2-4 % faster at B1 H8 N2048 d64 (float32 and float64, one and two
- * threads; at d128 within the noise), against 42e4aba in one process. */
+ * threads; at d128 within the noise), against 42e4aba in one process, with
+ * AVX-512; with 16 registers it was slower, so only AVX-512 takes it
+ * (tl->fuse, from the ISA table in dispatch.c; the tests force it on and off). */
 #define FUSE_LAG 24
 typedef struct {
     T *m, *l;        /* (bqp) reference max and row sums of the item */
     T *Ot;           /* (dv, bqp) the output accumulator */
-    T *St;           /* (nb, bqp) the tile's first row */
-    int64_t bqp, dv;
+    T *St;           /* (nb, ld) the tile's first row */
+    int64_t ld, dv;  /* row stride of Ot and St; rows of Ot */
     int64_t regrows; /* rescaling calls of fuse_regrow in the item so far */
 } fuse_t;
 
@@ -438,8 +452,8 @@ static __attribute__((noinline)) void fuse_regrow(fuse_t *f, int64_t i, int64_t 
     f->regrows++;
     const vec alpha = vsel(grow, vexp_neg(mo - bm), vset1(1));
     vstore(f->l + i, vload(f->l + i) * alpha);
-    scale_rows(f->Ot + i, f->bqp, f->dv, alpha);
-    scale_rows(f->St + i, f->bqp, j, alpha);
+    scale_rows(f->Ot + i, f->ld, f->dv, alpha);
+    scale_rows(f->St + i, f->ld, j, alpha);
 }
 
 /* The fused exp of R rows of one query vector (columns [i, i + L)), rows
@@ -525,14 +539,14 @@ static void write_rows(const fa_attention_args *a, const fa_item *it, const T *a
 static void redo_nonfinite_rows(const fa_attention_args *a, const fa_tiles *tl, const fa_item *it,
                                 void *scratch);
 
-/* St rows [0, R) over all bqp query columns: two-vector groups, then one
- * vector when bqp is an odd number of vectors. */
+/* St rows [0, R) over the bqp query columns (row stride ld): two-vector
+ * groups, then one vector when bqp is an odd number of vectors. */
 INLINE void qk_rows(const int R, T *St, const T *restrict K, int64_t krs,
-                    const T *restrict Qt, int64_t bqp, int64_t dk, fuse_t *f, int64_t j)
+                    const T *restrict Qt, int64_t ld, int64_t bqp, int64_t dk, fuse_t *f, int64_t j)
 {
     int64_t i = 0;
-    for (; i + TW <= bqp; i += TW) qk_tile(R, 2, St + i, bqp, K, krs, Qt + i, dk, f, i, j);
-    if (i < bqp) qk_tile(R, 1, St + i, bqp, K, krs, Qt + i, dk, f, i, j);
+    for (; i + TW <= bqp; i += TW) qk_tile(R, 2, St + i, ld, K, krs, Qt + i, dk, f, i, j);
+    if (i < bqp) qk_tile(R, 1, St + i, ld, K, krs, Qt + i, dk, f, i, j);
 }
 
 /* Prefetch into L2 the rows [j, j + r) of what the item reads next (pf),
@@ -558,47 +572,48 @@ INLINE void tile_prefetch(const tile_pf *pf, int64_t j, int64_t r)
 }
 
 /* St (nb, bqp) = K[0..nb) . Qt;  K (nb, dk) row stride krs, Qt (dk, bqp);
- * or, with f (f->St == St), their probabilities (the fused exp).  Meanwhile
- * prefetches pf's rows (NULL: none). */
-static void qk_block(T *St, const T *restrict K, int64_t krs, const T *restrict Qt,
+ * St and Qt have row stride ld.  Or, with f (f->St == St), their
+ * probabilities (the fused exp).  Meanwhile prefetches pf's rows (NULL: none). */
+static void qk_block(T *St, const T *restrict K, int64_t krs, const T *restrict Qt, int64_t ld,
                      int64_t bqp, int64_t dk, int64_t nb, const tile_pf *pf, fuse_t *f)
 {
     int64_t j = 0;
     for (; j + RB <= nb; j += RB) {
         if (pf) tile_prefetch(pf, j, RB);
-        qk_rows(RB, St + j * bqp, K + j * krs, krs, Qt, bqp, dk, f, j);
+        qk_rows(RB, St + j * ld, K + j * krs, krs, Qt, ld, bqp, dk, f, j);
     }
     if (pf) tile_prefetch(pf, j, INT64_MAX - j); /* the rest, also rows past nb */
-    for (; j + 4 <= nb; j += 4) qk_rows(4, St + j * bqp, K + j * krs, krs, Qt, bqp, dk, f, j);
-    for (; j < nb; j++) qk_rows(1, St + j * bqp, K + j * krs, krs, Qt, bqp, dk, f, j);
+    for (; j + 4 <= nb; j += 4) qk_rows(4, St + j * ld, K + j * krs, krs, Qt, ld, bqp, dk, f, j);
+    for (; j < nb; j++) qk_rows(1, St + j * ld, K + j * krs, krs, Qt, ld, bqp, dk, f, j);
 }
 
 /* Ot columns [i, i + NV*L) += Pt^T-contracted with V, over all dv rows of Ot. */
 INLINE void pv_cols(const int NV, T *restrict Ot, const T *restrict Pt, const T *restrict V,
-                    int64_t vrs, int64_t bqp, int64_t dv, int64_t nb)
+                    int64_t vrs, int64_t ld, int64_t dv, int64_t nb)
 {
     int64_t c = 0;
-    for (; c + RB <= dv; c += RB) pv_tile(RB, NV, Ot + c * bqp, bqp, Pt, V + c, vrs, nb);
-    for (; c + 4 <= dv; c += 4) pv_tile(4, NV, Ot + c * bqp, bqp, Pt, V + c, vrs, nb);
-    for (; c < dv; c++) pv_tile(1, NV, Ot + c * bqp, bqp, Pt, V + c, vrs, nb);
+    for (; c + RB <= dv; c += RB) pv_tile(RB, NV, Ot + c * ld, ld, Pt, V + c, vrs, nb);
+    for (; c + 4 <= dv; c += 4) pv_tile(4, NV, Ot + c * ld, ld, Pt, V + c, vrs, nb);
+    for (; c < dv; c++) pv_tile(1, NV, Ot + c * ld, ld, Pt, V + c, vrs, nb);
 }
 
-/* Ot (dv, bqp) += (Pt (nb, bqp))^T-contracted with V (nb, dv) row stride vrs. */
+/* Ot (dv, bqp) += (Pt (nb, bqp))^T-contracted with V (nb, dv) row stride vrs;
+ * Ot and Pt have row stride ld. */
 static void pv_block(T *restrict Ot, const T *restrict Pt, const T *restrict V, int64_t vrs,
-                     int64_t bqp, int64_t dv, int64_t nb)
+                     int64_t ld, int64_t bqp, int64_t dv, int64_t nb)
 {
     int64_t i = 0;
-    for (; i + TW <= bqp; i += TW) pv_cols(2, Ot + i, Pt + i, V, vrs, bqp, dv, nb);
-    if (i < bqp) pv_cols(1, Ot + i, Pt + i, V, vrs, bqp, dv, nb);
+    for (; i + TW <= bqp; i += TW) pv_cols(2, Ot + i, Pt + i, V, vrs, ld, dv, nb);
+    if (i < bqp) pv_cols(1, Ot + i, Pt + i, V, vrs, ld, dv, nb);
 }
 
 /* Bool mask of one tile as bit words: bit (j % 32) of W[j / 32][i] is
  * mask[i][j0 + j] != 0, for the real rows i < bq; padded rows are all ones.
  *   mk  (bq, nb) bytes, strides mrs, mcs (already at key j0)
- *   W   (ceil(nb / 32), bqp) words in IT lanes
+ *   W   (ceil(nb / 32), ld) words in IT lanes
  * Returns 0 when every entry of the tile is False, 2 when every one is True,
  * 1 otherwise. */
-static int mask_bits(IT *restrict W, int64_t bqp, const uint8_t *restrict mk, int64_t mrs,
+static int mask_bits(IT *restrict W, int64_t ld, const uint8_t *restrict mk, int64_t mrs,
                      int64_t mcs, int64_t bq, int64_t nb)
 {
     const int64_t nw = (nb + 31) / 32;
@@ -630,11 +645,11 @@ static int mask_bits(IT *restrict W, int64_t bqp, const uint8_t *restrict mk, in
             } else {
                 for (int64_t j = 0; j < len; j++) bits |= (uint32_t)(row[j * mcs] != 0) << j;
             }
-            W[w * bqp + i] = (IT)bits;
+            W[w * ld + i] = (IT)bits;
             any |= bits;
             all &= bits | ~full;
         }
-        for (int64_t i = bq; i < bqp; i++) W[w * bqp + i] = (IT)0xffffffffu;
+        for (int64_t i = bq; i < ld; i++) W[w * ld + i] = (IT)0xffffffffu;
     }
     return any == 0 ? 0 : (all == 0xffffffffu ? 2 : 1);
 }
@@ -667,10 +682,10 @@ static band_t item_band(const fa_attention_args *a, const fa_item *it)
 }
 
 /* Pack the item's queries, times scale, transposed and zero-padded:
- *   Qt (dk, bqp) <- q (bq, dk) row stride q_rs
+ *   Qt (dk, bqp) row stride ld <- q (bq, dk) row stride q_rs
  * L x L blocks in registers (bqp is a whole number of vectors; rows past bq
  * are zeros), then the columns past the last whole vector one by one. */
-static void pack_queries(const fa_attention_args *a, const fa_item *it, T *Qt, int64_t bqp)
+static void pack_queries(const fa_attention_args *a, const fa_item *it, T *Qt, int64_t ld, int64_t bqp)
 {
     const T *q = it->q;
     const T scale = (T)a->scale;
@@ -682,31 +697,31 @@ static void pack_queries(const fa_attention_args *a, const fa_item *it, T *Qt, i
             UNROLL(16) for (int x = 0; x < L; x++)
                 r[x] = i0 + x < bq ? vload(q + (i0 + x) * a->q_rs + c0) * scale : vset1(0);
             transpose_block(r);
-            UNROLL(16) for (int x = 0; x < L; x++) vstore(Qt + (c0 + x) * bqp + i0, r[x]);
+            UNROLL(16) for (int x = 0; x < L; x++) vstore(Qt + (c0 + x) * ld + i0, r[x]);
         }
     for (int64_t c = c0; c < dk; c++) {
-        for (int64_t i = 0; i < bq; i++) Qt[c * bqp + i] = q[i * a->q_rs + c] * scale;
-        for (int64_t i = bq; i < bqp; i++) Qt[c * bqp + i] = 0;
+        for (int64_t i = 0; i < bq; i++) Qt[c * ld + i] = q[i * a->q_rs + c] * scale;
+        for (int64_t i = bq; i < bqp; i++) Qt[c * ld + i] = 0;
     }
 }
 
 /* Scores of the key tile [j0, j0 + nb) for the item's rows:
- *   St (nb, bqp) = K_tile . Qt (Qt already scaled), then softcap, ALiBi,
+ *   St (nb, bqp) = K_tile . Qt (Qt already scaled; both row stride ld), then softcap, ALiBi,
  *   float mask and the band (causal, window), on every lane or the real rows.
- * A bool mask is packed into bit words W (ceil(nb / 32), bqp) for the caller
+ * A bool mask is packed into bit words W (ceil(nb / 32), ld) for the caller
  * to apply.  With f, a tile that has none of those modifiers (nor a bool mask
  * with a False in it) gets its probabilities instead (the fused exp, FUSE_LAG).
  * Returns -1 when the bool mask forbids the whole tile (St is not computed),
  * 2 when St holds the fused probabilities, 1 when W must be applied, 0
  * otherwise. */
 static int tile_scores(const fa_attention_args *a, const fa_item *it, const band_t *b, T *St,
-                       const T *Qt, IT *W, int64_t bqp, int64_t j0, int64_t nb, const tile_pf *pf,
+                       const T *Qt, IT *W, int64_t ld, int64_t bqp, int64_t j0, int64_t nb, const tile_pf *pf,
                        fuse_t *f)
 {
     const int64_t bq = it->bq;
     int bits = 0;
     if (a->mask_kind == FA_MASK_BOOL) {
-        const int kind = mask_bits(W, bqp, (const uint8_t *)it->mask + j0 * a->m_cs, a->m_rs, a->m_cs, bq, nb);
+        const int kind = mask_bits(W, ld, (const uint8_t *)it->mask + j0 * a->m_cs, a->m_rs, a->m_cs, bq, nb);
         if (kind == 0) return -1;
         bits = kind == 1;
     }
@@ -715,13 +730,14 @@ static int tile_scores(const fa_attention_args *a, const fa_item *it, const band
     const int cut_left = b->has_left && j0 < b->base + bq - 1 - b->left;
     if (f && !bits && !cut_right && !cut_left && !(a->softcap > 0) && it->slope == 0 &&
         a->mask_kind != FA_MASK_ADD) {
-        qk_block(St, (const T *)it->k + j0 * a->k_rs, a->k_rs, Qt, bqp, a->dk, nb, pf, f);
+        qk_block(St, (const T *)it->k + j0 * a->k_rs, a->k_rs, Qt, ld, bqp, a->dk, nb, pf, f);
         return 2;
     }
-    qk_block(St, (const T *)it->k + j0 * a->k_rs, a->k_rs, Qt, bqp, a->dk, nb, pf, NULL);
+    qk_block(St, (const T *)it->k + j0 * a->k_rs, a->k_rs, Qt, ld, bqp, a->dk, nb, pf, NULL);
     if (a->softcap > 0) {
         const T c = (T)a->softcap, ic = 1 / c;
-        for (int64_t x = 0; x < nb * bqp; x += L) vstore(St + x, vtanh(vload(St + x) * ic) * c);
+        for (int64_t j = 0; j < nb; j++)
+            for (int64_t i = 0; i < bqp; i += L) vstore(St + j * ld + i, vtanh(vload(St + j * ld + i) * ic) * c);
     }
     if (it->slope != 0) { /* ALiBi: s -= slope * |p - j|, p = base + i */
         const T slope = (T)it->slope;
@@ -731,13 +747,13 @@ static int tile_scores(const fa_attention_args *a, const fa_item *it, const band
         for (int64_t j = 0; j < nb; j++)
             for (int64_t i = 0; i < bqp; i += L) {
                 const vec d = iota + (T)(b->base + i - (j0 + j));
-                vstore(St + j * bqp + i, vload(St + j * bqp + i) - slope * vsel(d < 0, -d, d));
+                vstore(St + j * ld + i, vload(St + j * ld + i) - slope * vsel(d < 0, -d, d));
             }
     }
     if (a->mask_kind == FA_MASK_ADD) {
         const T *mk = (const T *)it->mask + j0 * a->m_cs;
         for (int64_t j = 0; j < nb; j++)
-            for (int64_t i = 0; i < bq; i++) St[j * bqp + i] += mk[i * a->m_rs + j * a->m_cs];
+            for (int64_t i = 0; i < bq; i++) St[j * ld + i] += mk[i * a->m_rs + j * a->m_cs];
     }
     if (cut_right || cut_left)
         for (int64_t j = 0; j < nb; j++) {
@@ -745,30 +761,31 @@ static int tile_scores(const fa_attention_args *a, const fa_item *it, const band
             if (cut_right) {
                 int64_t hide = jj - b->base - b->right;
                 if (hide > bq) hide = bq;
-                for (int64_t i = 0; i < hide; i++) St[j * bqp + i] = -INFINITY;
+                for (int64_t i = 0; i < hide; i++) St[j * ld + i] = -INFINITY;
             }
             if (cut_left)
                 for (int64_t i = (jj - b->base + b->left + 1 > 0) ? jj - b->base + b->left + 1 : 0; i < bq; i++)
-                    St[j * bqp + i] = -INFINITY;
+                    St[j * ld + i] = -INFINITY;
         }
     return bits;
 }
 
 /* St[j][i] = -inf where the bool mask's bit is 0 (for the weights kernel;
  * the attention kernel fuses this into its max pass). */
-static void apply_bits(T *St, const IT *W, int64_t bqp, int64_t nb)
+static void apply_bits(T *St, const IT *W, int64_t ld, int64_t bqp, int64_t nb)
 {
     for (int64_t j = 0; j < nb; j++)
         for (int64_t i = 0; i < bqp; i += L) {
-            const uvec w = (uvec)vload_i(W + (j >> 5) * bqp + i);
+            const uvec w = (uvec)vload_i(W + (j >> 5) * ld + i);
             const ivec keep = (ivec)((w >> (j & 31)) & 1) != 0;
-            vstore(St + j * bqp + i, vsel(keep, vload(St + j * bqp + i), vset1(-INFINITY)));
+            vstore(St + j * ld + i, vsel(keep, vload(St + j * ld + i), vset1(-INFINITY)));
         }
 }
 
 /* ---------------------------------------------------------------------------
  * One attention work item (see fa_item in internal.h for q, k, v, mask, out,
- * lse and part).  Scratch, in elements of T:
+ * lse and part).  Scratch, in elements of T; every row is ld >= bqp long
+ * (tl->ld: see choose_tiles), of which the first bqp are used:
  *   Qt   (dk, bqp)  queries of the item, times scale, transposed, zero-padded
  *   St   (bk, bqp)  scores of one key tile, transposed; then probabilities
  *   Ot   (dv, bqp)  unnormalised output accumulator, transposed
@@ -780,14 +797,14 @@ static void apply_bits(T *St, const IT *W, int64_t bqp, int64_t nb)
 void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_item *it,
                       void *scratch)
 {
-    const int64_t bqp = tl->bqp, bk = tl->bk, dk = a->dk, dv = a->dv;
-    T *Qt = scratch, *St = Qt + dk * bqp, *Ot = St + bk * bqp, *m = Ot + dv * bqp, *l = m + bqp;
-    IT *W = (IT *)(l + bqp);
-    fuse_t fz = {.m = m, .l = l, .Ot = Ot, .St = St, .bqp = bqp, .dv = dv, .regrows = 0};
+    const int64_t bqp = tl->bqp, ld = tl->ld, bk = tl->bk, dk = a->dk, dv = a->dv;
+    T *Qt = scratch, *St = Qt + dk * ld, *Ot = St + bk * ld, *m = Ot + dv * ld, *l = m + ld;
+    IT *W = (IT *)(l + ld);
+    fuse_t fz = {.m = m, .l = l, .Ot = Ot, .St = St, .ld = ld, .dv = dv, .regrows = 0};
 
     /* Pass 1: pack the queries. */
-    pack_queries(a, it, Qt, bqp);
-    memset(Ot, 0, (size_t)(dv * bqp) * sizeof(T));
+    pack_queries(a, it, Qt, ld, bqp);
+    memset(Ot, 0, (size_t)(dv * ld) * sizeof(T));
     for (int64_t i = 0; i < bqp; i++) {
         m[i] = -INFINITY;
         l[i] = 0;
@@ -811,8 +828,8 @@ void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_i
                             .nq = last ? it->next_bq : 0,
                             .vrs = a->v_rs, .krs = a->k_rs, .qrs = a->q_rs, .dv = dv, .dk = dk};
         /* the fused exp, until its rescaling costs more than it saves (FUSE_LAG) */
-        fuse_t *f = fz.regrows <= 2 * (bqp / L) ? &fz : NULL;
-        const int bits = tile_scores(a, it, &b, St, Qt, W, bqp, j0, nb, &pf, f);
+        fuse_t *f = tl->fuse && fz.regrows <= 2 * (bqp / L) ? &fz : NULL;
+        const int bits = tile_scores(a, it, &b, St, Qt, W, ld, bqp, j0, nb, &pf, f);
         if (bits < 0) continue;
 
         /* Pass 4 (when the exp is not fused): online softmax, one vector of
@@ -822,14 +839,14 @@ void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_i
                 vec bm = vset1(-INFINITY);
                 if (bits) {
                     for (int64_t j = 0; j < nb; j++) {
-                        const uvec w = (uvec)vload_i(W + (j >> 5) * bqp + i);
+                        const uvec w = (uvec)vload_i(W + (j >> 5) * ld + i);
                         const ivec keep = (ivec)((w >> (j & 31)) & 1) != 0;
-                        const vec s = vsel(keep, vload(St + j * bqp + i), vset1(-INFINITY));
-                        vstore(St + j * bqp + i, s);
+                        const vec s = vsel(keep, vload(St + j * ld + i), vset1(-INFINITY));
+                        vstore(St + j * ld + i, s);
                         bm = vmax(s, bm);
                     }
                 } else {
-                    for (int64_t j = 0; j < nb; j++) bm = vmax(vload(St + j * bqp + i), bm);
+                    for (int64_t j = 0; j < nb; j++) bm = vmax(vload(St + j * ld + i), bm);
                 }
                 const vec mo = vload(m + i), mn = vmax(bm, mo);
                 /* A row that has seen only -inf so far subtracts 0, so its
@@ -840,22 +857,22 @@ void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_i
                 const vec alpha = vexp_neg(mo - mu);
                 vec sum = vset1(0);
                 for (int64_t j = 0; j < nb; j++) {
-                    const vec p = vexp_neg(vload(St + j * bqp + i) - mu);
-                    vstore(St + j * bqp + i, p);
+                    const vec p = vexp_neg(vload(St + j * ld + i) - mu);
+                    vstore(St + j * ld + i, p);
                     sum += p;
                 }
                 vstore(l + i, vload(l + i) * alpha + sum);
                 vstore(m + i, mn);
-                if (!vall(alpha == vset1(1))) scale_rows(Ot + i, bqp, dv, alpha); /* only when some max grew */
+                if (!vall(alpha == vset1(1))) scale_rows(Ot + i, ld, dv, alpha); /* only when some max grew */
             }
         }
 
         /* Pass 5: Ot += P . V_tile */
-        pv_block(Ot, St, (const T *)it->v + j0 * a->v_rs, a->v_rs, bqp, dv, nb);
+        pv_block(Ot, St, (const T *)it->v + j0 * a->v_rs, a->v_rs, ld, bqp, dv, nb);
     }
 
-    /* Pass 6: write out (acc element (i, c) is Ot[c * bqp + i]). */
-    write_rows(a, it, Ot, 1, bqp, m, l, 0);
+    /* Pass 6: write out (acc element (i, c) is Ot[c * ld + i]). */
+    write_rows(a, it, Ot, 1, ld, m, l, 0);
     redo_nonfinite_rows(a, tl, it, scratch);
 }
 
@@ -868,11 +885,11 @@ void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_i
 void FN(fa_weights_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_item *it,
                          void *scratch)
 {
-    const int64_t bq = it->bq, bqp = tl->bqp, bk = tl->bk, dk = a->dk;
-    T *Qt = scratch, *St = Qt + dk * bqp, *m = St + bk * bqp, *l = m + bqp;
-    IT *W = (IT *)(l + bqp);
+    const int64_t bq = it->bq, bqp = tl->bqp, ld = tl->ld, bk = tl->bk, dk = a->dk;
+    T *Qt = scratch, *St = Qt + dk * ld, *m = St + bk * ld, *l = m + ld;
+    IT *W = (IT *)(l + ld);
     T *out = it->out;
-    pack_queries(a, it, Qt, bqp);
+    pack_queries(a, it, Qt, ld, bqp);
     for (int64_t i = 0; i < bqp; i++) {
         m[i] = -INFINITY;
         l[i] = 0;
@@ -881,17 +898,17 @@ void FN(fa_weights_item)(const fa_attention_args *a, const fa_tiles *tl, const f
     for (int pass = 0; pass < 2; pass++) {
         for (int64_t j0 = b.j_lo; j0 < b.j_hi; j0 += bk) {
             const int64_t nb = (b.j_hi - j0 < bk) ? b.j_hi - j0 : bk;
-            const int bits = tile_scores(a, it, &b, St, Qt, W, bqp, j0, nb, NULL, NULL);
+            const int bits = tile_scores(a, it, &b, St, Qt, W, ld, bqp, j0, nb, NULL, NULL);
             if (bits < 0) continue;
-            if (bits) apply_bits(St, W, bqp, nb);
+            if (bits) apply_bits(St, W, ld, bqp, nb);
             for (int64_t i = 0; i < bqp; i += L) {
                 if (pass == 0) {
                     vec bm = vset1(-INFINITY);
-                    for (int64_t j = 0; j < nb; j++) bm = vmax(vload(St + j * bqp + i), bm);
+                    for (int64_t j = 0; j < nb; j++) bm = vmax(vload(St + j * ld + i), bm);
                     const vec mo = vload(m + i), mn = vmax(bm, mo);
                     const vec mu = vsel(mn == vset1(-INFINITY), vset1(0), mn);
                     vec sum = vset1(0);
-                    for (int64_t j = 0; j < nb; j++) sum += vexp_neg(vload(St + j * bqp + i) - mu);
+                    for (int64_t j = 0; j < nb; j++) sum += vexp_neg(vload(St + j * ld + i) - mu);
                     vstore(l + i, vload(l + i) * vexp_neg(mo - mu) + sum);
                     vstore(m + i, mn);
                 } else {
@@ -899,12 +916,12 @@ void FN(fa_weights_item)(const fa_attention_args *a, const fa_tiles *tl, const f
                     const vec mu = vsel(mn == vset1(-INFINITY), vset1(0), mn);
                     const vec inv = vsel(lv == vset1(0), vset1(0), 1 / lv);
                     for (int64_t j = 0; j < nb; j++)
-                        vstore(St + j * bqp + i, vexp_neg(vload(St + j * bqp + i) - mu) * inv);
+                        vstore(St + j * ld + i, vexp_neg(vload(St + j * ld + i) - mu) * inv);
                 }
             }
             if (pass == 1)
                 for (int64_t i = 0; i < bq; i++)
-                    for (int64_t j = 0; j < nb; j++) out[i * a->o_rs + j0 + j] = St[j * bqp + i];
+                    for (int64_t j = 0; j < nb; j++) out[i * a->o_rs + j0 + j] = St[j * ld + i];
         }
     }
     for (int64_t i = 0; i < bq; i++)
@@ -1483,7 +1500,7 @@ static void redo_nonfinite_rows(const fa_attention_args *a, const fa_tiles *tl, 
         row.out = (T *)it->out + i * a->o_rs;
         row.lse = it->lse ? (T *)it->lse + i * a->lse_rs : NULL;
         row.part = it->part ? (T *)it->part + i * (dv + 2) : NULL;
-        const fa_tiles t1 = {.bq = 1, .bk = tl->bk, .bqp = 1};
+        const fa_tiles t1 = {.bq = 1, .bk = tl->bk, .bqp = 1, .ld = 1, .fuse = 0};
         item_rows(a, &t1, &row, scratch, 1);
     }
 }

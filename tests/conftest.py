@@ -69,6 +69,15 @@ def tiles():
     _core._set_tiles(0, 0)
 
 
+@pytest.fixture(params=[1, 0], ids=["fused", "unfused"])
+def fused(request):
+    """Run with the tiled kernel's fused exp forced on, then off (each SIMD path's
+    default is one of the two: dispatch.c); restore the default after."""
+    _core._set_fused(request.param)
+    yield request.param
+    _core._set_fused(-1)
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)

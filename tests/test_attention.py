@@ -34,14 +34,14 @@ def check(q, k, v, dtype=None, **kw):
 @pytest.mark.parametrize("dtype", [F32, F64])
 @pytest.mark.parametrize("n", [1, 7, 33, 65, 127, 129, 257, 600])
 @pytest.mark.parametrize("causal", [False, True])
-def test_sizes(isa, rng, dtype, n, causal):
+def test_sizes(isa, fused, rng, dtype, n, causal):
     q, k, v = (rand(rng, (2, n, 32), dtype) for _ in range(3))
     check(q, k, v, causal=causal)
 
 
 @pytest.mark.parametrize("dtype", [F32, F64])
 @pytest.mark.parametrize("d", [1, 16, 32, 64, 80, 96, 128, 256])
-def test_head_dims(isa, rng, dtype, d):
+def test_head_dims(isa, fused, rng, dtype, d):
     q, k, v = (rand(rng, (2, 45, d), dtype) for _ in range(3))
     check(q, k, v)
     check(q, k, v, causal=True)
@@ -50,7 +50,7 @@ def test_head_dims(isa, rng, dtype, d):
 @pytest.mark.parametrize("dtype", [F32, F64])
 @pytest.mark.parametrize("nq,nk", [(1, 300), (5, 129), (64, 65), (200, 31), (129, 1), (70, 520)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_nq_ne_nk(isa, rng, dtype, nq, nk, causal):
+def test_nq_ne_nk(isa, fused, rng, dtype, nq, nk, causal):
     q = rand(rng, (3, nq, 24), dtype)
     k = rand(rng, (3, nk, 24), dtype)
     v = rand(rng, (3, nk, 40), dtype)
@@ -207,7 +207,7 @@ def test_default_scale_is_inverse_sqrt_dk(rng):
 
 
 @pytest.mark.parametrize("dtype", [F32, F64])
-def test_extreme_logits(isa, rng, dtype):
+def test_extreme_logits(isa, fused, rng, dtype):
     """Scores near +-1e4 neither overflow nor lose the winner."""
     n, d = 50, 8
     k = rand(rng, (n, d), dtype)
@@ -220,7 +220,7 @@ def test_extreme_logits(isa, rng, dtype):
 
 
 @pytest.mark.parametrize("dtype", [F32, F64])
-def test_nan_reaches_only_its_rows(isa, rng, dtype):
+def test_nan_reaches_only_its_rows(isa, fused, rng, dtype):
     q, k, v = rand(rng, (90, 16), dtype), rand(rng, (300, 16), dtype), rand(rng, (300, 8), dtype)
     qn = q.copy()
     qn[7, 3] = np.nan
@@ -246,7 +246,7 @@ def test_nan_reaches_only_its_rows(isa, rng, dtype):
 @pytest.mark.parametrize("dtype", [F32, F64])
 @pytest.mark.parametrize("nq", [1, 5, 12, 40, 200])
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
-def test_hidden_nonfinite_values_add_nothing(isa, rng, dtype, nq, bad):
+def test_hidden_nonfinite_values_add_nothing(isa, fused, rng, dtype, nq, bad):
     """A value row whose key a query may not see adds nothing to that query's
     row, even inf or NaN, also inside a key tile the kernel visits for other
     rows (0 * NaN would be NaN): mask, causal, window, split keys, both kernels."""
@@ -356,7 +356,7 @@ def test_underflowed_weights_keep_nonfinite_values(isa, rng, dtype, nq, threads,
 @pytest.mark.parametrize("dtype", [F32, F64])
 @pytest.mark.parametrize("nq,threads", [(1, 1), (1, 2), (5, 2), (40, 1), (40, 2), (300, 2)])
 @pytest.mark.parametrize("kind", ["plain", "causal", "bool", "rising"])
-def test_values_near_the_dtype_limit(isa, rng, dtype, nq, threads, kind):
+def test_values_near_the_dtype_limit(isa, fused, rng, dtype, nq, threads, kind):
     """Values up to half the dtype's largest number, over 3000 keys of nearly
     equal weight: the output, a weighted mean of them, is finite, but their
     weighted sum is not.  The fast kernels' unnormalised accumulators overflow,
@@ -415,7 +415,7 @@ def _scored_inputs(rng, dtype, nq, nk, scores, dv=6):
 @pytest.mark.parametrize("dtype", [F32, F64])
 @pytest.mark.parametrize("growth", [0.5, 5.0, 15.0, 40.0, 100.0, 200.0])
 @pytest.mark.parametrize("nq,threads", [(40, 1), (300, 1), (20, 2), (300, 2)])
-def test_fused_exp_growing_scores(isa, rng, tiles, dtype, growth, nq, threads):
+def test_fused_exp_growing_scores(isa, fused, rng, tiles, dtype, growth, nq, threads):
     """Scores that grow by `growth` over each 64-key tile: the reference max
     lags behind and probabilities exceed 1; it is raised now and then (15), or
     at every few register tiles until the item goes on unfused (40 and more).
@@ -430,7 +430,7 @@ def test_fused_exp_growing_scores(isa, rng, tiles, dtype, growth, nq, threads):
 
 @pytest.mark.parametrize("dtype", [F32, F64])
 @pytest.mark.parametrize("jump", [3.0, 16.0, 23.5, 24.5, 30.0, 100.0, 1000.0, np.inf, np.nan])
-def test_fused_exp_one_big_score(isa, rng, dtype, jump):
+def test_fused_exp_one_big_score(isa, fused, rng, dtype, jump):
     """One key in the middle of a later tile (default tiles) scores `jump`
     above all the others, for some rows: kept against the lagging max (up to
     24), or the max is raised there, and the rows before it in the tile, l and
@@ -447,7 +447,7 @@ def test_fused_exp_one_big_score(isa, rng, dtype, jump):
 
 @pytest.mark.parametrize("dtype", [F32, F64])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_fused_exp_values_near_overflow(isa, rng, dtype, threads):
+def test_fused_exp_values_near_overflow(isa, fused, rng, dtype, threads):
     """Against a reference max about 7 below the true one, probabilities up to
     e^8 times values near the dtype's limit overflow the accumulator: such a
     row comes out non-finite from the fast pass and is computed again
@@ -465,7 +465,7 @@ def test_fused_exp_values_near_overflow(isa, rng, dtype, threads):
 
 
 @pytest.mark.parametrize("dtype", [F32, F64])
-def test_fused_exp_many_keys_far_above(isa, rng, dtype):
+def test_fused_exp_many_keys_far_above(isa, fused, rng, dtype):
     """20000 keys score 79 above the first 64: against a reference max that
     lagged by 79, their weights e^79 would sum past float32's limit.  The lag
     is bounded (24), so the row sum cannot overflow."""
