@@ -41,7 +41,7 @@ def test_sizes(isa, fused, rng, dtype, n, causal):
 
 @pytest.mark.parametrize("dtype", [F32, F64])
 @pytest.mark.parametrize("d", [1, 16, 32, 64, 80, 96, 128, 256])
-def test_head_dims(isa, fused, rng, dtype, d):
+def test_head_dims(isa, rng, dtype, d):
     q, k, v = (rand(rng, (2, 45, d), dtype) for _ in range(3))
     check(q, k, v)
     check(q, k, v, causal=True)
@@ -50,7 +50,7 @@ def test_head_dims(isa, fused, rng, dtype, d):
 @pytest.mark.parametrize("dtype", [F32, F64])
 @pytest.mark.parametrize("nq,nk", [(1, 300), (5, 129), (64, 65), (200, 31), (129, 1), (70, 520)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_nq_ne_nk(isa, fused, rng, dtype, nq, nk, causal):
+def test_nq_ne_nk(isa, rng, dtype, nq, nk, causal):
     q = rand(rng, (3, nq, 24), dtype)
     k = rand(rng, (3, nk, 24), dtype)
     v = rand(rng, (3, nk, 40), dtype)
@@ -207,7 +207,7 @@ def test_default_scale_is_inverse_sqrt_dk(rng):
 
 
 @pytest.mark.parametrize("dtype", [F32, F64])
-def test_extreme_logits(isa, fused, rng, dtype):
+def test_extreme_logits(isa, rng, dtype):
     """Scores near +-1e4 neither overflow nor lose the winner."""
     n, d = 50, 8
     k = rand(rng, (n, d), dtype)
@@ -220,7 +220,7 @@ def test_extreme_logits(isa, fused, rng, dtype):
 
 
 @pytest.mark.parametrize("dtype", [F32, F64])
-def test_nan_reaches_only_its_rows(isa, fused, rng, dtype):
+def test_nan_reaches_only_its_rows(isa, rng, dtype):
     q, k, v = rand(rng, (90, 16), dtype), rand(rng, (300, 16), dtype), rand(rng, (300, 8), dtype)
     qn = q.copy()
     qn[7, 3] = np.nan
