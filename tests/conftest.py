@@ -5,6 +5,8 @@ the same (already rounded) inputs.  Tolerances are relative to the magnitude
 of the reference output.
 """
 
+import os
+
 import numpy as np
 import pytest
 
@@ -12,6 +14,15 @@ from fastattn import ISA_NAMES, _core
 from fastattn import reference as ref
 
 ISAS = [name for name in ISA_NAMES if _core.isa_available(name)]
+# FASTATTN_TEST_ISAS=avx2,generic: only those paths (CI's Python-version runs
+# take the default path only; the main run takes every path this CPU has)
+if os.environ.get("FASTATTN_TEST_ISAS"):
+    _want = os.environ["FASTATTN_TEST_ISAS"].split(",")
+    ISAS = [name for name in ISAS if name in _want]
+    if not ISAS:
+        raise pytest.UsageError(f"FASTATTN_TEST_ISAS={os.environ['FASTATTN_TEST_ISAS']}: none of "
+                                f"{_want} is available here (available: "
+                                f"{[n for n in ISA_NAMES if _core.isa_available(n)]})")
 
 # relative tolerance of each compute dtype against the float64 reference
 RTOL = {np.dtype(np.float16): 2e-3, np.dtype(np.float32): 1e-5, np.dtype(np.float64): 1e-12}
