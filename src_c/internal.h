@@ -100,7 +100,7 @@ static inline int64_t fa_attn_scratch_elems(const fa_tiles *t, int64_t dk, int64
 #define FA_LANES_MAX 16
 static inline int64_t fa_rows_scratch_elems(const fa_tiles *t, int64_t dk, int64_t dv)
 {
-    return t->bq * (dk + FA_LANES_MAX + t->bk + dv + 2);
+    return t->bq * (dk + FA_LANES_MAX + t->bk + dv + 2) + t->bk; /* + the decode loop's Sn */
 }
 static inline int64_t fa_softmax_scratch_elems(int64_t n)
 {

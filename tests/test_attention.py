@@ -970,6 +970,29 @@ def test_split_tiled_kernel(isa, rng, dtype):
         check(q, k, v, causal=True, num_threads=threads)
 
 
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("bk", [1, 3, 4, 5, 7, 64])
+@pytest.mark.parametrize("nk", [1, 4, 9, 130])
+def test_decode_pipeline_tiles(isa, rng, tiles, dtype, bk, nk):
+    """One query row: the decode loop computes the scores of key tile t + 1 while
+    it adds P . V of tile t (decode_step).  Key tiles forced to 1-64 keys, so that
+    a tile or its next has a tail after the 4-key blocks; one tile or many; dk
+    and dv with scalar columns (72, 40 and 3); every score modifier, applied per
+    tile between the steps; and two heads with different kv lengths."""
+    tiles(0, bk)
+    q = rand(rng, (2, 1, 72), dtype)
+    k = rand(rng, (2, nk, 72), dtype)
+    for dv in (40, 3):
+        v = rand(rng, (2, nk, dv), dtype)
+        check(q, k, v, num_threads=1)
+        check(q, k, v, mask=rng.random((2, 1, nk)) < 0.6, num_threads=1)
+        check(q, k, v, mask=rng.standard_normal((1, nk)).astype(dtype), num_threads=1)
+    check(q, k, v, softcap=2.0, num_threads=1)
+    check(q, k, v, alibi_slopes=np.array([0.5, 0.125]), num_threads=1)
+    check(q, k, v, window=(nk // 2, 0), causal=True, num_threads=1)
+    check(q, k, v, kv_lengths=np.array([nk, (nk + 1) // 2]), num_threads=2)
+
+
 def test_decode_batched_heads_with_mask(isa, rng):
     q, k, v = rand(rng, (2, 4, 1, 64)), rand(rng, (2, 4, 700, 64)), rand(rng, (2, 4, 700, 64))
     mask = rng.random((2, 1, 1, 700)) < 0.8
