@@ -1474,15 +1474,8 @@ static void decode_step(T *restrict Sn, const T *restrict Qs, const T *restrict 
             const T *k0 = K + j * krs;
             for (int64_t r = j + pfk; r < j + pfk + 4 && r < npk; r++) prefetch_row(K + r * krs, dk);
             rows_scores_1x4(Sn + j, Qs, k0, k0 + krs, k0 + 2 * krs, k0 + 3 * krs, dk, dkv);
-        } else {
-            for (int64_t x = j; x < nk; x++) {
-                const T *kx = K + x * krs;
-                vec a0 = vset1(0);
-                for (int64_t c = 0; c < dkv; c += L) a0 += vload(Qs + c) * vload(kx + c);
-                T sx = hsum(a0);
-                for (int64_t c = dkv; c < dk; c++) sx += Qs[c] * kx[c];
-                Sn[x] = sx;
-            }
+        } else if (j < nk) { /* the last 1-3 keys: rows_scores' one-key loop */
+            rows_scores(Sn + j, 0, Qs, 0, 1, K + j * krs, krs, dk, nk - j, 0);
         }
         if (j + 4 <= nv) {
             const T *v0 = V + j * vrs, *v1 = v0 + vrs, *v2 = v1 + vrs, *v3 = v2 + vrs;
@@ -1497,12 +1490,8 @@ static void decode_step(T *restrict Sn, const T *restrict Qs, const T *restrict 
                 vstore(A + c, acc);
             }
             for (int64_t c = dvv; c < dv; c++) A[c] += p0 * v0[c] + p1 * v1[c] + p2 * v2[c] + p3 * v3[c];
-        } else {
-            for (int64_t x = j; x < nv; x++) {
-                const T px = P[x], *vx = V + x * vrs;
-                for (int64_t c = 0; c < dvv; c += L) vstore(A + c, vload(A + c) + px * vload(vx + c));
-                for (int64_t c = dvv; c < dv; c++) A[c] += px * vx[c];
-            }
+        } else if (j < nv) { /* the last 1-3 keys */
+            rows_pv(A, P + j, 0, 1, V + j * vrs, vrs, dv, nv - j, 0);
         }
     }
 }
