@@ -55,7 +55,7 @@ def _parallel_compile(compiler, jobs):
     """
     serial = compiler.compile
 
-    def compile(sources, output_dir=None, *args, **kwargs):
+    def compile_parallel(sources, output_dir=None, *args, **kwargs):
         if jobs < 2 or len(sources) < 2:
             return serial(sources, output_dir, *args, **kwargs)
         # the object directories first, so the threads do not race to create them
@@ -65,7 +65,7 @@ def _parallel_compile(compiler, jobs):
             parts = pool.map(lambda src: serial([src], output_dir, *args, **kwargs), sources)
             return [obj for objs in parts for obj in objs]
 
-    compiler.compile = compile
+    compiler.compile = compile_parallel
 
 
 def _build_jobs():

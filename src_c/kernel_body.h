@@ -777,14 +777,19 @@ static int tile_scores(const fa_attention_args *a, const fa_item *it, const band
 
 /* St[j][i] = -inf where the bool mask's bit is 0 (for the weights kernel;
  * the attention kernel fuses this into its max pass). */
+/* The scores of key j (row j of St) at the query columns [i, i + L), -inf
+ * where W's bit says the mask forbids them. */
+INLINE vec masked_scores(const T *St, const IT *W, int64_t ld, int64_t i, int64_t j)
+{
+    const uvec w = (uvec)vload_i(W + (j >> 5) * ld + i);
+    const ivec keep = (ivec)((w >> (j & 31)) & 1) != 0;
+    return vsel(keep, vload(St + j * ld + i), vset1(-INFINITY));
+}
+
 static void apply_bits(T *St, const IT *W, int64_t ld, int64_t bqp, int64_t nb)
 {
     for (int64_t j = 0; j < nb; j++)
-        for (int64_t i = 0; i < bqp; i += L) {
-            const uvec w = (uvec)vload_i(W + (j >> 5) * ld + i);
-            const ivec keep = (ivec)((w >> (j & 31)) & 1) != 0;
-            vstore(St + j * ld + i, vsel(keep, vload(St + j * ld + i), vset1(-INFINITY)));
-        }
+        for (int64_t i = 0; i < bqp; i += L) vstore(St + j * ld + i, masked_scores(St, W, ld, i, j));
 }
 
 /* Pass 4 of fa_attn_item for NV (1 or 2) vectors of query rows, the columns
@@ -803,11 +808,8 @@ INLINE void tile_softmax(const int NV, T *St, const IT *W, int bits, int64_t ld,
     if (bits) {
         for (int64_t j = 0; j < nb; j++)
             UNROLL(2) for (int v = 0; v < NV; v++) {
-                T *sj = St + j * ld + i + v * L;
-                const uvec w = (uvec)vload_i(W + (j >> 5) * ld + i + v * L);
-                const ivec keep = (ivec)((w >> (j & 31)) & 1) != 0;
-                const vec s = vsel(keep, vload(sj), vset1(-INFINITY));
-                vstore(sj, s);
+                const vec s = masked_scores(St, W, ld, i + v * L, j);
+                vstore(St + j * ld + i + v * L, s);
                 bm[v] = vmax(s, bm[v]);
             }
     } else {
