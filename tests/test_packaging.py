@@ -39,6 +39,15 @@ def test_show_config(capsys):
         assert _core.openmp_library() in text and "omp" in _core.openmp_library()
 
 
+def test_build_flags():
+    """setup.py's flags, as the core records them: a * b + c contracted to FMA
+    (gcc's default only in GNU C modes: a -std=c11 in CFLAGS would leave the
+    AVX2 kernels without FMA), and no fast-math (it breaks -inf masks and NaN)."""
+    flags = _core.build_info().split("flags: ", 1)[1].split(";")[0].split()
+    assert "-ffp-contract=fast" in flags, flags
+    assert not {"-ffast-math", "-Ofast", "-funsafe-math-optimizations"} & set(flags), flags
+
+
 def _isa_at_import(value):
     """The SIMD path and the warnings of a fresh import with FASTATTN_ISA=value
     (the import this test session uses: run where that package is found, not
