@@ -555,7 +555,14 @@ INLINE void qk_rows(const int R, T *St, const T *restrict K, int64_t krs,
 }
 
 /* Prefetch into L2 the rows [j, j + r) of what the item reads next (pf),
- * spread over the work of rows [j, j + r) of the current tile. */
+ * spread over the work of the current tile: this tile's V over Q.K^T (rows
+ * [j, j + r) of the scores), the next tile's K (or the next item's first K rows
+ * and queries) over P.V (the columns of Ot in step with the rows).  Against
+ * prefetching both during Q.K^T, so that P.V streamed nothing: 1.04-1.12x for
+ * 12-20 query rows from memory (H32 Nk4096 d128, float32 and float64, one and
+ * two threads; H8 Nk2048 d128 20 rows 1.11x), 1.03-1.06x at B32 H12 N128 d64;
+ * B1 H8 N2048 (d64, d128, float64, bool mask; one and two threads) and N4096
+ * causal 0.97-1.02x, within the noise (AVX2 on Zen 3, alternating calls). */
 typedef struct {
     const T *v;        /* V rows of this tile: (nv, dv) row stride vrs */
     const T *k;        /* K rows of the next tile, or of the thread's next item's
@@ -592,24 +599,34 @@ static void qk_block(T *St, const T *restrict K, int64_t krs, const T *restrict 
     for (; j < nb; j++) qk_rows(1, St + j * ld, K + j * krs, krs, Qt, ld, bqp, dk, f, j);
 }
 
-/* Ot columns [i, i + NV*L) += Pt^T-contracted with V, over all dv rows of Ot. */
+/* Ot columns [i, i + NV*L) += Pt^T-contracted with V, over all dv rows of Ot;
+ * meanwhile prefetches pf's rows (NULL: none; pf->nv must be 0). */
 INLINE void pv_cols(const int NV, T *restrict Ot, const T *restrict Pt, const T *restrict V,
-                    int64_t vrs, int64_t ld, int64_t dv, int64_t nb)
+                    int64_t vrs, int64_t ld, int64_t dv, int64_t nb, const tile_pf *pf)
 {
+    const int64_t npf = pf ? (pf->nk > pf->nq ? pf->nk : pf->nq) : 0; /* rows of pf */
     int64_t c = 0;
-    for (; c + RB <= dv; c += RB) pv_tile(RB, NV, Ot + c * ld, ld, Pt, V + c, vrs, nb);
+    for (; c + RB <= dv; c += RB) { /* here dv > 0 */
+        if (pf) tile_prefetch(pf, c * npf / dv, (c + RB) * npf / dv - c * npf / dv);
+        pv_tile(RB, NV, Ot + c * ld, ld, Pt, V + c, vrs, nb);
+    }
+    if (pf) { /* the rest */
+        const int64_t r0 = dv > 0 ? c * npf / dv : 0;
+        tile_prefetch(pf, r0, INT64_MAX - r0);
+    }
     for (; c + 4 <= dv; c += 4) pv_tile(4, NV, Ot + c * ld, ld, Pt, V + c, vrs, nb);
     for (; c < dv; c++) pv_tile(1, NV, Ot + c * ld, ld, Pt, V + c, vrs, nb);
 }
 
 /* Ot (dv, bqp) += (Pt (nb, bqp))^T-contracted with V (nb, dv) row stride vrs;
- * Ot and Pt have row stride ld. */
+ * Ot and Pt have row stride ld.  Meanwhile prefetches pf's K and query rows
+ * (NULL: none), over the first group of query columns. */
 static void pv_block(T *restrict Ot, const T *restrict Pt, const T *restrict V, int64_t vrs,
-                     int64_t ld, int64_t bqp, int64_t dv, int64_t nb)
+                     int64_t ld, int64_t bqp, int64_t dv, int64_t nb, const tile_pf *pf)
 {
     int64_t i = 0;
-    for (; i + TW <= bqp; i += TW) pv_cols(2, Ot + i, Pt + i, V, vrs, ld, dv, nb);
-    if (i < bqp) pv_cols(1, Ot + i, Pt + i, V, vrs, ld, dv, nb);
+    for (; i + TW <= bqp; i += TW, pf = NULL) pv_cols(2, Ot + i, Pt + i, V, vrs, ld, dv, nb, pf);
+    if (i < bqp) pv_cols(1, Ot + i, Pt + i, V, vrs, ld, dv, nb, pf);
 }
 
 /* Bool mask of one tile as bit words: bit (j % 32) of W[j / 32][i] is
@@ -874,20 +891,20 @@ void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_i
         const int64_t nb = (b.j_hi - j0 < bk) ? b.j_hi - j0 : bk;
 
         /* Passes 2-3: scores with every modifier and mask except a bool mask's bits,
-         * while this tile's V rows and the next tile's K rows are prefetched (in
-         * the last tile: the first K rows and the queries of the thread's next item). */
+         * while this tile's V rows are prefetched (pf_v; tile_pf). */
         const int64_t nb_next = b.j_hi - (j0 + nb) < bk ? b.j_hi - (j0 + nb) : bk;
         const int last = nb_next <= 0;
-        const tile_pf pf = {.v = (const T *)it->v + j0 * a->v_rs,
-                            .k = last ? it->next_k : (const T *)it->k + (j0 + nb) * a->k_rs,
-                            .q = it->next_q,
-                            .nv = nb,
-                            .nk = last ? it->next_nk : nb_next,
-                            .nq = last ? it->next_bq : 0,
-                            .vrs = a->v_rs, .krs = a->k_rs, .qrs = a->q_rs, .dv = dv, .dk = dk};
+        const tile_pf pf_v = {.v = (const T *)it->v + j0 * a->v_rs, .nv = nb, .vrs = a->v_rs, .dv = dv};
+        /* the next tile's K rows (in the last tile: the first K rows and the
+         * queries of the thread's next item), prefetched during pass 5 */
+        const tile_pf pf_k = {.k = last ? it->next_k : (const T *)it->k + (j0 + nb) * a->k_rs,
+                              .q = it->next_q,
+                              .nk = last ? it->next_nk : nb_next,
+                              .nq = last ? it->next_bq : 0,
+                              .krs = a->k_rs, .qrs = a->q_rs, .dk = dk};
         /* the fused exp, until its rescaling costs more than it saves (FUSE_LAG) */
         fuse_t *f = tl->fuse && fz.regrows <= 2 * (bqp / L) ? &fz : NULL;
-        const int bits = tile_scores(a, it, &b, St, Qt, W, ld, bqp, j0, nb, &pf, f);
+        const int bits = tile_scores(a, it, &b, St, Qt, W, ld, bqp, j0, nb, &pf_v, f);
         if (bits < 0) continue;
 
         /* Pass 4 (when the exp is not fused): online softmax, two vectors of
@@ -898,8 +915,8 @@ void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_i
             if (i < bqp) tile_softmax(1, St, W, bits, ld, nb, m, l, Ot, dv, i);
         }
 
-        /* Pass 5: Ot += P . V_tile */
-        pv_block(Ot, St, (const T *)it->v + j0 * a->v_rs, a->v_rs, ld, bqp, dv, nb);
+        /* Pass 5: Ot += P . V_tile, while pf_k's rows are prefetched */
+        pv_block(Ot, St, (const T *)it->v + j0 * a->v_rs, a->v_rs, ld, bqp, dv, nb, &pf_k);
     }
 
     /* Pass 6: write out (acc element (i, c) is Ot[c * ld + i]). */
