@@ -74,6 +74,7 @@ cdef extern from "fastattn.h" nogil:
     void fa_set_tiles(int64_t bq, int64_t bk)
     void fa_set_rows_max(int64_t n)
     void fa_set_fused(int mode)
+    void fa_set_stream(int mode)
     int fa_openmp_enabled()
     int fa_max_threads()
     uint64_t fa_stream_read(const void *x, int64_t n, int num_threads)
@@ -275,6 +276,13 @@ def _set_fused(int mode=-1):
     """Force the tiled kernel's fused exp on (1) or off (0); -1: the SIMD path's
     default.  Tuning and tests only; not thread-safe."""
     fa_set_fused(mode)
+
+
+def _set_stream(int mode=-1):
+    """Force the row kernel's prefetch across passes (for K and V streamed from
+    memory) on (1) or off (0); -1: on when K and V exceed 48 MiB.  Tuning and
+    tests only; not thread-safe."""
+    fa_set_stream(mode)
 
 
 def isa_name():

@@ -182,6 +182,12 @@ static int forced_fuse = -1;
 
 void fa_set_fused(int mode) { forced_fuse = mode < 0 ? -1 : mode != 0; }
 
+/* The row kernel's prefetch across passes forced by fa_set_stream (-1: by the
+ * size of K and V). */
+static int forced_stream = -1;
+
+void fa_set_stream(int mode) { forced_stream = mode < 0 ? -1 : mode != 0; }
+
 /* Bytes of K and V that a call reads (broadcast leading dims counted once). */
 static int64_t kv_bytes(const fa_attention_args *a)
 {
@@ -380,6 +386,7 @@ static int run(const fa_attention_args *a, int weights)
     fa_tiles tiles;
     choose_tiles(a, isa->lanes[a->dtype], rows_max, rows_kernel, n_lead_total, want, &tiles);
     tiles.fuse = forced_fuse >= 0 ? forced_fuse : isa->fuse;
+    tiles.stream = forced_stream >= 0 ? forced_stream : kv_bytes(a) > FA_KV_MEM_BYTES;
     const int64_t n_qb = (a->nq + tiles.bq - 1) / tiles.bq;
     const int64_t n_items = n_lead_total * n_qb;
 

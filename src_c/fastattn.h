@@ -130,6 +130,10 @@ void fa_set_rows_max(int64_t n);
 /* Force the tiled kernel's fused exp on (1) or off (0); -1 restores the ISA's
  * default.  Not thread-safe: for tuning and tests only. */
 void fa_set_fused(int mode);
+/* Force the row kernel's prefetch across passes (tiles.stream in internal.h)
+ * on (1) or off (0); -1 restores the default (on when K and V exceed
+ * FA_KV_MEM_BYTES).  Not thread-safe: for tuning and tests only. */
+void fa_set_stream(int mode);
 
 /* OpenMP: 1 when built with it; the default team size (1 without OpenMP);
  * the team size of the calling thread's last call; the path of the OpenMP

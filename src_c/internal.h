@@ -14,6 +14,9 @@ typedef struct {
     int64_t bqp;  /* bq rounded up to whole vectors of the kernel */
     int64_t ld;   /* row stride of the tiled kernel's transposed tiles, >= bqp */
     int fuse;     /* the tiled kernel takes the fused exp (kernel_body.h, FUSE_LAG) */
+    int stream;   /* K and V come from memory (FA_KV_MEM_BYTES): the row kernel
+                   * prefetches the V of a key tile during its scores and the next
+                   * tile's K during its P.V (kernel_body.h, item_rows) */
 } fa_tiles;
 
 /* One work item: query rows [i0, i0 + bq) of one leading index, against the

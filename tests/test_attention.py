@@ -894,6 +894,33 @@ def test_row_kernel_register_tiles(isa, rng, rows_max, dtype, nq, dk, dv):
     check(q, k, v, causal=True, num_threads=1)
 
 
+@pytest.fixture
+def stream():
+    """Force the row kernel's prefetch across passes (on by default only when
+    K and V exceed 48 MiB); restore the default after."""
+    from fastattn import _core
+    yield _core._set_stream
+    _core._set_stream(-1)
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("nq", [2, 3, 5, 8, 10])
+@pytest.mark.parametrize("nk", [1, 303, 513])
+@pytest.mark.parametrize("dk, dv", [(72, 40), (128, 128), (7, 3)])
+def test_row_kernel_streaming(isa, rng, stream, dtype, nq, nk, dk, dv):
+    """The row kernel as it runs on K and V from memory (forced on small ones):
+    V rows prefetched during the scores and the next tile's K during P.V, for
+    1, 2 and 3 key tiles (256 keys) with a tail, P.V tiles with and without
+    whole vectors of dv, row groups with remainders.  Plain, causal, a bool mask
+    and kv_lengths."""
+    stream(1)
+    q, k, v = rand(rng, (2, nq, dk), dtype), rand(rng, (2, nk, dk), dtype), rand(rng, (2, nk, dv), dtype)
+    check(q, k, v, num_threads=1)
+    check(q, k, v, causal=True, num_threads=2)
+    check(q, k, v, mask=rng.random((nq, nk)) < 0.7, num_threads=1)
+    check(q, k, v, kv_lengths=rng.integers(0, nk + 1, (2,)), num_threads=2)
+
+
 @pytest.mark.parametrize("dtype", [F32, F64])
 @pytest.mark.parametrize("nq", [13, 17, 24])
 def test_row_kernel_many_rows_split_keys(isa, rng, rows_max, dtype, nq):
