@@ -583,6 +583,16 @@ INLINE void tile_prefetch(const tile_pf *pf, int64_t j, int64_t r)
     for (int64_t x = j; x < j + r && x < pf->nq; x++) prefetch_l2(pf->q + x * pf->qrs, pf->dk);
 }
 
+/* Prefetch pf's K and query rows in step with a P.V pass over the columns of
+ * V: the share of them that goes with the columns [c, c_end) of dv (c_end >=
+ * dv: all the rows from that share on; dv = 0: all of them). */
+INLINE void prefetch_in_step(const tile_pf *pf, int64_t c, int64_t c_end, int64_t dv)
+{
+    const int64_t n = pf->nk > pf->nq ? pf->nk : pf->nq;
+    const int64_t r0 = c < dv ? c * n / dv : c > 0 ? n : 0, r1 = c_end >= dv ? INT64_MAX : c_end * n / dv;
+    tile_prefetch(pf, r0, r1 - r0);
+}
+
 /* St (nb, bqp) = K[0..nb) . Qt;  K (nb, dk) row stride krs, Qt (dk, bqp);
  * St and Qt have row stride ld.  Or, with f (f->St == St), their
  * probabilities (the fused exp).  Meanwhile prefetches pf's rows (NULL: none). */
@@ -604,16 +614,12 @@ static void qk_block(T *St, const T *restrict K, int64_t krs, const T *restrict 
 INLINE void pv_cols(const int NV, T *restrict Ot, const T *restrict Pt, const T *restrict V,
                     int64_t vrs, int64_t ld, int64_t dv, int64_t nb, const tile_pf *pf)
 {
-    const int64_t npf = pf ? (pf->nk > pf->nq ? pf->nk : pf->nq) : 0; /* rows of pf */
     int64_t c = 0;
-    for (; c + RB <= dv; c += RB) { /* here dv > 0 */
-        if (pf) tile_prefetch(pf, c * npf / dv, (c + RB) * npf / dv - c * npf / dv);
+    for (; c + RB <= dv; c += RB) {
+        if (pf) prefetch_in_step(pf, c, c + RB, dv);
         pv_tile(RB, NV, Ot + c * ld, ld, Pt, V + c, vrs, nb);
     }
-    if (pf) { /* the rest */
-        const int64_t r0 = dv > 0 ? c * npf / dv : 0;
-        tile_prefetch(pf, r0, INT64_MAX - r0);
-    }
+    if (pf) prefetch_in_step(pf, c, dv, dv); /* the rest */
     for (; c + 4 <= dv; c += 4) pv_tile(4, NV, Ot + c * ld, ld, Pt, V + c, vrs, nb);
     for (; c < dv; c++) pv_tile(1, NV, Ot + c * ld, ld, Pt, V + c, vrs, nb);
 }
@@ -1329,16 +1335,12 @@ INLINE void rows_pv_r(const int R, T *restrict A, int64_t lda, const T *restrict
 {
     const int NVM = PV_ACC / R > 8 ? 8 : PV_ACC / R;
     const int64_t nvec = dv / L, pf = prefetch_dist(dv);
-    const int64_t nx = xpf ? (xpf->nk > xpf->nq ? xpf->nk : xpf->nq) : 0; /* rows of xpf */
     int64_t c = 0;
-    for (; c + NVM * L <= nvec * L; c += NVM * L) { /* here dv > 0 */
-        if (xpf) tile_prefetch(xpf, c * nx / dv, (c + NVM * L) * nx / dv - c * nx / dv);
+    for (; c + NVM * L <= nvec * L; c += NVM * L) {
+        if (xpf) prefetch_in_step(xpf, c, c + NVM * L, dv);
         PV_TILE(NVM);
     }
-    if (xpf) { /* the rest */
-        const int64_t r0 = dv > 0 ? c * nx / dv : 0;
-        tile_prefetch(xpf, r0, INT64_MAX - r0);
-    }
+    if (xpf) prefetch_in_step(xpf, c, dv, dv); /* the rest */
     switch (nvec - c / L) { /* < NVM: the tests below are constants */
     case 7: if (7 < NVM) PV_TILE(7); break;
     case 6: if (6 < NVM) PV_TILE(6); break;
