@@ -798,8 +798,6 @@ static int tile_scores(const fa_attention_args *a, const fa_item *it, const band
     return bits;
 }
 
-/* St[j][i] = -inf where the bool mask's bit is 0 (for the weights kernel;
- * the attention kernel fuses this into its max pass). */
 /* The scores of key j (row j of St) at the query columns [i, i + L), -inf
  * where W's bit says the mask forbids them. */
 INLINE vec masked_scores(const T *St, const IT *W, int64_t ld, int64_t i, int64_t j)
@@ -809,6 +807,8 @@ INLINE vec masked_scores(const T *St, const IT *W, int64_t ld, int64_t i, int64_
     return vsel(keep, vload(St + j * ld + i), vset1(-INFINITY));
 }
 
+/* St[j][i] = -inf where the bool mask's bit is 0 (for the weights kernel;
+ * the attention kernel applies the bits in its max pass, tile_softmax). */
 static void apply_bits(T *St, const IT *W, int64_t ld, int64_t bqp, int64_t nb)
 {
     for (int64_t j = 0; j < nb; j++)
