@@ -5,6 +5,7 @@ is missing the build says so and the library runs single-threaded.
   FASTATTN_USE_OPENMP=0      build without OpenMP
   FASTATTN_REQUIRE_OPENMP=1  fail the build when OpenMP is missing (CI)
   FASTATTN_EXTRA_CFLAGS, FASTATTN_EXTRA_LDFLAGS   more flags (CI: sanitizers, -Werror)
+  FASTATTN_EXTRA_CFLAGS=-DFA_NO_AVX512   leave out the AVX-512 kernels (CI's sanitizer build)
   FASTATTN_BUILD_JOBS=N      compile the C sources in N threads (default: one per CPU, at most 8)
 No -march flag and no fast-math flags: the AVX2 and AVX-512 kernels carry their own target
 pragma and are chosen at run time (src_c/dispatch.c); fast-math would break

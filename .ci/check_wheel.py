@@ -5,8 +5,9 @@
 - the sdist carries the C sources, the binding and the tests;
 - the wheel built from the sdist and the wheel built from the source tree hold
   the same files;
-- the repaired wheel holds the package, its compiled core, the typing files,
-  the vendored OpenMP runtime and the metadata, and no build leftovers.
+- the repaired wheel holds the package, its compiled core (with the kernels of
+  every SIMD path), the typing files, the vendored OpenMP runtime and the
+  metadata, and no build leftovers.
 """
 
 import re
@@ -44,6 +45,12 @@ def main(sdist, from_sdist, from_tree, repaired):
     assert not bad, f"unexpected files in the wheel: {bad}"
     assert any(re.fullmatch(ALLOWED[4], f) for f in files), "the repaired wheel carries no OpenMP runtime"
     assert not any(f.endswith((".c", ".pyx", ".o", ".h")) for f in files)
+    # every SIMD path is in the core (CI's sanitizer build leaves AVX-512 out with -DFA_NO_AVX512)
+    with zipfile.ZipFile(repaired) as z:
+        core = z.read(next(f for f in files if re.fullmatch(ALLOWED[1], f)))
+    for isa in ("generic", "avx2", "avx512"):
+        for name in (f"fa_attn_item_f32_{isa}", f"fa_attn_item_f64_{isa}"):
+            assert name.encode() in core, f"the compiled core lacks {name}"
     print(f"{repaired}: {len(files)} files, all expected; sdist and tree wheels agree ({len(a)} files)")
     for f in files:
         print("   ", f)

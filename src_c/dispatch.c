@@ -66,6 +66,8 @@
 static fa_isa_table table_generic = FA_TABLE(generic, 10, 10, 10, 0);
 #ifdef FA_HAVE_AVX2_BUILD
 static fa_isa_table table_avx2 = FA_TABLE(avx2, 10, 10, 10, 0);
+#endif
+#ifdef FA_HAVE_AVX512_BUILD
 static fa_isa_table table_avx512 = FA_TABLE(avx512, 12, 24, 20, 1);
 #endif
 
@@ -81,9 +83,10 @@ static int cpu_has_avx2_fma(void)
 #endif
 }
 
+#ifdef FA_HAVE_AVX512_BUILD
 static int cpu_has_avx512(void)
 {
-#if defined(FA_HAVE_AVX2_BUILD) && (defined(__GNUC__) || defined(__clang__))
+#if defined(__GNUC__) || defined(__clang__)
     return cpu_has_avx2_fma() && __builtin_cpu_supports("avx512f") &&
            __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl");
@@ -91,6 +94,7 @@ static int cpu_has_avx512(void)
     return 0;
 #endif
 }
+#endif
 
 static const fa_isa_table *lookup(const char *name)
 {
@@ -100,6 +104,8 @@ static const fa_isa_table *lookup(const char *name)
 #ifdef FA_HAVE_AVX2_BUILD
         table_avx2.lanes[0] = fa_lanes_f32_avx2;
         table_avx2.lanes[1] = fa_lanes_f64_avx2;
+#endif
+#ifdef FA_HAVE_AVX512_BUILD
         table_avx512.lanes[0] = fa_lanes_f32_avx512;
         table_avx512.lanes[1] = fa_lanes_f64_avx512;
 #endif
@@ -107,6 +113,8 @@ static const fa_isa_table *lookup(const char *name)
     if (strcmp(name, "generic") == 0) return &table_generic;
 #ifdef FA_HAVE_AVX2_BUILD
     if (strcmp(name, "avx2") == 0 && cpu_has_avx2_fma()) return &table_avx2;
+#endif
+#ifdef FA_HAVE_AVX512_BUILD
     if (strcmp(name, "avx512") == 0 && cpu_has_avx512()) return &table_avx512;
 #endif
     return NULL;

@@ -142,7 +142,10 @@ FA_DECLARE_ISA(generic)
 #if defined(__x86_64__) || defined(_M_X64)
 #define FA_HAVE_AVX2_BUILD 1
 FA_DECLARE_ISA(avx2)
+#ifndef FA_NO_AVX512 /* -DFA_NO_AVX512: built without the AVX-512 kernels */
+#define FA_HAVE_AVX512_BUILD 1
 FA_DECLARE_ISA(avx512)
+#endif
 #endif
 
 /* Exposed for the tests: the chosen path's vector exp (which = 0) and the

@@ -2,8 +2,9 @@
  * the functions of this file are compiled for AVX-512 (the build has no -march
  * flag); dispatch.c calls them only after CPUID reports those four extensions
  * and the OS saves the ZMM and mask registers.  No static initialisers here:
- * they would run at load time on any CPU. */
-#if defined(__x86_64__) || defined(_M_X64)
+ * they would run at load time on any CPU.  -DFA_NO_AVX512 leaves them out (CI's
+ * sanitizer build: no machine here can run them, and they are its slowest files). */
+#if (defined(__x86_64__) || defined(_M_X64)) && !defined(FA_NO_AVX512)
 #define FA_TARGET "avx512f,avx512dq,avx512bw,avx512vl,avx2,fma"
 #define FA_T float
 #define FA_IT int32_t
