@@ -75,6 +75,7 @@ cdef extern from "fastattn.h" nogil:
     void fa_set_rows_max(int64_t n)
     void fa_set_fused(int mode)
     void fa_set_stream(int mode)
+    int64_t fa_take_redo_count()
     int fa_openmp_enabled()
     int fa_max_threads()
     uint64_t fa_stream_read(const void *x, int64_t n, int num_threads)
@@ -283,6 +284,12 @@ def _set_stream(int mode=-1):
     memory) on (1) or off (0); -1: on when K and V exceed 48 MiB.  Tuning and
     tests only; not thread-safe."""
     fa_set_stream(mode)
+
+
+def _take_redo_count():
+    """The number of rows the kernels recomputed in their careful mode (a result
+    that came out inf or NaN) since the last call; tests only."""
+    return fa_take_redo_count()
 
 
 def isa_name():

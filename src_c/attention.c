@@ -188,6 +188,11 @@ static int forced_stream = -1;
 
 void fa_set_stream(int mode) { forced_stream = mode < 0 ? -1 : mode != 0; }
 
+/* Rows the kernels recomputed carefully (redo_nonfinite_rows), for the tests. */
+int64_t fa_redo_rows = 0;
+
+int64_t fa_take_redo_count(void) { return __atomic_exchange_n(&fa_redo_rows, 0, __ATOMIC_RELAXED); }
+
 /* Bytes of K and V that a call reads (broadcast leading dims counted once). */
 static int64_t kv_bytes(const fa_attention_args *a)
 {

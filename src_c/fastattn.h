@@ -134,6 +134,9 @@ void fa_set_fused(int mode);
  * on (1) or off (0); -1 restores the default (on when K and V exceed
  * FA_KV_MEM_BYTES).  Not thread-safe: for tuning and tests only. */
 void fa_set_stream(int mode);
+/* The number of rows the kernels recomputed in their careful mode (a result
+ * that came out inf or NaN) since the last call of this; for tests. */
+int64_t fa_take_redo_count(void);
 
 /* OpenMP: 1 when built with it; the default team size (1 without OpenMP);
  * the team size of the calling thread's last call; the path of the OpenMP

@@ -83,6 +83,9 @@ typedef struct {
     fa_exp_fn exp_neg[2];
 } fa_isa_table;
 
+/* Rows recomputed by redo_nonfinite_rows (atomic adds), read by fa_take_redo_count. */
+extern int64_t fa_redo_rows;
+
 /* The table in use (dispatch.c). */
 const fa_isa_table *fa_isa_current(void);
 

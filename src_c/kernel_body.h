@@ -815,6 +815,71 @@ static void apply_bits(T *St, const IT *W, int64_t ld, int64_t bqp, int64_t nb)
         for (int64_t i = 0; i < bqp; i += L) vstore(St + j * ld + i, masked_scores(St, W, ld, i, j));
 }
 
+/* The key columns of a tile that some row of the item sees under a bool
+ * mask, as at most PV_RUNS ranges run[r] = [start, end) (key_runs: -1 when
+ * there are more).  P.V runs over these ranges only: a key that the mask hides
+ * from every row (padding) has weight 0 everywhere, but 0 * NaN = NaN, so NaN
+ * or inf in its V row (a padded cache from np.empty) would make every row of
+ * the item non-finite and send it to the careful redo (redo_nonfinite_rows):
+ * B1 H8 N2048 d64 with its last 100 keys masked and NaN there took 5.6x as
+ * long (the row kernel: 1.5-3.1x at 1-8 rows).  Skipping them is exact, and
+ * saves their share of P.V. */
+enum { PV_RUNS = 4 };
+typedef struct {
+    int64_t run[PV_RUNS][2];
+    int n;         /* ranges so far; -1: more than PV_RUNS */
+    int64_t start; /* of the range open at the key before, or -1 */
+} key_runs;
+
+/* Key j is seen (on) or not; keys come in order.  j = nb, off closes the last. */
+INLINE void key_runs_add(key_runs *r, int64_t j, int on)
+{
+    if (on && r->start < 0) r->start = j;
+    if (on || r->start < 0 || r->n < 0) return;
+    if (r->n == PV_RUNS) {
+        r->n = -1;
+        return;
+    }
+    r->run[r->n][0] = r->start;
+    r->run[r->n][1] = j;
+    r->n++;
+    r->start = -1;
+}
+
+/* kr holds the whole tile of nb keys (or is not a list of ranges: n < 0) */
+INLINE int runs_whole(const key_runs *kr, int64_t nb)
+{
+    return kr->n < 0 || (kr->n == 1 && kr->run[0][0] == 0 && kr->run[0][1] == nb);
+}
+
+/* From the tiled kernel's bits W (real rows i < bq; the padded rows' bits are all ones) */
+static void visible_runs(key_runs *r, const IT *W, int64_t ld, int64_t bq, int64_t nb)
+{
+    r->n = 0;
+    r->start = -1;
+    for (int64_t w = 0; w * 32 < nb; w++) {
+        uint32_t seen = 0;
+        for (int64_t i = 0; i < bq; i++) seen |= (uint32_t)W[w * ld + i];
+        const int64_t len = nb - 32 * w < 32 ? nb - 32 * w : 32;
+        if (r->start >= 0 && len == 32 && seen == 0xffffffffu) continue; /* a range goes on */
+        for (int64_t b = 0; b < len; b++) key_runs_add(r, 32 * w + b, (seen >> b) & 1);
+    }
+    key_runs_add(r, nb, 0);
+}
+
+/* pv_block over the key ranges of kr (n >= 0), pf's rows during the first.
+ * Off the common path, as rows_pv_runs: a second call of pv_block in
+ * fa_attn_item made gcc stop inlining it. */
+static __attribute__((noinline)) void pv_block_runs(const key_runs *kr, T *restrict Ot, const T *restrict Pt,
+                                                    const T *restrict V, int64_t vrs, int64_t ld, int64_t bqp,
+                                                    int64_t dv, const tile_pf *pf)
+{
+    for (int r = 0; r < kr->n; r++) {
+        const int64_t j = kr->run[r][0];
+        pv_block(Ot, Pt + j * ld, V + j * vrs, vrs, ld, bqp, dv, kr->run[r][1] - j, r == 0 ? pf : NULL);
+    }
+}
+
 /* Pass 4 of fa_attn_item for NV (1 or 2) vectors of query rows, the columns
  * [i, i + NV L) of the key tile's scores St (nb, ld): a bool mask's bits W
  * applied (bits), each row's max, the probabilities exp(s - m) in place, m and
@@ -921,8 +986,15 @@ void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_i
             if (i < bqp) tile_softmax(1, St, W, bits, ld, nb, m, l, Ot, dv, i);
         }
 
-        /* Pass 5: Ot += P . V_tile, while pf_k's rows are prefetched */
-        pv_block(Ot, St, (const T *)it->v + j0 * a->v_rs, a->v_rs, ld, bqp, dv, nb, &pf_k);
+        /* Pass 5: Ot += P . V_tile, while pf_k's rows are prefetched; under a
+         * bool mask, over the keys that some row sees (visible_runs) */
+        const T *vt = (const T *)it->v + j0 * a->v_rs;
+        key_runs kr = {.n = -1};
+        if (bits == 1) visible_runs(&kr, W, ld, it->bq, nb);
+        if (runs_whole(&kr, nb))
+            pv_block(Ot, St, vt, a->v_rs, ld, bqp, dv, nb, &pf_k);
+        else
+            pv_block_runs(&kr, Ot, St, vt, a->v_rs, ld, bqp, dv, &pf_k);
     }
 
     /* Pass 6: write out (acc element (i, c) is Ot[c * ld + i]). */
@@ -1386,6 +1458,52 @@ static void rows_pv(T *restrict A, const T *restrict S, int64_t ls, int64_t bq, 
     }
 }
 
+/* The row kernel's key_runs (see visible_runs) for the tile [j0, j0 + nb),
+ * from the bool mask's bytes; n = -1 without a bool mask.  noinline, as
+ * rows_pv_runs. */
+static __attribute__((noinline)) void mask_runs(key_runs *r, const fa_attention_args *a, const fa_item *it, int64_t j0, int64_t nb)
+{
+    r->n = -1;
+    r->start = -1;
+    if (a->mask_kind != FA_MASK_BOOL) return;
+    r->n = 0;
+    const uint8_t *mk = (const uint8_t *)it->mask + j0 * a->m_cs;
+    for (int64_t j = 0; j < nb && r->n >= 0;) {
+        if (a->m_cs == 1 && r->start >= 0 && j + 8 <= nb) { /* 8 keys at once inside a range */
+            uint64_t w = 0, x;
+            for (int64_t i = 0; i < it->bq; i++) {
+                memcpy(&x, mk + i * a->m_rs + j, 8);
+                w |= x;
+            }
+            if (!((w - 0x0101010101010101ULL) & ~w & 0x8080808080808080ULL)) { /* no zero byte */
+                j += 8;
+                continue;
+            }
+        }
+        int on = 0;
+        for (int64_t i = 0; i < it->bq && !on; i++) on = mk[i * a->m_rs + j * a->m_cs] != 0;
+        key_runs_add(r, j, on);
+        j++;
+    }
+    key_runs_add(r, nb, 0);
+}
+
+/* rows_pv over the key ranges of kr (all nb keys when n < 0); off the common
+ * path (noinline: inlined, it slowed item_rows by 4-5 % at 4 rows, mask or not) */
+static __attribute__((noinline)) void rows_pv_runs(const key_runs *kr, T *restrict A, const T *restrict S, int64_t ls, int64_t bq,
+                         const T *restrict V, int64_t vrs, int64_t dv, int64_t nb, int64_t npf,
+                         const tile_pf *xpf)
+{
+    if (kr->n < 0) {
+        rows_pv(A, S, ls, bq, V, vrs, dv, nb, npf, xpf);
+        return;
+    }
+    for (int r = 0; r < kr->n; r++) {
+        const int64_t j = kr->run[r][0];
+        rows_pv(A, S + j, ls, bq, V + j * vrs, vrs, dv, kr->run[r][1] - j, npf - j, r == 0 ? xpf : NULL);
+    }
+}
+
 /* P . V for the rows that redo_nonfinite_rows recomputes, where the weight
  * of a key the query does not see is -0 (item_rows, careful): such a value
  * row adds nothing even when it holds inf or NaN.  A (dv) += S (nb) . V (nb, dv). */
@@ -1560,6 +1678,17 @@ static void decode_step(T *restrict Sn, const T *restrict Qs, const T *restrict 
     }
 }
 
+/* decode_step's work where a bool mask hides some keys of this tile from the
+ * row: the next tile's scores, then P . V over kr's ranges (rows_pv_runs). */
+static __attribute__((noinline)) void decode_step_runs(const key_runs *kr, T *Sn, const T *Qs, int64_t dkp,
+                                                       const T *K, int64_t krs, int64_t dk, int64_t nk,
+                                                       int64_t npk, T *A, const T *P, int64_t bk, const T *V,
+                                                       int64_t vrs, int64_t dv, int64_t nv, int64_t npv)
+{
+    rows_scores(Sn, bk, Qs, dkp, 1, K, krs, dk, nk, npk, NULL);
+    rows_pv_runs(kr, A, P, bk, 1, V, vrs, dv, nv, npv, NULL);
+}
+
 /* The row kernel; careful = 1 (one row, from redo_nonfinite_rows) marks the
  * weights of hidden keys -0, takes the P . V above, and when the accumulator's
  * scale underflows to 0 keeps only its inf and NaN entries.  It also keeps A
@@ -1593,12 +1722,19 @@ static void item_rows(const fa_attention_args *a, const fa_tiles *tl, const fa_i
         rows_softmax(a, it, &b, S, bk, A, m, l, j0, nb, 0);
         for (;;) {
             const int64_t j1 = j0 + nb, nb1 = (b.j_hi - j1 < bk) ? b.j_hi - j1 : bk;
+            key_runs kr; /* keys a bool mask hides (padding): P . V skips them */
+            mask_runs(&kr, a, it, j0, nb);
             if (nb1 <= 0) {
-                rows_pv(A, S, bk, 1, v + j0 * a->v_rs, a->v_rs, dv, nb, b.j_hi - j0, NULL);
+                rows_pv_runs(&kr, A, S, bk, 1, v + j0 * a->v_rs, a->v_rs, dv, nb, b.j_hi - j0, NULL);
                 break;
             }
-            decode_step(Sn, Qs, k + j1 * a->k_rs, a->k_rs, dk, nb1, b.j_hi - j1, A, S, v + j0 * a->v_rs,
-                        a->v_rs, dv, nb, b.j_hi - j0);
+            if (runs_whole(&kr, nb)) {
+                decode_step(Sn, Qs, k + j1 * a->k_rs, a->k_rs, dk, nb1, b.j_hi - j1, A, S, v + j0 * a->v_rs,
+                            a->v_rs, dv, nb, b.j_hi - j0);
+            } else { /* the two passes one after the other */
+                decode_step_runs(&kr, Sn, Qs, dkp, k + j1 * a->k_rs, a->k_rs, dk, nb1, b.j_hi - j1, A, S, bk,
+                                 v + j0 * a->v_rs, a->v_rs, dv, nb, b.j_hi - j0);
+            }
             rows_softmax(a, it, &b, Sn, bk, A, m, l, j1, nb1, 0);
             T *t = S;
             S = Sn;
@@ -1627,8 +1763,15 @@ static void item_rows(const fa_attention_args *a, const fa_tiles *tl, const fa_i
         /* A += P . V_tile */
         if (careful)
             rows_pv_careful(A, S, v + j0 * a->v_rs, a->v_rs, dv, nb);
-        else
-            rows_pv(A, S, bk, bq, v + j0 * a->v_rs, a->v_rs, dv, nb, b.j_hi - j0, stream ? &pf_k : NULL);
+        else {
+            key_runs kr; /* keys a bool mask hides from every row (padding): skipped */
+            mask_runs(&kr, a, it, j0, nb);
+            if (runs_whole(&kr, nb))
+                rows_pv(A, S, bk, bq, v + j0 * a->v_rs, a->v_rs, dv, nb, b.j_hi - j0, stream ? &pf_k : NULL);
+            else
+                rows_pv_runs(&kr, A, S, bk, bq, v + j0 * a->v_rs, a->v_rs, dv, nb, b.j_hi - j0,
+                             stream ? &pf_k : NULL);
+        }
     }
     write_rows(a, it, A, dv, 1, m, l, careful);
 }
@@ -1662,6 +1805,7 @@ static void redo_nonfinite_rows(const fa_attention_args *a, const fa_tiles *tl, 
     for (int64_t i = 0; i < it->bq; i++) {
         const T *r = it->part ? (const T *)it->part + i * (dv + 2) : (const T *)it->out + i * a->o_rs;
         if (all_finite(r, dv)) continue;
+        __atomic_fetch_add(&fa_redo_rows, 1, __ATOMIC_RELAXED);
         fa_item row = *it;
         row.bq = 1;
         row.i0 = it->i0 + i;

@@ -8,6 +8,7 @@ import pytest
 from conftest import assert_close, rand, reference64
 
 import fastattn
+from fastattn import _core
 from fastattn import reference as ref
 
 F32, F64 = np.float32, np.float64
@@ -318,6 +319,46 @@ def test_hidden_nonfinite_values_split_keys(isa, rng, dtype, threads):
     vi[:, 7, 5] = np.nan                               # and NaN, 800 below the max, too
     out = check(q, kb, vi, num_threads=threads)[0]
     assert np.isnan(out[..., 5]).all()
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("nq", [1, 3, 9, 40, 130])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("layout", ["end", "start", "both", "middle", "many"])
+def test_padding_mask_skips_hidden_keys(isa, rng, dtype, nq, threads, layout):
+    """Keys that a bool mask hides from every row (padding) are left out of
+    P.V by ranges (visible_runs in the tiled kernel, mask_runs in the row
+    kernel and its decode loop): NaN and inf in their K and V rows stay out of
+    the result, at the start, at the end, across a key tile edge, and with more
+    hidden stretches per tile than there are ranges (the whole tile, then the
+    careful redo); one head with two threads splits the keys."""
+    nk = 700  # key tiles of 256 (float64 tiled: 128), the last one partial
+    q, k, v = rand(rng, (2, nq, 24), dtype), rand(rng, (2, nk, 24), dtype), rand(rng, (2, nk, 20), dtype)
+    hidden = np.zeros(nk, bool)
+    if layout in ("end", "both"):
+        hidden[nk - 230:] = True
+    if layout in ("start", "both"):
+        hidden[:37] = True
+    if layout == "middle":
+        hidden[240:300] = True
+    if layout == "many":
+        hidden[5::9] = True
+    mask = np.ones((nq, nk), bool)
+    mask[:, hidden] = False
+    mask[-1, 300] = nq == 1           # with several rows: hidden from one row only (finite there)
+    kb, vb = k.copy(), v.copy()
+    kb[:, hidden] = np.nan
+    vb[:, hidden, ::3] = np.inf
+    vb[:, hidden, 1::3] = np.nan
+    vb[:, hidden, 2::3] = -np.inf
+    for h in (2, 1):
+        _core._take_redo_count()
+        out = check(q[:h], kb[:h], vb[:h], mask=mask, num_threads=threads)[0]
+        redone = _core._take_redo_count()
+        assert np.isfinite(out).all()
+        assert_close(out, fastattn.attention(q[:h], k[:h], v[:h], mask=mask, num_threads=threads), dtype)
+        # the fast kernels skipped the hidden keys; too many stretches: the careful redo did
+        assert (redone > 0) if layout == "many" else (redone == 0), redone
 
 
 @pytest.mark.parametrize("dtype", [F32, F64])
