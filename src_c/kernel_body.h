@@ -852,7 +852,9 @@ INLINE int runs_whole(const key_runs *kr, int64_t nb)
     return kr->n < 0 || (kr->n == 1 && kr->run[0][0] == 0 && kr->run[0][1] == nb);
 }
 
-/* From the tiled kernel's bits W (real rows i < bq; the padded rows' bits are all ones) */
+/* kr from the tiled kernel's bits (mask_bits) of a tile of nb keys:
+ *   W  (ceil(nb / 32), ld) words, of which rows i < bq are real (the padded
+ *      rows' bits are all ones) */
 static void visible_runs(key_runs *r, const IT *W, int64_t ld, int64_t bq, int64_t nb)
 {
     r->n = 0;
@@ -867,9 +869,10 @@ static void visible_runs(key_runs *r, const IT *W, int64_t ld, int64_t bq, int64
     key_runs_add(r, nb, 0);
 }
 
-/* pv_block over the key ranges of kr (n >= 0), pf's rows during the first.
- * Off the common path, as rows_pv_runs: a second call of pv_block in
- * fa_attn_item made gcc stop inlining it. */
+/* pv_block over the key ranges of kr (n >= 0), pf's rows during the first
+ * (pointers as pv_block's, at the tile's first key).  Off the common path, as
+ * rows_pv_runs: a second call of pv_block in fa_attn_item made gcc stop
+ * inlining it. */
 static __attribute__((noinline)) void pv_block_runs(const key_runs *kr, T *restrict Ot, const T *restrict Pt,
                                                     const T *restrict V, int64_t vrs, int64_t ld, int64_t bqp,
                                                     int64_t dv, const tile_pf *pf)
@@ -1459,9 +1462,10 @@ static void rows_pv(T *restrict A, const T *restrict S, int64_t ls, int64_t bq, 
 }
 
 /* The row kernel's key_runs (see visible_runs) for the tile [j0, j0 + nb),
- * from the bool mask's bytes; n = -1 without a bool mask.  noinline, as
- * rows_pv_runs. */
-static __attribute__((noinline)) void mask_runs(key_runs *r, const fa_attention_args *a, const fa_item *it, int64_t j0, int64_t nb)
+ * from the bool mask's bytes it->mask (bq, n_k) with strides m_rs, m_cs;
+ * n = -1 without a bool mask.  noinline, as rows_pv_runs. */
+static __attribute__((noinline)) void mask_runs(key_runs *r, const fa_attention_args *a, const fa_item *it,
+                                                int64_t j0, int64_t nb)
 {
     r->n = -1;
     r->start = -1;
@@ -1488,11 +1492,12 @@ static __attribute__((noinline)) void mask_runs(key_runs *r, const fa_attention_
     key_runs_add(r, nb, 0);
 }
 
-/* rows_pv over the key ranges of kr (all nb keys when n < 0); off the common
- * path (noinline: inlined, it slowed item_rows by 4-5 % at 4 rows, mask or not) */
-static __attribute__((noinline)) void rows_pv_runs(const key_runs *kr, T *restrict A, const T *restrict S, int64_t ls, int64_t bq,
-                         const T *restrict V, int64_t vrs, int64_t dv, int64_t nb, int64_t npf,
-                         const tile_pf *xpf)
+/* rows_pv over the key ranges of kr (all nb keys when n < 0), pointers as
+ * rows_pv's; off the common path (noinline: inlined, it slowed item_rows by
+ * 4-5 % at 4 rows, mask or not) */
+static __attribute__((noinline)) void rows_pv_runs(const key_runs *kr, T *restrict A, const T *restrict S,
+                                                   int64_t ls, int64_t bq, const T *restrict V, int64_t vrs,
+                                                   int64_t dv, int64_t nb, int64_t npf, const tile_pf *xpf)
 {
     if (kr->n < 0) {
         rows_pv(A, S, ls, bq, V, vrs, dv, nb, npf, xpf);
@@ -1679,7 +1684,8 @@ static void decode_step(T *restrict Sn, const T *restrict Qs, const T *restrict 
 }
 
 /* decode_step's work where a bool mask hides some keys of this tile from the
- * row: the next tile's scores, then P . V over kr's ranges (rows_pv_runs). */
+ * row: the next tile's scores, then P . V over kr's ranges (rows_pv_runs).
+ * Pointers as decode_step's; Sn and P have row stride bk. */
 static __attribute__((noinline)) void decode_step_runs(const key_runs *kr, T *Sn, const T *Qs, int64_t dkp,
                                                        const T *K, int64_t krs, int64_t dk, int64_t nk,
                                                        int64_t npk, T *A, const T *P, int64_t bk, const T *V,
