@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from fastattn import _core
-from fastattn.bench import WORKLOADS, has_reference, make_inputs, peer_calls
+from fastattn.bench import WORKLOADS, has_reference, has_torch, make_inputs, peer_calls
 
 try:
     import torch
@@ -27,7 +27,7 @@ def _peers(w):
     peers = ["fastattn"]
     if has_reference(w):   # the reference builds the n_q x n_k matrix: not at N8192
         peers.append("reference")
-    if torch is not None and "window" not in w["options"]:   # SDPA has no sliding window
+    if torch is not None and has_torch(w):
         peers.append("torch")
     return peers
 

@@ -35,7 +35,7 @@ import numpy as np
 
 from . import _core, attention, reference
 
-__all__ = ["WORKLOADS", "QUICK", "has_reference", "main", "make_inputs", "peer_calls", "run"]
+__all__ = ["WORKLOADS", "QUICK", "has_reference", "has_torch", "main", "make_inputs", "peer_calls", "run"]
 
 
 # name, (B, H, n_q, n_k, d), dtype, options
@@ -60,6 +60,8 @@ WORKLOADS = [
     _w("20 rows H32 Nk4096 d128", (1, 32, 20, 4096, 128)),  # ... and from memory: up to 24 rows
     _w("20 rows H8 Nk2048 d128", (1, 8, 20, 2048, 128)),    # ... and in cache from d128 on
     _w("B1 H8 N2048 d64 bool mask", (1, 8, 2048, 2048, 64), mask="bool"),
+    # key padding (the last 128 keys) whose K and V rows hold NaN, as an unwritten cache from np.empty
+    _w("B1 H8 N2048 d64 pad, NaN", (1, 8, 2048, 2048, 64), mask="pad"),
     _w("B1 H8 N2048 d64 GQA 8q/2kv", (1, 8, 2048, 2048, 64), gqa=2),
     _w("B1 H8 N8192 d64 causal", (1, 8, 8192, 8192, 64), causal=True),
     _w("  ...window (256, 0)", (1, 8, 8192, 8192, 64), causal=True, window=(256, 0)),
@@ -136,6 +138,11 @@ def make_inputs(w, seed=0):
     k = rng.standard_normal((B, hkv, nk, d)).astype(dt)
     v = rng.standard_normal((B, hkv, nk, d)).astype(dt)
     mask = rng.random((nq, nk)) < 0.9 if w["mask"] == "bool" else None
+    if w["mask"] == "pad":
+        mask = np.ones((nq, nk), bool)
+        mask[:, nk - nk // 16:] = False
+        k[..., nk - nk // 16:, :] = np.nan
+        v[..., nk - nk // 16:, :] = np.nan
     kw = {}
     if "gqa" in opts:
         kw["enable_gqa"] = True
@@ -163,7 +170,15 @@ def _flops(w, kw):
         return 2 * B * H * nq * (min(kw["window"][0], nk) + 1) * (d + d)
     if "kv_lengths" in kw:
         return 2 * H * nq * float(kw["kv_lengths"].sum()) * (d + d)
+    if w["mask"] == "pad":
+        nk -= nk // 16
     return 2 * B * H * nq * nk * (d + d) / (2 if w["causal"] and nq == nk else 1)
+
+
+def has_torch(w):
+    """Whether PyTorch's SDPA computes workload `w`: it has no sliding window (only a
+    dense N x N mask, another computation), and NaN under a bool mask reaches its output."""
+    return "window" not in w["options"] and w["mask"] != "pad"
 
 
 def has_reference(w):
@@ -182,8 +197,7 @@ def peer_calls(w, inputs, threads=None, torch=None):
         "fastattn": lambda: attention(q, k, v, mask=mask, causal=w["causal"], num_threads=threads, **kw)}
     if has_reference(w):
         calls["reference"] = lambda: reference.attention(q, k, v, mask=mask, causal=w["causal"], **kw)
-    # PyTorch's SDPA has no sliding window (only a dense N x N mask, another computation): no peer there
-    if torch is not None and "window" not in kw:
+    if torch is not None and has_torch(w):
         tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
         tm = torch.from_numpy(mask) if mask is not None else None
         sdpa = torch.nn.functional.scaled_dot_product_attention
