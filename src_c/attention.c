@@ -218,7 +218,8 @@ static void choose_tiles(const fa_attention_args *a, int lanes, int64_t rows_max
     while (!rows_kernel && bq_max > 32 && n_lead * ((a->nq + bq_max - 1) / bq_max) < 4 * (int64_t)threads)
         bq_max /= 2;
     if (!rows_kernel && a->win_left >= 0 && a->win_left < 1024 && bq_max > 32)
-        bq_max = 32; /* a narrow band (sliding window): see bk below */
+        bq_max = 32; /* a narrow band (sliding window) wastes less at its edges with small
+                      * tiles: with 128-key tiles, measured 27 % faster at N8192, window (256, 0) */
     if (forced_bq && !rows_kernel) bq_max = forced_bq;
     t->bq = a->nq < bq_max ? a->nq : bq_max;
     if (t->bq < 1) t->bq = 1;
@@ -231,12 +232,19 @@ static void choose_tiles(const fa_attention_args *a, int lanes, int64_t rows_max
      * threads, AVX2 on Zen 3), 2.6 % at B32 H12 N128. */
     t->ld = t->bqp;
     if ((t->bqp * esz) % 128 == 0) t->ld += 64 / esz;
-    /* rows kernel: long key tiles, fewer switches between the K and V streams
-     * (measured 2-4 % faster than 64 at H32 Nk4096 d128) */
-    int64_t bk_max = rows_kernel ? 256 : (a->dtype == FA_F32 ? 256 : 128);
-    /* A narrow band (sliding window) wastes less at its edges with small tiles:
-     * measured 27 % faster at N8192, window (256, 0). */
-    if (!rows_kernel && a->win_left >= 0 && a->win_left < 1024) bk_max = 128;
+    /* Key tiles.  The row kernel: long ones, fewer switches between the K and
+     * V streams: 256 keys for one query row (measured 2-4 % faster than 64 at
+     * H32 Nk4096 d128), 128 for more (against 256, from memory at H32 Nk4096
+     * d128: 2, 4 and 8 rows 1.02-1.05x, float64 4 rows 1.10x; one row 0.985,
+     * float64 1.00).  The tiled kernel: 64 keys, so that a tile's K and V
+     * (16-32 KiB each at d64-d128 float32) arrive from memory in time through
+     * the prefetch of one pass ahead (tile_pf).  Against the earlier 256
+     * (float32) and 128 (float64), AVX2 on Zen 3, two threads: few query rows
+     * with K and V from memory 1.08-1.35x (12, 16, 20 and 32 rows, H32 Nk4096
+     * d128; float64 1.05x); in cache and with full query blocks 0.995-1.045x
+     * (B1 H8 N2048 d32-d256, float64, causal, bool mask, BERT, a window,
+     * attention_weights; one thread 0.998-1.03x); 32 keys lost 2-8 % in cache. */
+    int64_t bk_max = !rows_kernel ? 64 : a->nq == 1 ? 256 : 128;
     if (forced_bk) bk_max = forced_bk;
     t->bk = a->nk < bk_max ? a->nk : bk_max;
     if (t->bk < 1) t->bk = 1;
@@ -376,10 +384,10 @@ static int run(const fa_attention_args *a, int weights)
     if (n_lead_total == 0 || a->nq == 0 || (weights && a->nk == 0)) return FA_OK;
 
     const fa_isa_table *isa = fa_isa_current();
-    const int big = kv_bytes(a) > FA_KV_MEM_BYTES || a->dk >= FA_ROWS_DK_BIG;
-    const int64_t rows_max = forced_rows_max ? forced_rows_max
-                             : big           ? isa->rows_max_big[a->dtype]
-                                             : isa->rows_max;
+    const int64_t rows_max = forced_rows_max                   ? forced_rows_max
+                             : kv_bytes(a) > FA_KV_MEM_BYTES   ? isa->rows_max_big[a->dtype]
+                             : a->dk >= FA_ROWS_DK_BIG         ? isa->rows_max_dk[a->dtype]
+                                                               : isa->rows_max[a->dtype];
     const int rows_kernel = !weights && a->nq <= rows_max;
     const fa_attn_item_fn item_fn = weights       ? isa->weights_item[a->dtype]
                                     : rows_kernel ? isa->attn_item_rows[a->dtype]

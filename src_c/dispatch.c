@@ -12,12 +12,14 @@
 
 #include "internal.h"
 
-#define FA_TABLE(isa, rows_max, big_f32, big_f64, fuse)                            \
+/* rows_max, rows_max_big and rows_max_dk for float32 (r..32) and float64 (r..64) */
+#define FA_TABLE(isa, r32, r64, big32, big64, dk32, dk64, fuse)                    \
     {                                                                              \
         #isa,                                                                      \
         {0, 0}, /* lanes are filled in from the kernel files at first use */      \
-        rows_max,                                                                  \
-        {big_f32, big_f64},                                                        \
+        {r32, r64},                                                                \
+        {big32, big64},                                                            \
+        {dk32, dk64},                                                              \
         fuse,                                                                      \
         {fa_attn_item_f32_##isa, fa_attn_item_f64_##isa},                          \
         {fa_attn_item_rows_f32_##isa, fa_attn_item_rows_f64_##isa},                \
@@ -44,9 +46,8 @@
  * AVX-512, 2 threads, d128: float32 48-128 MiB 1.26-1.30, 1.17-1.22, 1.33-1.47,
  * 1.24-1.33, 1.02 (32 MiB: 0.89-1.30, noisy; 16-24 MiB, in cache: 0.87-0.99 at
  * 13 to 16 rows); float64 64-128 MiB 1.11-1.28, 1.11-1.19, 1.07-1.24,
- * 0.94-1.09.  AVX2: the tiled kernel was as fast or faster from 11 rows on, in
- * cache or not (0.65-1.02), so it keeps 10.
- * rows_max_big also holds when dk >= FA_ROWS_DK_BIG (128), K and V in cache:
+ * 0.94-1.09.
+ * rows_max_dk: the same when dk >= FA_ROWS_DK_BIG (128), K and V in cache:
  * the row kernel's horizontal sums cost the same per score at any dk, so long
  * dot products hide them; and its P.V tile of 8 rows x 3 vectors (kernel_body.h;
  * the 0.87-0.99 in cache above was measured with 4 x 4) lifted it past the
@@ -56,19 +57,31 @@
  * 0.99, 0.90, 0.95, 1.39, 1.28, 1.07); d256 1.20 at 13, 1.02 at 16, 1.31 at 20;
  * float64 d128 1.07, 0.98, 0.89, 0.92, 1.19, 1.12, 0.95.  Below d128 the tiled
  * kernel wins from 13 rows on (d64 and d96: 0.75-0.92 at 13-16 and 24 rows,
- * d112 0.84-1.06). */
+ * d112 0.84-1.06).
+ * AVX2, since the tiled kernel's 64-key tiles (attention.c, choose_tiles),
+ * which keep it fed from memory with few query rows: tiled / row-kernel time
+ * at 2, 3, 4, 5, 6, 7, 8, 10 rows, 2 threads.  float32 from memory (H32
+ * Nk4096 d128) 1.28 1.33 1.29 1.15 1.05 1.02 1.00 0.89; in cache (H8 Nk1024
+ * d64 and d128) 1.62-1.80, 1.52-1.67, 1.36-1.38, 1.10-1.13, 1.00, 0.95-0.97,
+ * 0.82-0.87, 0.96-1.04: 6 everywhere.  float64 from memory 1.24 1.21 1.13
+ * 1.12 1.02 1.00 0.94 1.01: 6; in cache (d64 and d128) 1.11-1.13,
+ * 1.06-1.09, 0.92-0.94, 0.94, 0.83, 0.75-0.77, 0.70, 0.82: 3.  Before them
+ * the row kernel kept up to 10 rows (the tiled kernel was as fast or faster
+ * from 11 rows on).  The portable path: tiled / row kernel at 3, 5, 7, 9 rows
+ * 1.09-1.36, 1.12-1.33, 0.97-1.19, 1.01-1.30 (float32 and float64, in cache
+ * and from memory), so it keeps 10. */
 /* fuse: the tiled kernel's fused exp (kernel_body.h, FUSE_LAG) takes the exp
  * out of the Q.K^T accumulator registers.  With the 32 registers of AVX-512 it
  * measured 2-4 % faster (B1 H8 N2048 d64).  With 16 registers the 12
  * accumulators leave the exp no room and it spills: unfused was faster on
  * Zen 3 (AVX2, one thread, B1 H8 N2048): float32 d64 1.00-1.01x, d128 1.01x,
  * float64 1.05x; portable path (B1 H4 N1024) 1.05x and 1.07x. */
-static fa_isa_table table_generic = FA_TABLE(generic, 10, 10, 10, 0);
+static fa_isa_table table_generic = FA_TABLE(generic, 10, 10, 10, 10, 10, 10, 0);
 #ifdef FA_HAVE_AVX2_BUILD
-static fa_isa_table table_avx2 = FA_TABLE(avx2, 10, 10, 10, 0);
+static fa_isa_table table_avx2 = FA_TABLE(avx2, 6, 3, 6, 6, 6, 3, 0);
 #endif
 #ifdef FA_HAVE_AVX512_BUILD
-static fa_isa_table table_avx512 = FA_TABLE(avx512, 12, 24, 20, 1);
+static fa_isa_table table_avx512 = FA_TABLE(avx512, 12, 12, 24, 20, 24, 20, 1);
 #endif
 
 static const fa_isa_table *current = NULL;

@@ -68,10 +68,11 @@ typedef void (*fa_exp_fn)(const void *x, void *y, int64_t n);
 typedef struct {
     const char *name;
     int lanes[2];                     /* SIMD lanes for FA_F32, FA_F64 */
-    int rows_max;                     /* n_q up to this takes the row kernel */
-    int rows_max_big[2];              /* ... when K and V come from memory
-                                       * (FA_KV_MEM_BYTES) or dk >= FA_ROWS_DK_BIG,
+    int rows_max[2];                  /* n_q up to this takes the row kernel,
                                        * for FA_F32, FA_F64 */
+    int rows_max_big[2];              /* ... when K and V come from memory
+                                       * (beyond FA_KV_MEM_BYTES) */
+    int rows_max_dk[2];               /* ... else when dk >= FA_ROWS_DK_BIG */
     int fuse;                         /* the tiled kernel's fused exp: 1 where it
                                        * measured faster (see dispatch.c) */
     fa_attn_item_fn attn_item[2];      /* tiled: many query rows */
@@ -96,8 +97,9 @@ static inline int64_t fa_attn_scratch_elems(const fa_tiles *t, int64_t dk, int64
     return t->ld * (dk + t->bk + dv + 2 + (t->bk + 31) / 32);
 }
 /* The row kernel takes n_q <= rows_max query rows (the ISA table's rows_max,
- * or rows_max_big when the call's K and V exceed FA_KV_MEM_BYTES or dk is at
- * least FA_ROWS_DK_BIG, or the value forced by fa_set_rows_max, at most
+ * rows_max_big when the call's K and V exceed FA_KV_MEM_BYTES, else
+ * rows_max_dk when dk is at least FA_ROWS_DK_BIG; or the value forced by
+ * fa_set_rows_max, at most
  * FA_ROWS_CAP); dk is padded to a whole number of vectors (at most
  * FA_LANES_MAX lanes: float32 in 64 bytes). */
 #define FA_ROWS_CAP 24

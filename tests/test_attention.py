@@ -975,28 +975,29 @@ def test_row_kernel_many_rows_split_keys(isa, rng, rows_max, dtype, nq):
     check(q, k, v, mask=rng.random((nq, 3000)) < 0.5, num_threads=2)
 
 
-# The most query rows that take the row kernel, by SIMD path: K and V within
-# 48 MiB and dk < 128 (float32, float64), and K and V beyond 48 MiB or dk >= 128
-# (dispatch.c: rows_max, rows_max_big).
-ROWS_MAX = {"avx512": ((12, 12), (24, 20))}
-ROWS_MAX_OTHER = ((10, 10), (10, 10))
+# The most query rows that take the row kernel, by SIMD path (float32, float64):
+# K and V within 48 MiB and dk < 128, K and V beyond 48 MiB, K and V within 48 MiB
+# and dk >= 128 (dispatch.c: rows_max, rows_max_big, rows_max_dk).
+ROWS_MAX = {"avx512": ((12, 12), (24, 20), (24, 20)),
+            "avx2": ((6, 3), (6, 6), (6, 3)),
+            "generic": ((10, 10), (10, 10), (10, 10))}
 
 
 @pytest.mark.parametrize("dtype", [F32, F64])
 @pytest.mark.parametrize("kv_mib, d", [(1, 64), (40, 64), (50, 64), (1, 127), (1, 128), (1, 200)])
 def test_row_kernel_choice(isa, rng, rows_max, dtype, kv_mib, d):
-    """Which kernel takes 9 to 24 query rows depends on the SIMD path, on
-    whether K and V exceed 48 MiB (then they come from memory, where the row
-    kernel keeps ahead for more rows) and on the head dim (from 128 on, long dot
+    """Which kernel takes 2 to 24 query rows depends on the SIMD path, the
+    dtype, whether K and V exceed 48 MiB (then they come from memory, where the
+    row kernel keeps ahead for more rows) and the head dim (from 128 on, long dot
     products hide the row kernel's horizontal sums): the output is bitwise that
     of the kernel forced by rows_max, and both agree with the reference.  GQA: K
     and V heads shared by two query heads count once (40 MiB, not 80)."""
     h_kv = 2
     nk = (kv_mib << 20) // (2 * h_kv * d * np.dtype(dtype).itemsize)
     k, v = rand(rng, (h_kv, nk, d), dtype), rand(rng, (h_kv, nk, d), dtype)
-    big = kv_mib > 48 or d >= 128
-    limit = ROWS_MAX.get(isa, ROWS_MAX_OTHER)[big][dtype == F64]
-    for nq in (9, 11, 13, 20, 21, 24):
+    kind = 1 if kv_mib > 48 else 2 if d >= 128 else 0
+    limit = ROWS_MAX[isa][kind][dtype == F64]
+    for nq in (2, 3, 4, 6, 7, 9, 11, 13, 20, 21, 24):
         q = rand(rng, (2 * h_kv, nq, d), dtype)
         out = fastattn.attention(q, k, v, enable_gqa=True, num_threads=2)
         rows_max(24)
