@@ -332,7 +332,7 @@ def test_padding_mask_skips_hidden_keys(isa, rng, dtype, nq, threads, layout):
     the result, at the start, at the end, across a key tile edge, and with more
     hidden stretches per tile than there are ranges (the whole tile, then the
     careful redo); one head with two threads splits the keys."""
-    nk = 700  # key tiles of 256 (float64 tiled: 128), the last one partial
+    nk = 700  # key tiles of 64 (tiled), 128 (row kernel) or 256 (one row), the last one partial
     q, k, v = rand(rng, (2, nq, 24), dtype), rand(rng, (2, nk, 24), dtype), rand(rng, (2, nk, 20), dtype)
     hidden = np.zeros(nk, bool)
     if layout in ("end", "both"):
@@ -896,12 +896,13 @@ def test_longdouble_rejected(rng):
 # few query rows (the row kernel) and split keys (flash-decoding merge)
 # ---------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [F32, F64])
-@pytest.mark.parametrize("nq", [1, 2, 3, 5, 8, 9, 10, 11, 12, 13])
+@pytest.mark.parametrize("nq", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13])
 @pytest.mark.parametrize("nk", [1, 9, 511, 513, 1024, 1537, 5000])
 @pytest.mark.parametrize("threads", [1, 2, 4])
 def test_decode_rows_and_splits(isa, rng, dtype, nq, nk, threads):
-    """One head: up to 10 query rows (12 with AVX-512) take the row kernel, more
-    the tiled one: both sides of the limit on every path; with 2 or 4 threads
+    """One head: few query rows take the row kernel, more the tiled one (up to
+    6 with AVX2, float64 3; 10 on the portable path; 12 with AVX-512; see
+    ROWS_MAX): both sides of the limit on every path; with 2 or 4 threads
     and n_k >= 1024 the keys are split across threads and merged by the
     logsumexp rule."""
     d = 72  # not a multiple of the vector width: exercises the dot-product tails
@@ -948,13 +949,14 @@ def stream():
 @pytest.mark.parametrize("nq", [2, 3, 5, 8, 10])
 @pytest.mark.parametrize("nk", [1, 303, 513])
 @pytest.mark.parametrize("dk, dv", [(72, 40), (128, 128), (7, 3)])
-def test_row_kernel_streaming(isa, rng, stream, dtype, nq, nk, dk, dv):
-    """The row kernel as it runs on K and V from memory (forced on small ones):
-    V rows prefetched during the scores and the next tile's K during P.V, for
-    1, 2 and 3 key tiles (256 keys) with a tail, P.V tiles with and without
-    whole vectors of dv, row groups with remainders.  Plain, causal, a bool mask
-    and kv_lengths."""
+def test_row_kernel_streaming(isa, rng, stream, rows_max, dtype, nq, nk, dk, dv):
+    """The row kernel (forced for every nq here) as it runs on K and V from
+    memory (forced on small ones): V rows prefetched during the scores and the
+    next tile's K during P.V, for 1 to 5 key tiles (128 keys) with a tail, P.V
+    tiles with and without whole vectors of dv, row groups with remainders.
+    Plain, causal, a bool mask and kv_lengths."""
     stream(1)
+    rows_max(24)
     q, k, v = rand(rng, (2, nq, dk), dtype), rand(rng, (2, nk, dk), dtype), rand(rng, (2, nk, dv), dtype)
     check(q, k, v, num_threads=1)
     check(q, k, v, causal=True, num_threads=2)
