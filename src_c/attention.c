@@ -243,8 +243,12 @@ static void choose_tiles(const fa_attention_args *a, int lanes, int64_t rows_max
      * with K and V from memory 1.08-1.35x (12, 16, 20 and 32 rows, H32 Nk4096
      * d128; float64 1.05x); in cache and with full query blocks 0.995-1.045x
      * (B1 H8 N2048 d32-d256, float64, causal, bool mask, BERT, a window,
-     * attention_weights; one thread 0.998-1.03x); 32 keys lost 2-8 % in cache. */
+     * attention_weights; one thread 0.998-1.03x); 32 keys lost 2-8 % in cache.
+     * From memory with up to 32 query rows a block, 32 keys: 8, 12, 16 rows
+     * 1.15, 1.05, 1.05x (float64 1.02, 1.08, 1.12x) at H32 Nk4096 d128; 32 rows
+     * 1.03x, 64 rows 0.98x. */
     int64_t bk_max = !rows_kernel ? 64 : a->nq == 1 ? 256 : 128;
+    if (!rows_kernel && t->bq <= 32 && kv_bytes(a) > FA_KV_MEM_BYTES) bk_max = 32;
     if (forced_bk) bk_max = forced_bk;
     t->bk = a->nk < bk_max ? a->nk : bk_max;
     if (t->bk < 1) t->bk = 1;

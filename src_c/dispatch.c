@@ -63,9 +63,12 @@
  * at 2, 3, 4, 5, 6, 7, 8, 10 rows, 2 threads.  float32 from memory (H32
  * Nk4096 d128) 1.28 1.33 1.29 1.15 1.05 1.02 1.00 0.89; in cache (H8 Nk1024
  * d64 and d128) 1.62-1.80, 1.52-1.67, 1.36-1.38, 1.10-1.13, 1.00, 0.95-0.97,
- * 0.82-0.87, 0.96-1.04: 6 everywhere.  float64 from memory 1.24 1.21 1.13
- * 1.12 1.02 1.00 0.94 1.01: 6; in cache (d64 and d128) 1.11-1.13,
- * 1.06-1.09, 0.92-0.94, 0.94, 0.83, 0.75-0.77, 0.70, 0.82: 3.  Before them
+ * 0.82-0.87, 0.96-1.04: 6.  float64 from memory 1.24 1.21 1.13 1.12 1.02
+ * 1.00 0.94 1.01; in cache (d64 and d128) 1.11-1.13, 1.06-1.09, 0.92-0.94,
+ * 0.94, 0.83, 0.75-0.77, 0.70, 0.82: 3.  From memory the tiled kernel then
+ * took 32-key tiles for blocks of up to 32 rows (choose_tiles), after which
+ * tiled / row kernel at 4, 5, 6, 7 rows: float32 1.12 1.02 0.94 0.92,
+ * float64 1.05 1.07 0.92 0.90: 5 for both.  Before them
  * the row kernel kept up to 10 rows (the tiled kernel was as fast or faster
  * from 11 rows on).  The portable path: tiled / row kernel at 3, 5, 7, 9 rows
  * 1.09-1.36, 1.12-1.33, 0.97-1.19, 1.01-1.30 (float32 and float64, in cache
@@ -78,7 +81,7 @@
  * float64 1.05x; portable path (B1 H4 N1024) 1.05x and 1.07x. */
 static fa_isa_table table_generic = FA_TABLE(generic, 10, 10, 10, 10, 10, 10, 0);
 #ifdef FA_HAVE_AVX2_BUILD
-static fa_isa_table table_avx2 = FA_TABLE(avx2, 6, 3, 6, 6, 6, 3, 0);
+static fa_isa_table table_avx2 = FA_TABLE(avx2, 6, 3, 5, 5, 6, 3, 0);
 #endif
 #ifdef FA_HAVE_AVX512_BUILD
 static fa_isa_table table_avx512 = FA_TABLE(avx512, 12, 12, 24, 20, 24, 20, 1);
