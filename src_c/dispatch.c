@@ -68,9 +68,9 @@
  * 0.94, 0.83, 0.75-0.77, 0.70, 0.82: 3.  From memory the tiled kernel then
  * took 32-key tiles for blocks of up to 32 rows (choose_tiles), after which
  * tiled / row kernel at 4, 5, 6, 7 rows: float32 1.12 1.02 0.94 0.92,
- * float64 1.05 1.07 0.92 0.90: 5 for both.  Before them
- * the row kernel kept up to 10 rows (the tiled kernel was as fast or faster
- * from 11 rows on).  The portable path: tiled / row kernel at 3, 5, 7, 9 rows
+ * float64 1.05 1.07 0.92 0.90: 5 for both.  Before them the row kernel kept
+ * up to 10 rows (the tiled kernel was as fast or faster from 11 rows on).
+ * The portable path: tiled / row kernel at 3, 5, 7, 9 rows
  * 1.09-1.36, 1.12-1.33, 0.97-1.19, 1.01-1.30 (float32 and float64, in cache
  * and from memory), so it keeps 10. */
 /* fuse: the tiled kernel's fused exp (kernel_body.h, FUSE_LAG) takes the exp

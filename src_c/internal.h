@@ -99,9 +99,8 @@ static inline int64_t fa_attn_scratch_elems(const fa_tiles *t, int64_t dk, int64
 /* The row kernel takes n_q <= rows_max query rows (the ISA table's rows_max,
  * rows_max_big when the call's K and V exceed FA_KV_MEM_BYTES, else
  * rows_max_dk when dk is at least FA_ROWS_DK_BIG; or the value forced by
- * fa_set_rows_max, at most
- * FA_ROWS_CAP); dk is padded to a whole number of vectors (at most
- * FA_LANES_MAX lanes: float32 in 64 bytes). */
+ * fa_set_rows_max, at most FA_ROWS_CAP); dk is padded to a whole number of
+ * vectors (at most FA_LANES_MAX lanes: float32 in 64 bytes). */
 #define FA_ROWS_CAP 24
 #define FA_KV_MEM_BYTES ((int64_t)48 << 20)
 #define FA_ROWS_DK_BIG 128
