@@ -209,7 +209,7 @@ static int64_t kv_bytes(const fa_attention_args *a)
  * measured 4-8 % faster at d = 128, 256 and for float64) and while that leaves
  * fewer than four items per thread. */
 static void choose_tiles(const fa_attention_args *a, int lanes, int64_t rows_max, int rows_kernel,
-                         int64_t n_lead, int threads, fa_tiles *t)
+                         int from_memory, int64_t n_lead, int threads, fa_tiles *t)
 {
     const int64_t tw = lanes; /* bqp: whole vectors (the micro-kernels take one or two) */
     int64_t bq_max = rows_kernel ? rows_max : 128;
@@ -248,7 +248,7 @@ static void choose_tiles(const fa_attention_args *a, int lanes, int64_t rows_max
      * 1.15, 1.05, 1.05x (float64 1.02, 1.08, 1.12x) at H32 Nk4096 d128; 32 rows
      * 1.03x, 64 rows 0.98x. */
     int64_t bk_max = !rows_kernel ? 64 : a->nq == 1 ? 256 : 128;
-    if (!rows_kernel && t->bq <= 32 && kv_bytes(a) > FA_KV_MEM_BYTES) bk_max = 32;
+    if (!rows_kernel && t->bq <= 32 && from_memory) bk_max = 32;
     if (forced_bk) bk_max = forced_bk;
     t->bk = a->nk < bk_max ? a->nk : bk_max;
     if (t->bk < 1) t->bk = 1;
@@ -388,10 +388,11 @@ static int run(const fa_attention_args *a, int weights)
     if (n_lead_total == 0 || a->nq == 0 || (weights && a->nk == 0)) return FA_OK;
 
     const fa_isa_table *isa = fa_isa_current();
-    const int64_t rows_max = forced_rows_max                   ? forced_rows_max
-                             : kv_bytes(a) > FA_KV_MEM_BYTES   ? isa->rows_max_big[a->dtype]
-                             : a->dk >= FA_ROWS_DK_BIG         ? isa->rows_max_dk[a->dtype]
-                                                               : isa->rows_max[a->dtype];
+    const int from_memory = kv_bytes(a) > FA_KV_MEM_BYTES; /* K and V beyond the L3 */
+    const int64_t rows_max = forced_rows_max           ? forced_rows_max
+                             : from_memory             ? isa->rows_max_big[a->dtype]
+                             : a->dk >= FA_ROWS_DK_BIG ? isa->rows_max_dk[a->dtype]
+                                                       : isa->rows_max[a->dtype];
     const int rows_kernel = !weights && a->nq <= rows_max;
     const fa_attn_item_fn item_fn = weights       ? isa->weights_item[a->dtype]
                                     : rows_kernel ? isa->attn_item_rows[a->dtype]
@@ -401,9 +402,9 @@ static int run(const fa_attention_args *a, int weights)
     const size_t msz = a->mask_kind == FA_MASK_BOOL ? 1 : esz;
     const int want = a->num_threads > 0 ? a->num_threads : fa_max_threads();
     fa_tiles tiles;
-    choose_tiles(a, isa->lanes[a->dtype], rows_max, rows_kernel, n_lead_total, want, &tiles);
+    choose_tiles(a, isa->lanes[a->dtype], rows_max, rows_kernel, from_memory, n_lead_total, want, &tiles);
     tiles.fuse = forced_fuse >= 0 ? forced_fuse : isa->fuse;
-    tiles.stream = forced_stream >= 0 ? forced_stream : kv_bytes(a) > FA_KV_MEM_BYTES;
+    tiles.stream = forced_stream >= 0 ? forced_stream : from_memory;
     const int64_t n_qb = (a->nq + tiles.bq - 1) / tiles.bq;
     const int64_t n_items = n_lead_total * n_qb;
 

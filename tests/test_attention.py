@@ -989,9 +989,9 @@ ROWS_MAX = {"avx512": ((12, 12), (24, 20), (24, 20)),
 @pytest.mark.parametrize("kv_mib, d", [(1, 64), (40, 64), (50, 64), (1, 127), (1, 128), (1, 200)])
 def test_row_kernel_choice(isa, rng, rows_max, dtype, kv_mib, d):
     """Which kernel takes 2 to 24 query rows depends on the SIMD path, the
-    dtype, whether K and V exceed 48 MiB (then they come from memory, where the
-    row kernel keeps ahead for more rows) and the head dim (from 128 on, long dot
-    products hide the row kernel's horizontal sums): the output is bitwise that
+    dtype, whether K and V exceed 48 MiB (then they come from memory, and the
+    tiled kernel takes 32-key tiles up to 32 rows) and the head dim (from 128
+    on, long dot products hide the row kernel's horizontal sums): the output is bitwise that
     of the kernel forced by rows_max, and both agree with the reference.  GQA: K
     and V heads shared by two query heads count once (40 MiB, not 80)."""
     h_kv = 2
@@ -1011,6 +1011,22 @@ def test_row_kernel_choice(isa, rng, rows_max, dtype, kv_mib, d):
         np.testing.assert_array_equal(out, by_rows if nq <= limit else tiled, err_msg=f"{nq} rows")
         if nq in (13, 24):
             check(q, k, v, dtype, enable_gqa=True, num_threads=2)
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("bk", [32, 64])
+@pytest.mark.parametrize("nq", [7, 16, 33])
+@pytest.mark.parametrize("threads", [2, 3])
+def test_split_keys_tiled_short_tiles(isa, rng, tiles, dtype, bk, nq, threads):
+    """One head, more threads than items: the tiled kernel's keys are split and
+    merged, with the key tiles it takes by default (64, and 32 from memory, forced
+    here on K and V in cache); 3000 keys leave a partial last tile per split, and
+    dv 128 and 20 leave register-tile tails."""
+    tiles(0, bk)
+    for dv in (128, 20):
+        q, k, v = rand(rng, (1, nq, 40), dtype), rand(rng, (1, 3000, 40), dtype), rand(rng, (1, 3000, dv), dtype)
+        check(q, k, v, dtype, num_threads=threads)
+        check(q, k, v, dtype, causal=True, mask=rng.random((nq, 3000)) < 0.8, num_threads=threads)
 
 
 @pytest.mark.parametrize("threads", [2, 3])
