@@ -280,9 +280,9 @@ def _set_fused(int mode=-1):
 
 
 def _set_stream(int mode=-1):
-    """Force the row kernel's prefetch across passes (for K and V streamed from
-    memory) on (1) or off (0); -1: on when K and V exceed 48 MiB.  Tuning and
-    tests only; not thread-safe."""
+    """Force the row kernel's prefetch across passes and its far prefetch into L2
+    (for K and V streamed from memory) on (1) or off (0); -1: on when K and V
+    exceed 48 MiB and 16 MiB.  Tuning and tests only; not thread-safe."""
     fa_set_stream(mode)
 
 

@@ -182,8 +182,8 @@ static int forced_fuse = -1;
 
 void fa_set_fused(int mode) { forced_fuse = mode < 0 ? -1 : mode != 0; }
 
-/* The row kernel's prefetch across passes forced by fa_set_stream (-1: by the
- * size of K and V). */
+/* The row kernel's prefetch across passes and its far prefetch (fa_tiles'
+ * stream and far) forced by fa_set_stream (-1: by the size of K and V). */
 static int forced_stream = -1;
 
 void fa_set_stream(int mode) { forced_stream = mode < 0 ? -1 : mode != 0; }
@@ -388,7 +388,8 @@ static int run(const fa_attention_args *a, int weights)
     if (n_lead_total == 0 || a->nq == 0 || (weights && a->nk == 0)) return FA_OK;
 
     const fa_isa_table *isa = fa_isa_current();
-    const int from_memory = kv_bytes(a) > FA_KV_MEM_BYTES; /* K and V beyond the L3 */
+    const int64_t kvb = kv_bytes(a);
+    const int from_memory = kvb > FA_KV_MEM_BYTES; /* K and V beyond the L3 */
     const int64_t rows_max = forced_rows_max           ? forced_rows_max
                              : from_memory             ? isa->rows_max_big[a->dtype]
                              : a->dk >= FA_ROWS_DK_BIG ? isa->rows_max_dk[a->dtype]
@@ -405,6 +406,7 @@ static int run(const fa_attention_args *a, int weights)
     choose_tiles(a, isa->lanes[a->dtype], rows_max, rows_kernel, from_memory, n_lead_total, want, &tiles);
     tiles.fuse = forced_fuse >= 0 ? forced_fuse : isa->fuse;
     tiles.stream = forced_stream >= 0 ? forced_stream : from_memory;
+    tiles.far = forced_stream >= 0 ? forced_stream : kvb > FA_KV_FAR_BYTES;
     const int64_t n_qb = (a->nq + tiles.bq - 1) / tiles.bq;
     const int64_t n_items = n_lead_total * n_qb;
 

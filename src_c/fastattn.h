@@ -130,9 +130,10 @@ void fa_set_rows_max(int64_t n);
 /* Force the tiled kernel's fused exp on (1) or off (0); -1 restores the ISA's
  * default.  Not thread-safe: for tuning and tests only. */
 void fa_set_fused(int mode);
-/* Force the row kernel's prefetch across passes (tiles.stream in internal.h)
- * on (1) or off (0); -1 restores the default (on when K and V exceed
- * FA_KV_MEM_BYTES).  Not thread-safe: for tuning and tests only. */
+/* Force the row kernel's prefetch across passes and its far prefetch
+ * (tiles.stream and tiles.far in internal.h) on (1) or off (0); -1 restores
+ * the default (on when K and V exceed FA_KV_MEM_BYTES, FA_KV_FAR_BYTES).  Not
+ * thread-safe: for tuning and tests only. */
 void fa_set_stream(int mode);
 /* The number of rows the kernels recomputed in their careful mode (a result
  * that came out inf or NaN) since the last call of this; for tests. */

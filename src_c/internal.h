@@ -17,6 +17,8 @@ typedef struct {
     int stream;   /* K and V come from memory (FA_KV_MEM_BYTES): the row kernel
                    * prefetches the V of a key tile during its scores and the next
                    * tile's K during its P.V (kernel_body.h, item_rows) */
+    int far;      /* K and V exceed FA_KV_FAR_BYTES: the row kernel prefetches the
+                   * K and V rows it reads into L2, further ahead (prefetch_row) */
 } fa_tiles;
 
 /* One work item: query rows [i0, i0 + bq) of one leading index, against the
@@ -103,6 +105,9 @@ static inline int64_t fa_attn_scratch_elems(const fa_tiles *t, int64_t dk, int64
  * vectors (at most FA_LANES_MAX lanes: float32 in 64 bytes). */
 #define FA_ROWS_CAP 24
 #define FA_KV_MEM_BYTES ((int64_t)48 << 20)
+/* K and V beyond this: the row kernel's far prefetch (fa_tiles.far; measured
+ * on Zen 4 with a 32 MiB L3: even at 16 MiB, ahead from 32 MiB on). */
+#define FA_KV_FAR_BYTES ((int64_t)16 << 20)
 #define FA_ROWS_DK_BIG 128
 #define FA_LANES_MAX 16
 static inline int64_t fa_rows_scratch_elems(const fa_tiles *t, int64_t dk, int64_t dv)

@@ -1197,25 +1197,38 @@ void FN(fa_attn_merge)(const fa_attention_args *a, const fa_item *it, const void
  *   m, l (bq)
  *   Sn   (bk)       one row: the next tile's scores
  * ------------------------------------------------------------------------- */
-/* Software prefetch for the decode kernel, which streams K and V once from
- * memory: rows about PF_BYTES ahead of use (at least 4 rows).  Measured at
- * H32 Nk4096 d128 float32: 1.3-1.4x PyTorch without, 1.6-2.1x with; 4-8 KiB
- * ahead was a plateau, 2 rows ahead too close. */
-enum { PF_BYTES = 6144 };
-/* ... and in the pipelined decode loop (decode_step), which reads K and V
- * together: measured at H32 Nk4096 d128, two threads, against the loop at 6 KiB
- * ahead: 1.5-3 KiB 1.10-1.14x (float32), 4 rows of float64 1.17-1.19x; at d64
- * all within the noise. */
-enum { DECODE_PF_BYTES = 2048 };
+/* Software prefetch of the K and V rows that the row kernel streams, in two
+ * kinds (far: fa_tiles.far, K and V beyond FA_KV_FAR_BYTES).
+ * Near, K and V in cache: into L1, rows about PF_BYTES ahead of use (at least
+ * 4 rows).  Measured at H32 Nk4096 d128 float32 (Zen 3): 1.3-1.4x PyTorch
+ * without, 1.6-2.1x with; 4-8 KiB ahead was a plateau, 2 rows ahead too close.
+ * In the pipelined decode loop (decode_step), which reads K and V together,
+ * DECODE_PF_BYTES ahead: against 6 KiB, 1.5-3 KiB 1.10-1.14x (float32), 4 rows
+ * of float64 1.17-1.19x; at d64 all within the noise.
+ * Far, K and V from memory: into L2 (prefetcht1), FAR_PF_BYTES ahead.  On Zen 4
+ * (H32 Nk4096 d128, two threads) against the near kind: decoding 1.34-1.50x
+ * (float64 1.59x, one thread 1.60x), 8 rows 1.26-1.39x, 12 and 20 rows
+ * 1.17x; 4-16 KiB ahead alike; both kinds at once only 1.17x (the L1 prefetch
+ * is what held the stream back).  With K and V in cache (1-8 MiB) the far kind
+ * cost decoding 8-15 %; at 16 MiB the two were even, at 32 MiB far 1.46-1.63x. */
+enum { PF_BYTES = 6144, DECODE_PF_BYTES = 2048, FAR_PF_BYTES = 8192 };
 INLINE int64_t prefetch_dist_bytes(int64_t row_elems, int64_t bytes)
 {
     const int64_t r = bytes / (row_elems * (int64_t)sizeof(T) + 1);
     return r < 4 ? 4 : r;
 }
-INLINE int64_t prefetch_dist(int64_t row_elems) { return prefetch_dist_bytes(row_elems, PF_BYTES); }
-INLINE void prefetch_row(const T *p, int64_t n)
+/* Rows ahead for the row kernel's K and V prefetch (near: PF_BYTES). */
+INLINE int64_t prefetch_dist(int64_t row_elems, int far)
 {
-    for (int64_t c = 0; c < n; c += 64 / (int64_t)sizeof(T)) __builtin_prefetch(p + c, 0, 3);
+    return prefetch_dist_bytes(row_elems, far ? FAR_PF_BYTES : PF_BYTES);
+}
+/* One K or V row (n elements), into L2 (far) or L1. */
+INLINE void prefetch_row(const T *p, int64_t n, int far)
+{
+    if (far)
+        prefetch_l2(p, n);
+    else
+        for (int64_t c = 0; c < n; c += 64 / (int64_t)sizeof(T)) __builtin_prefetch(p + c, 0, 3);
 }
 
 INLINE T hsum(vec x)
@@ -1342,17 +1355,17 @@ INLINE void rows_scores_rx4(const int R, T *restrict S, int64_t ls, const T *res
  *   S   (bq, ls)    Qs (bq, dkp) zero-padded rows
  *   K   (nb, dk)    row stride krs
  * Four keys at a time, for RS_MAX rows at a time (one row: two accumulators
- * per key).  Rows j < npf of K exist and may be prefetched; xpf's rows (NULL:
- * none) are prefetched in step with the keys. */
+ * per key).  Rows j < npf of K exist and may be prefetched (far: into L2, see
+ * prefetch_row); xpf's rows (NULL: none) are prefetched in step with the keys. */
 static void rows_scores(T *restrict S, int64_t ls, const T *restrict Qs, int64_t dkp, int64_t bq,
-                        const T *restrict K, int64_t krs, int64_t dk, int64_t nb, int64_t npf,
+                        const T *restrict K, int64_t krs, int64_t dk, int64_t nb, int64_t npf, int far,
                         const tile_pf *xpf)
 {
-    const int64_t dkv = dk / L * L, pf = prefetch_dist(dk);
+    const int64_t dkv = dk / L * L, pf = prefetch_dist(dk, far);
     int64_t j = 0;
     for (; j + 4 <= nb; j += 4) {
         const T *k0 = K + j * krs, *k1 = k0 + krs, *k2 = k1 + krs, *k3 = k2 + krs;
-        for (int64_t r = j + pf; r < j + pf + 4 && r < npf; r++) prefetch_row(K + r * krs, dk);
+        for (int64_t r = j + pf; r < j + pf + 4 && r < npf; r++) prefetch_row(K + r * krs, dk, far);
         if (xpf) tile_prefetch(xpf, j, 4);
         int64_t i = 0;
         for (; i + RS_MAX <= bq; i += RS_MAX)
@@ -1389,17 +1402,17 @@ static void rows_scores(T *restrict S, int64_t ls, const T *restrict Qs, int64_t
  *   A (R, lda)   S (R, ls)   V (nb, NV*L) row stride vrs
  * An R x NV register tile: each V vector, loaded once, serves R rows.
  * Rows j < npf of V exist and may be prefetched: pfn elements of the row pf
- * rows ahead. */
+ * rows ahead (far: into L2). */
 INLINE void rows_pv_tile(const int R, const int NV, T *restrict A, int64_t lda, const T *restrict S,
                          int64_t ls, const T *restrict V, int64_t vrs, int64_t nb, int64_t npf, int64_t pf,
-                         int64_t pfn)
+                         int64_t pfn, int far)
 {
     vec acc[RP_MAX][8];
     UNROLL(8) for (int i = 0; i < R; i++)
         UNROLL(8) for (int x = 0; x < NV; x++) acc[i][x] = vload(A + i * lda + x * L);
     for (int64_t j = 0; j < nb; j++) {
         const T *vj = V + j * vrs;
-        if (j + pf < npf) prefetch_row(vj + pf * vrs, pfn);
+        if (j + pf < npf) prefetch_row(vj + pf * vrs, pfn, far);
         vec vv[8];
         UNROLL(8) for (int x = 0; x < NV; x++) vv[x] = vload(vj + x * L);
         UNROLL(8) for (int i = 0; i < R; i++) {
@@ -1417,13 +1430,13 @@ INLINE void rows_pv_tile(const int R, const int NV, T *restrict A, int64_t lda, 
  * then the last dv % L columns.  The first tile prefetches whole V rows (the
  * later ones find them in cache); xpf's rows (NULL: none) are prefetched in
  * step with the tiles. */
-#define PV_TILE(NV) rows_pv_tile(R, NV, A + c, lda, S, ls, V + c, vrs, nb, (R == 1 || c == 0) ? npf : 0, pf, R == 1 ? NV * L : dv)
+#define PV_TILE(NV) rows_pv_tile(R, NV, A + c, lda, S, ls, V + c, vrs, nb, (R == 1 || c == 0) ? npf : 0, pf, R == 1 ? NV * L : dv, far)
 INLINE void rows_pv_r(const int R, T *restrict A, int64_t lda, const T *restrict S, int64_t ls,
-                      const T *restrict V, int64_t vrs, int64_t dv, int64_t nb, int64_t npf,
+                      const T *restrict V, int64_t vrs, int64_t dv, int64_t nb, int64_t npf, int far,
                       const tile_pf *xpf)
 {
     const int NVM = PV_ACC / R > 8 ? 8 : PV_ACC / R;
-    const int64_t nvec = dv / L, pf = prefetch_dist(dv);
+    const int64_t nvec = dv / L, pf = prefetch_dist(dv, far);
     int64_t c = 0;
     for (; c + NVM * L <= nvec * L; c += NVM * L) {
         if (xpf) prefetch_in_step(xpf, c, c + NVM * L, dv);
@@ -1450,27 +1463,28 @@ INLINE void rows_pv_r(const int R, T *restrict A, int64_t lda, const T *restrict
 #undef PV_TILE
 
 /* A (bq, dv) += S (bq, nb; row stride ls) . V (nb, dv; row stride vrs), rows
- * RP_MAX at a time.  Rows j < npf of V may be prefetched (0: none), and xpf's
+ * RP_MAX at a time.  Rows j < npf of V may be prefetched (0: none; far: into
+ * L2), and xpf's
  * rows (NULL: none); only the first group of rows prefetches (the others find V
  * in cache). */
 static void rows_pv(T *restrict A, const T *restrict S, int64_t ls, int64_t bq, const T *restrict V,
-                    int64_t vrs, int64_t dv, int64_t nb, int64_t npf, const tile_pf *xpf)
+                    int64_t vrs, int64_t dv, int64_t nb, int64_t npf, int far, const tile_pf *xpf)
 {
     int64_t i = 0;
     for (; i + RP_MAX <= bq; i += RP_MAX, npf = 0, xpf = NULL)
-        rows_pv_r(RP_MAX, A + i * dv, dv, S + i * ls, ls, V, vrs, dv, nb, npf, xpf);
+        rows_pv_r(RP_MAX, A + i * dv, dv, S + i * ls, ls, V, vrs, dv, nb, npf, far, xpf);
     switch (bq - i) {
 #if RP_MAX == 8
-    case 7: rows_pv_r(7, A + i * dv, dv, S + i * ls, ls, V, vrs, dv, nb, npf, xpf); break;
-    case 6: rows_pv_r(6, A + i * dv, dv, S + i * ls, ls, V, vrs, dv, nb, npf, xpf); break;
-    case 5: rows_pv_r(5, A + i * dv, dv, S + i * ls, ls, V, vrs, dv, nb, npf, xpf); break;
-    case 4: rows_pv_r(4, A + i * dv, dv, S + i * ls, ls, V, vrs, dv, nb, npf, xpf); break;
+    case 7: rows_pv_r(7, A + i * dv, dv, S + i * ls, ls, V, vrs, dv, nb, npf, far, xpf); break;
+    case 6: rows_pv_r(6, A + i * dv, dv, S + i * ls, ls, V, vrs, dv, nb, npf, far, xpf); break;
+    case 5: rows_pv_r(5, A + i * dv, dv, S + i * ls, ls, V, vrs, dv, nb, npf, far, xpf); break;
+    case 4: rows_pv_r(4, A + i * dv, dv, S + i * ls, ls, V, vrs, dv, nb, npf, far, xpf); break;
 #elif RP_MAX != 4
 #error "rows_pv: a case for each remainder below RP_MAX"
 #endif
-    case 3: rows_pv_r(3, A + i * dv, dv, S + i * ls, ls, V, vrs, dv, nb, npf, xpf); break;
-    case 2: rows_pv_r(2, A + i * dv, dv, S + i * ls, ls, V, vrs, dv, nb, npf, xpf); break;
-    case 1: rows_pv_r(1, A + i * dv, dv, S + i * ls, ls, V, vrs, dv, nb, npf, xpf); break;
+    case 3: rows_pv_r(3, A + i * dv, dv, S + i * ls, ls, V, vrs, dv, nb, npf, far, xpf); break;
+    case 2: rows_pv_r(2, A + i * dv, dv, S + i * ls, ls, V, vrs, dv, nb, npf, far, xpf); break;
+    case 1: rows_pv_r(1, A + i * dv, dv, S + i * ls, ls, V, vrs, dv, nb, npf, far, xpf); break;
     default: break;
     }
 }
@@ -1511,15 +1525,17 @@ static __attribute__((noinline)) void mask_runs(key_runs *r, const fa_attention_
  * 4-5 % at 4 rows, mask or not) */
 static __attribute__((noinline)) void rows_pv_runs(const key_runs *kr, T *restrict A, const T *restrict S,
                                                    int64_t ls, int64_t bq, const T *restrict V, int64_t vrs,
-                                                   int64_t dv, int64_t nb, int64_t npf, const tile_pf *xpf)
+                                                   int64_t dv, int64_t nb, int64_t npf, int far,
+                                                   const tile_pf *xpf)
 {
     if (kr->n < 0) {
-        rows_pv(A, S, ls, bq, V, vrs, dv, nb, npf, xpf);
+        rows_pv(A, S, ls, bq, V, vrs, dv, nb, npf, far, xpf);
         return;
     }
     for (int r = 0; r < kr->n; r++) {
         const int64_t j = kr->run[r][0];
-        rows_pv(A, S + j, ls, bq, V + j * vrs, vrs, dv, kr->run[r][1] - j, npf - j, r == 0 ? xpf : NULL);
+        rows_pv(A, S + j, ls, bq, V + j * vrs, vrs, dv, kr->run[r][1] - j, npf - j, far,
+                r == 0 ? xpf : NULL);
     }
 }
 
@@ -1662,25 +1678,26 @@ static void rows_softmax(const fa_attention_args *a, const fa_item *it, const ba
  *   K  (nk, dk)    row stride krs; rows j < npk exist (prefetched ahead)
  *   P  (nv)        probabilities of this tile
  *   V  (nv, dv)    row stride vrs; rows j < npv exist
- *   A  (dv)        accumulator */
+ *   A  (dv)        accumulator
+ * far: K and V come from memory (prefetch_row). */
 static void decode_step(T *restrict Sn, const T *restrict Qs, const T *restrict K, int64_t krs, int64_t dk,
                         int64_t nk, int64_t npk, T *restrict A, const T *restrict P, const T *restrict V,
-                        int64_t vrs, int64_t dv, int64_t nv, int64_t npv)
+                        int64_t vrs, int64_t dv, int64_t nv, int64_t npv, int far)
 {
-    const int64_t dkv = dk / L * L, dvv = dv / L * L;
-    const int64_t pfk = prefetch_dist_bytes(dk, DECODE_PF_BYTES), pfv = prefetch_dist_bytes(dv, DECODE_PF_BYTES);
+    const int64_t dkv = dk / L * L, dvv = dv / L * L, ahead = far ? FAR_PF_BYTES : DECODE_PF_BYTES;
+    const int64_t pfk = prefetch_dist_bytes(dk, ahead), pfv = prefetch_dist_bytes(dv, ahead);
     const int64_t n = nk > nv ? nk : nv;
     for (int64_t j = 0; j < n; j += 4) {
         if (j + 4 <= nk) {
             const T *k0 = K + j * krs;
-            for (int64_t r = j + pfk; r < j + pfk + 4 && r < npk; r++) prefetch_row(K + r * krs, dk);
+            for (int64_t r = j + pfk; r < j + pfk + 4 && r < npk; r++) prefetch_row(K + r * krs, dk, far);
             rows_scores_1x4(Sn + j, Qs, k0, k0 + krs, k0 + 2 * krs, k0 + 3 * krs, dk, dkv);
         } else if (j < nk) { /* the last 1-3 keys: rows_scores' one-key loop */
-            rows_scores(Sn + j, 0, Qs, 0, 1, K + j * krs, krs, dk, nk - j, 0, NULL);
+            rows_scores(Sn + j, 0, Qs, 0, 1, K + j * krs, krs, dk, nk - j, 0, 0, NULL);
         }
         if (j + 4 <= nv) {
             const T *v0 = V + j * vrs, *v1 = v0 + vrs, *v2 = v1 + vrs, *v3 = v2 + vrs;
-            for (int64_t r = j + pfv; r < j + pfv + 4 && r < npv; r++) prefetch_row(V + r * vrs, dv);
+            for (int64_t r = j + pfv; r < j + pfv + 4 && r < npv; r++) prefetch_row(V + r * vrs, dv, far);
             const T p0 = P[j], p1 = P[j + 1], p2 = P[j + 2], p3 = P[j + 3];
             for (int64_t c = 0; c < dvv; c += L) {
                 vec acc = vload(A + c);
@@ -1692,7 +1709,7 @@ static void decode_step(T *restrict Sn, const T *restrict Qs, const T *restrict 
             }
             for (int64_t c = dvv; c < dv; c++) A[c] += p0 * v0[c] + p1 * v1[c] + p2 * v2[c] + p3 * v3[c];
         } else if (j < nv) { /* the last 1-3 keys */
-            rows_pv(A, P + j, 0, 1, V + j * vrs, vrs, dv, nv - j, 0, NULL);
+            rows_pv(A, P + j, 0, 1, V + j * vrs, vrs, dv, nv - j, 0, 0, NULL);
         }
     }
 }
@@ -1703,10 +1720,10 @@ static void decode_step(T *restrict Sn, const T *restrict Qs, const T *restrict 
 static __attribute__((noinline)) void decode_step_runs(const key_runs *kr, T *Sn, const T *Qs, int64_t dkp,
                                                        const T *K, int64_t krs, int64_t dk, int64_t nk,
                                                        int64_t npk, T *A, const T *P, int64_t bk, const T *V,
-                                                       int64_t vrs, int64_t dv, int64_t nv, int64_t npv)
+                                                       int64_t vrs, int64_t dv, int64_t nv, int64_t npv, int far)
 {
-    rows_scores(Sn, bk, Qs, dkp, 1, K, krs, dk, nk, npk, NULL);
-    rows_pv_runs(kr, A, P, bk, 1, V, vrs, dv, nv, npv, NULL);
+    rows_scores(Sn, bk, Qs, dkp, 1, K, krs, dk, nk, npk, far, NULL);
+    rows_pv_runs(kr, A, P, bk, 1, V, vrs, dv, nv, npv, far, NULL);
 }
 
 /* The row kernel; careful = 1 (one row, from redo_nonfinite_rows) marks the
@@ -1723,6 +1740,7 @@ static void item_rows(const fa_attention_args *a, const fa_tiles *tl, const fa_i
     const T *q = it->q, *k = it->k, *v = it->v;
     T *Qs = scratch, *S = Qs + bq * dkp, *A = S + bq * bk, *m = A + bq * dv, *l = m + bq;
     const T scale = (T)a->scale;
+    const int far = tl->far; /* K and V from memory: prefetch into L2, further ahead */
     for (int64_t i = 0; i < bq; i++) {
         for (int64_t c = 0; c < dk; c++) Qs[i * dkp + c] = q[i * a->q_rs + c] * scale;
         for (int64_t c = dk; c < dkp; c++) Qs[i * dkp + c] = 0;
@@ -1738,22 +1756,22 @@ static void item_rows(const fa_attention_args *a, const fa_tiles *tl, const fa_i
          * (decode_step); Sn (bk), after l, holds the next tile's scores. */
         T *Sn = l + 1;
         int64_t j0 = b.j_lo, nb = (b.j_hi - j0 < bk) ? b.j_hi - j0 : bk;
-        rows_scores(S, bk, Qs, dkp, 1, k + j0 * a->k_rs, a->k_rs, dk, nb, b.j_hi - j0, NULL);
+        rows_scores(S, bk, Qs, dkp, 1, k + j0 * a->k_rs, a->k_rs, dk, nb, b.j_hi - j0, far, NULL);
         rows_softmax(a, it, &b, S, bk, A, m, l, j0, nb, 0);
         for (;;) {
             const int64_t j1 = j0 + nb, nb1 = (b.j_hi - j1 < bk) ? b.j_hi - j1 : bk;
             key_runs kr; /* keys a bool mask hides (padding): P . V skips them */
             mask_runs(&kr, a, it, j0, nb);
             if (nb1 <= 0) {
-                rows_pv_runs(&kr, A, S, bk, 1, v + j0 * a->v_rs, a->v_rs, dv, nb, b.j_hi - j0, NULL);
+                rows_pv_runs(&kr, A, S, bk, 1, v + j0 * a->v_rs, a->v_rs, dv, nb, b.j_hi - j0, far, NULL);
                 break;
             }
             if (runs_whole(&kr, nb)) {
                 decode_step(Sn, Qs, k + j1 * a->k_rs, a->k_rs, dk, nb1, b.j_hi - j1, A, S, v + j0 * a->v_rs,
-                            a->v_rs, dv, nb, b.j_hi - j0);
+                            a->v_rs, dv, nb, b.j_hi - j0, far);
             } else { /* the two passes one after the other */
                 decode_step_runs(&kr, Sn, Qs, dkp, k + j1 * a->k_rs, a->k_rs, dk, nb1, b.j_hi - j1, A, S, bk,
-                                 v + j0 * a->v_rs, a->v_rs, dv, nb, b.j_hi - j0);
+                                 v + j0 * a->v_rs, a->v_rs, dv, nb, b.j_hi - j0, far);
             }
             rows_softmax(a, it, &b, Sn, bk, A, m, l, j1, nb1, 0);
             T *t = S;
@@ -1778,7 +1796,8 @@ static void item_rows(const fa_attention_args *a, const fa_tiles *tl, const fa_i
         const tile_pf pf_k = {.k = k + (j0 + nb) * a->k_rs, .nk = nb_next > 0 ? nb_next : 0,
                               .krs = a->k_rs, .dk = dk};
         const int stream = tl->stream && !careful;
-        rows_scores(S, bk, Qs, dkp, bq, k + j0 * a->k_rs, a->k_rs, dk, nb, b.j_hi - j0, stream ? &pf_v : NULL);
+        rows_scores(S, bk, Qs, dkp, bq, k + j0 * a->k_rs, a->k_rs, dk, nb, b.j_hi - j0, far,
+                    stream ? &pf_v : NULL);
         rows_softmax(a, it, &b, S, bk, A, m, l, j0, nb, careful);
         /* A += P . V_tile */
         if (careful)
@@ -1787,9 +1806,10 @@ static void item_rows(const fa_attention_args *a, const fa_tiles *tl, const fa_i
             key_runs kr; /* keys a bool mask hides from every row (padding): skipped */
             mask_runs(&kr, a, it, j0, nb);
             if (runs_whole(&kr, nb))
-                rows_pv(A, S, bk, bq, v + j0 * a->v_rs, a->v_rs, dv, nb, b.j_hi - j0, stream ? &pf_k : NULL);
+                rows_pv(A, S, bk, bq, v + j0 * a->v_rs, a->v_rs, dv, nb, b.j_hi - j0, far,
+                        stream ? &pf_k : NULL);
             else
-                rows_pv_runs(&kr, A, S, bk, bq, v + j0 * a->v_rs, a->v_rs, dv, nb, b.j_hi - j0,
+                rows_pv_runs(&kr, A, S, bk, bq, v + j0 * a->v_rs, a->v_rs, dv, nb, b.j_hi - j0, far,
                              stream ? &pf_k : NULL);
         }
     }

@@ -938,23 +938,25 @@ def test_row_kernel_register_tiles(isa, rng, rows_max, dtype, nq, dk, dv):
 
 @pytest.fixture
 def stream():
-    """Force the row kernel's prefetch across passes (on by default only when
-    K and V exceed 48 MiB); restore the default after."""
+    """Force the row kernel's prefetch across passes and its far prefetch into
+    L2 (on by default only when K and V exceed 48 MiB and 16 MiB); restore the
+    default after."""
     from fastattn import _core
     yield _core._set_stream
     _core._set_stream(-1)
 
 
 @pytest.mark.parametrize("dtype", [F32, F64])
-@pytest.mark.parametrize("nq", [2, 3, 5, 8, 10])
+@pytest.mark.parametrize("nq", [1, 2, 3, 5, 8, 10])
 @pytest.mark.parametrize("nk", [1, 303, 513])
 @pytest.mark.parametrize("dk, dv", [(72, 40), (128, 128), (7, 3)])
 def test_row_kernel_streaming(isa, rng, stream, rows_max, dtype, nq, nk, dk, dv):
     """The row kernel (forced for every nq here) as it runs on K and V from
-    memory (forced on small ones): V rows prefetched during the scores and the
-    next tile's K during P.V, for 1 to 5 key tiles (128 keys) with a tail, P.V
-    tiles with and without whole vectors of dv, row groups with remainders.
-    Plain, causal, a bool mask and kv_lengths."""
+    memory (forced on small ones): K and V rows prefetched into L2 further
+    ahead, V rows prefetched during the scores and the next tile's K during
+    P.V, for 1 to 5 key tiles (128 keys; one row, decoding: 256) with a tail,
+    P.V tiles with and without whole vectors of dv, row groups with
+    remainders.  Plain, causal, a bool mask and kv_lengths."""
     stream(1)
     rows_max(24)
     q, k, v = rand(rng, (2, nq, dk), dtype), rand(rng, (2, nk, dk), dtype), rand(rng, (2, nk, dv), dtype)
