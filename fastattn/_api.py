@@ -374,6 +374,15 @@ def _prepare(q, k, v, mask, causal, scale, enable_gqa, window, softcap, alibi_sl
                          np.uint8 if p.mask_kind == _core.MASK_BOOL else comp, unit_last=False)
     p.mask, p.slopes, p.kvl = mm, slopes, kvl
     p.inputs = (q, k, v, mask)
+    # GQA decoding, one query row per head: _call hands the C core the query heads of
+    # a group as the rows of one item over their K and V, which it then reads once,
+    # not once per head (H32/8 Nk4096-16384 d128: 2.0-2.9x; 32 heads on one K and V:
+    # 4.8x).  Exact where every row of a group sees the same keys: one query row
+    # (causal is then no limit: bottom-right, it sees every key), no window, no
+    # ALiBi slopes (per head), kv_lengths the same across the group.
+    p.fold = (p.gqa is not None and not weights and n_q == 1 and p.gqa[0] > p.gqa[1]
+              and p.win_left < 0 and p.win_right < 0 and slopes is None
+              and (kvl is None or kvl.ndim == 0 or kvl.shape[-1] == 1))
     return p
 
 
@@ -426,8 +435,18 @@ def _merge_heads(a, gqa, core):
 
 
 def _call(p, target, lse, weights=False):
-    _core.attention(p.q, p.k, p.v, p.mask, p.mask_kind, target, lse, p.lead, p.causal, p.scale,
-                    p.nthreads, p.softcap, p.win_left, p.win_right, p.slopes, p.kvl, weights)
+    q, k, v, mask, kvl, lead, causal = p.q, p.k, p.v, p.mask, p.kvl, p.lead, p.causal
+    if p.fold:  # (see _prepare) views: q (..., Hkv, g, 1, d) -> (..., Hkv, g, d), k and v
+        # (..., Hkv, 1, n_k, d) -> (..., Hkv, n_k, d), the group axis of the rest the rows
+        q, k, v, target, lead, causal = q[..., 0, :], k[..., 0, :, :], v[..., 0, :, :], target[..., 0, :], \
+            lead[:-1], False
+        lse = lse[..., 0] if lse is not None else None
+        if mask is not None and mask.ndim >= 4:  # (..., Hkv|1, g|1, 1, n_k); 2-D: all heads alike
+            mask = mask[..., 0, :]
+        if kvl is not None and kvl.ndim:  # (..., Hkv|1, 1)
+            kvl = kvl[..., 0]
+    _core.attention(q, k, v, mask, p.mask_kind, target, lse, lead, causal, p.scale,
+                    p.nthreads, p.softcap, p.win_left, p.win_right, p.slopes, kvl, weights)
 
 
 _SHARED_DOC = """

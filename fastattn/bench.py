@@ -66,6 +66,8 @@ WORKLOADS = [
     _w("B1 H8 N8192 d64 causal", (1, 8, 8192, 8192, 64), causal=True),
     _w("  ...window (256, 0)", (1, 8, 8192, 8192, 64), causal=True, window=(256, 0)),
     _w("decode B8 H8 Nk4096 kv_len", (8, 8, 1, 4096, 128), kv_lengths=True),
+    # GQA decoding: 32 query heads on 8 K and V heads (as Llama 3 8B), as many bytes as the decode row
+    _w("decode GQA 32/8 Nk16k d128", (1, 32, 1, 16384, 128), gqa=8),
 ]
 QUICK = [w for w in WORKLOADS if w["quick"]]
 
