@@ -436,8 +436,8 @@ def _merge_heads(a, gqa, core):
 
 def _call(p, target, lse, weights=False):
     q, k, v, mask, kvl, lead, causal = p.q, p.k, p.v, p.mask, p.kvl, p.lead, p.causal
-    if p.fold:  # (see _prepare) views: q (..., Hkv, g, 1, d) -> (..., Hkv, g, d), k and v
-        # (..., Hkv, 1, n_k, d) -> (..., Hkv, n_k, d), the group axis of the rest the rows
+    if p.fold:  # (see _prepare) as views: q (..., Hkv, g, 1, d) -> (..., Hkv, g, d): g rows;
+        # k, v (..., Hkv, 1, n_k, d) -> (..., Hkv, n_k, d); out, lse, mask, kv_lengths alike
         q, k, v, target, lead, causal = q[..., 0, :], k[..., 0, :, :], v[..., 0, :, :], target[..., 0, :], \
             lead[:-1], False
         lse = lse[..., 0] if lse is not None else None

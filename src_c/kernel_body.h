@@ -1206,9 +1206,9 @@ void FN(fa_attn_merge)(const fa_attention_args *a, const fa_item *it, const void
  * DECODE_PF_BYTES ahead: against 6 KiB, 1.5-3 KiB 1.10-1.14x (float32), 4 rows
  * of float64 1.17-1.19x; at d64 all within the noise.
  * Far, K and V from memory: into L2 (prefetcht1), FAR_PF_BYTES ahead.  On Zen 4
- * (H32 Nk4096 d128, two threads) against the near kind: decoding 1.34-1.50x
- * (float64 1.59x, one thread 1.60x), 8 rows 1.26-1.39x, 12 and 20 rows
- * 1.17x; 4-16 KiB ahead alike; both kinds at once only 1.17x (the L1 prefetch
+ * (H32 Nk4096 d128, two threads) against the near kind: decoding 1.34-1.68x
+ * (float64 1.52x, one thread 1.60x), 2-20 rows 1.14-1.26x; 4-16 KiB ahead
+ * alike; both kinds at once only 1.17x (the L1 prefetch
  * is what held the stream back).  With K and V in cache (1-8 MiB) the far kind
  * cost decoding 8-15 %; at 16 MiB the two were even, at 32 MiB far 1.46-1.63x. */
 enum { PF_BYTES = 6144, DECODE_PF_BYTES = 2048, FAR_PF_BYTES = 8192 };
@@ -1464,9 +1464,8 @@ INLINE void rows_pv_r(const int R, T *restrict A, int64_t lda, const T *restrict
 
 /* A (bq, dv) += S (bq, nb; row stride ls) . V (nb, dv; row stride vrs), rows
  * RP_MAX at a time.  Rows j < npf of V may be prefetched (0: none; far: into
- * L2), and xpf's
- * rows (NULL: none); only the first group of rows prefetches (the others find V
- * in cache). */
+ * L2), and xpf's rows (NULL: none); only the first group of rows prefetches
+ * (the others find V in cache). */
 static void rows_pv(T *restrict A, const T *restrict S, int64_t ls, int64_t bq, const T *restrict V,
                     int64_t vrs, int64_t dv, int64_t nb, int64_t npf, int far, const tile_pf *xpf)
 {
