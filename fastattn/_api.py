@@ -17,6 +17,10 @@ from numpy.typing import ArrayLike, NDArray
 from . import _core
 from .reference import default_scale
 
+# GQA: up to this many query rows, a group's query heads become the rows of one work
+# item over their K and V (see _prepare)
+_FOLD_ROWS = 8
+
 __all__ = ["attention", "attention_weights", "merge_attention", "softmax"]
 
 _F16, _F32, _F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
@@ -374,13 +378,15 @@ def _prepare(q, k, v, mask, causal, scale, enable_gqa, window, softcap, alibi_sl
                          np.uint8 if p.mask_kind == _core.MASK_BOOL else comp, unit_last=False)
     p.mask, p.slopes, p.kvl = mm, slopes, kvl
     p.inputs = (q, k, v, mask)
-    # GQA decoding, one query row per head: _call hands the C core the query heads of
-    # a group as the rows of one item over their K and V, which it then reads once,
-    # not once per head (H32/8 Nk4096-16384 d128: 2.0-2.9x; 32 heads on one K and V:
-    # 4.8x).  Exact where every row of a group sees the same keys: one query row
-    # (causal is then no limit: bottom-right, it sees every key), no window, no
-    # ALiBi slopes (per head), kv_lengths the same across the group.
-    p.fold = (p.gqa is not None and not weights and n_q == 1 and p.gqa[0] > p.gqa[1]
+    # GQA decoding: _call hands the C core the query heads of a group as the rows of one
+    # item over their K and V (g * n_q rows), which it then reads once, not once per
+    # head.  One query row: H32/8 Nk4096-16384 d128 2.0-2.9x; 32 heads on one K and V
+    # 4.8x.  2-8 rows (speculative decoding, chunked prefill), with causal carried by a
+    # bool mask of the g * n_q rows: 1.1-2.1x (H32/8 and /4, H8/2, Nk512-16384, d64 and
+    # d128, float32 and float64); from 12 rows on, 0.85-1.05x, so it stops at 8.
+    # Exact where the rows of a group differ only in their queries: no window, no ALiBi
+    # slopes (per head), kv_lengths the same across the group.
+    p.fold = (p.gqa is not None and not weights and n_q <= _FOLD_ROWS and p.gqa[0] > p.gqa[1]
               and p.win_left < 0 and p.win_right < 0 and slopes is None
               and (kvl is None or kvl.ndim == 0 or kvl.shape[-1] == 1))
     return p
@@ -434,19 +440,50 @@ def _merge_heads(a, gqa, core):
     return a.reshape(a.shape[:a.ndim - core - 2] + (gqa[0],) + a.shape[a.ndim - core:])
 
 
+def _rows(a, core):
+    """a (..., g, n, *core) as (..., g * n, *core): a view where the strides allow
+    one, else a copy."""
+    i = a.ndim - core - 2
+    return a.reshape(a.shape[:i] + (a.shape[i] * a.shape[i + 1],) + a.shape[i + 2:])
+
+
+def _fold_mask(p):
+    """The mask of a folded call (see _prepare): (..., Hkv|1, g * n_q, n_k|1), with
+    the causal rule of n_q > 1 rows in it; None when there is neither."""
+    mask, kind = p.mask, p.mask_kind
+    g = p.gqa[0] // p.gqa[1]
+    if p.causal and p.n_q > 1:  # row i sees key j <= i + kv_length - n_q: (..., n_q, n_k)
+        kv = p.n_k if p.kvl is None else p.kvl[..., None, None]
+        vis = np.arange(p.n_k) <= np.arange(p.n_q)[:, None] + (kv - p.n_q)
+        if mask is None:
+            mask, kind = vis.view(np.uint8), _core.MASK_BOOL
+        elif kind == _core.MASK_BOOL:
+            mask = mask & vis.view(np.uint8)
+        else:  # -inf hides, whatever the mask holds there
+            mask = np.where(vis, mask, -np.inf)
+    if mask is None:
+        return None, kind
+    mask = mask.reshape((1,) * (3 - mask.ndim) + mask.shape)
+    # the group and row axes at their full sizes, then merged (a copy only where the
+    # rows differ: at most g * n_q rows of n_k per K and V head)
+    return _rows(np.broadcast_to(mask, mask.shape[:-3] + (g, p.n_q, mask.shape[-1])), 1), kind
+
+
 def _call(p, target, lse, weights=False):
-    q, k, v, mask, kvl, lead, causal = p.q, p.k, p.v, p.mask, p.kvl, p.lead, p.causal
-    if p.fold:  # (see _prepare) as views: q (..., Hkv, g, 1, d) -> (..., Hkv, g, d): g rows;
-        # k, v (..., Hkv, 1, n_k, d) -> (..., Hkv, n_k, d); out, lse, mask, kv_lengths alike
-        q, k, v, target, lead, causal = q[..., 0, :], k[..., 0, :, :], v[..., 0, :, :], target[..., 0, :], \
-            lead[:-1], False
-        lse = lse[..., 0] if lse is not None else None
-        if mask is not None and mask.ndim >= 4:  # (..., Hkv|1, g|1, 1, n_k); 2-D: all heads alike
-            mask = mask[..., 0, :]
+    q, k, v, mask, kind, kvl, lead, causal = p.q, p.k, p.v, p.mask, p.mask_kind, p.kvl, p.lead, p.causal
+    rows = target
+    if p.fold:  # (see _prepare) q (..., Hkv, g, n_q, d) -> (..., Hkv, g * n_q, d); k and v
+        # (..., Hkv, 1, n_k, d) -> (..., Hkv, n_k, d); out, lse and the mask alike
+        q, k, v, lead, causal = _rows(q, 1), k[..., 0, :, :], v[..., 0, :, :], lead[:-1], False
+        mask, kind = _fold_mask(p)
+        rows = _rows(target, 1)
+        lse = _rows(lse, 0) if lse is not None else None  # a view: lse is a fresh array
         if kvl is not None and kvl.ndim:  # (..., Hkv|1, 1)
             kvl = kvl[..., 0]
-    _core.attention(q, k, v, mask, p.mask_kind, target, lse, lead, causal, p.scale,
+    _core.attention(q, k, v, mask, kind, rows, lse, lead, causal, p.scale,
                     p.nthreads, p.softcap, p.win_left, p.win_right, p.slopes, kvl, weights)
+    if rows is not target and not np.may_share_memory(rows, target):
+        target[...] = rows.reshape(target.shape)  # out= whose strides allow no view of its rows
 
 
 _SHARED_DOC = """

@@ -68,6 +68,8 @@ WORKLOADS = [
     _w("decode B8 H8 Nk4096 kv_len", (8, 8, 1, 4096, 128), kv_lengths=True),
     # GQA decoding: 32 query heads on 8 K and V heads (as Llama 3 8B), as many bytes as the decode row
     _w("decode GQA 32/8 Nk16k d128", (1, 32, 1, 16384, 128), gqa=8),
+    # ... verifying 8 speculative tokens there (causal: bottom-right, as KV-cache decoding)
+    _w("8 rows GQA 32/8 Nk16k causal", (1, 32, 8, 16384, 128), causal=True, gqa=8),
 ]
 QUICK = [w for w in WORKLOADS if w["quick"]]
 
@@ -179,8 +181,13 @@ def _flops(w, kw):
 
 def has_torch(w):
     """Whether PyTorch's SDPA computes workload `w`: it has no sliding window (only a
-    dense N x N mask, another computation), and NaN under a bool mask reaches its output."""
-    return "window" not in w["options"] and w["mask"] != "pad"
+    dense N x N mask, another computation), NaN under a bool mask reaches its output, and
+    its causal rule is aligned top-left (bottom-right here: as a mask where n_q != n_k, so
+    not beside another mask)."""
+    _, _, nq, nk, _ = w["shape"]
+    causal_mask = w["causal"] and nq != nk
+    return ("window" not in w["options"] and w["mask"] != "pad"
+            and not (causal_mask and (w["mask"] or "kv_lengths" in w["options"])))
 
 
 def has_reference(w):
@@ -203,11 +210,13 @@ def peer_calls(w, inputs, threads=None, torch=None):
         tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
         tm = torch.from_numpy(mask) if mask is not None else None
         sdpa = torch.nn.functional.scaled_dot_product_attention
-        # PyTorch's is_causal is top-left aligned; the grid only has n_q == n_k causal rows
         if "kv_lengths" in kw:   # PyTorch takes a padded cache as a key-padding bool mask
             tm = torch.from_numpy(np.arange(nk)[None, None, None, :] < kw["kv_lengths"][:, :, None, None])
+        nq, causal = w["shape"][2], w["causal"]
+        if causal and nq != nk:   # PyTorch's is_causal is top-left aligned: a bottom-right bool mask
+            tm, causal = torch.from_numpy(np.arange(nk) <= np.arange(nq)[:, None] + (nk - nq)), False
         tkw = dict(enable_gqa=True) if "enable_gqa" in kw else {}
-        calls["torch"] = lambda: sdpa(tq, tk, tv, attn_mask=tm, is_causal=w["causal"], **tkw).numpy()
+        calls["torch"] = lambda: sdpa(tq, tk, tv, attn_mask=tm, is_causal=causal, **tkw).numpy()
     return calls
 
 

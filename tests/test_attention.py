@@ -994,25 +994,27 @@ def test_row_kernel_choice(isa, rng, rows_max, dtype, kv_mib, d):
     dtype, whether K and V exceed 48 MiB (then they come from memory, and the
     tiled kernel takes 32-key tiles up to 32 rows) and the head dim (from 128
     on, long dot products hide the row kernel's horizontal sums): the output is bitwise that
-    of the kernel forced by rows_max, and both agree with the reference.  GQA: K
-    and V heads shared by two query heads count once (40 MiB, not 80)."""
+    of the kernel forced by rows_max, and both agree with the reference.  K and
+    V broadcast over a leading axis (shared by two query heads) count once (40
+    MiB, not 80).  (Not enable_gqa, which folds a group's heads into the rows
+    of one item up to 8 rows per head: test_variants.py.)"""
     h_kv = 2
     nk = (kv_mib << 20) // (2 * h_kv * d * np.dtype(dtype).itemsize)
     k, v = rand(rng, (h_kv, nk, d), dtype), rand(rng, (h_kv, nk, d), dtype)
     kind = 1 if kv_mib > 48 else 2 if d >= 128 else 0
     limit = ROWS_MAX[isa][kind][dtype == F64]
     for nq in (2, 3, 4, 6, 7, 9, 11, 13, 20, 21, 24):
-        q = rand(rng, (2 * h_kv, nq, d), dtype)
-        out = fastattn.attention(q, k, v, enable_gqa=True, num_threads=2)
+        q = rand(rng, (2, h_kv, nq, d), dtype)
+        out = fastattn.attention(q, k, v, num_threads=2)
         rows_max(24)
-        by_rows = fastattn.attention(q, k, v, enable_gqa=True, num_threads=2)
+        by_rows = fastattn.attention(q, k, v, num_threads=2)
         rows_max(1)
-        tiled = fastattn.attention(q, k, v, enable_gqa=True, num_threads=2)
+        tiled = fastattn.attention(q, k, v, num_threads=2)
         rows_max(0)
         assert not np.array_equal(by_rows, tiled)    # the two kernels can be told apart
         np.testing.assert_array_equal(out, by_rows if nq <= limit else tiled, err_msg=f"{nq} rows")
         if nq in (13, 24):
-            check(q, k, v, dtype, enable_gqa=True, num_threads=2)
+            check(q, k, v, dtype, num_threads=2)
 
 
 @pytest.mark.parametrize("dtype", [F32, F64])

@@ -381,53 +381,66 @@ def core_calls(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [F32, F64])
 @pytest.mark.parametrize("hkv", [1, 2, 4])
+@pytest.mark.parametrize("nq", [1, 3, 8])
 @pytest.mark.parametrize("nk, threads", [(1, 1), (300, 2), (2100, 1), (2100, 2)])
-def test_gqa_decode_folds_heads(isa, rng, core_calls, dtype, hkv, nk, threads):
-    """GQA decoding (one query row per head): the query heads of a group reach
-    the kernel as the rows of one item over their K and V (lead (B, Hkv), g
-    rows), with causal (then no limit), bool and float masks of every head
-    layout, kv_lengths per batch, softcap, out= and return_lse; against the
-    reference.  From 1 to 8 rows (the row kernel), split keys on 2 threads."""
+def test_gqa_decode_folds_heads(isa, rng, core_calls, dtype, hkv, nq, nk, threads):
+    """GQA decoding (1 to 8 query rows per head): the query heads of a group
+    reach the kernel as the g * n_q rows of one item over their K and V (lead
+    (B, Hkv)), with causal (then a bool mask of those rows), bool and float
+    masks of every head and row layout alone and with causal, kv_lengths per
+    batch and scalar, softcap, out= and return_lse; against the reference.
+    From 1 to 64 rows (the row kernel and the tiled one), split keys on 2
+    threads."""
     g = 8 // hkv
-    q = rand(rng, (2, 8, 1, 16), dtype)
+    q = rand(rng, (2, 8, nq, 16), dtype)
     k, v = rand(rng, (2, hkv, nk, 16), dtype), rand(rng, (2, hkv, nk, 12), dtype)
     kw = dict(enable_gqa=True, num_threads=threads)
     fmask = np.where(rng.random((8, 1, nk)) < 0.3, -np.inf, rng.standard_normal((8, 1, nk)))
     fmask[:, :, 0] = 0.0
+    fmask_rows = rng.standard_normal((2, 8, nq, nk)).astype(dtype)
     for extra in (dict(), dict(causal=True), dict(mask=rng.random(nk) < 0.6),
                   dict(mask=rng.random((2, 1, 1, nk)) < 0.6), dict(mask=rng.random((2, 8, 1, nk)) < 0.6),
-                  dict(mask=fmask), dict(kv_lengths=rng.integers(0, nk + 1, (2, 1))),
-                  dict(kv_lengths=np.array(nk // 2), causal=True), dict(softcap=2.0)):
+                  dict(mask=rng.random((nq, nk)) < 0.6), dict(mask=rng.random((2, 8, nq, nk)) < 0.6),
+                  dict(mask=rng.random((2, 1, nq, nk)) < 0.6, causal=True),
+                  dict(mask=rng.random((8, 1, nk)) < 0.6, causal=True),
+                  dict(mask=fmask), dict(mask=fmask, causal=True), dict(mask=fmask_rows, causal=True),
+                  dict(kv_lengths=rng.integers(0, nk + 1, (2, 1))),
+                  dict(kv_lengths=rng.integers(0, nk + 1, (2, 1)), causal=True),
+                  dict(kv_lengths=np.array(nk // 2), causal=True), dict(softcap=2.0, causal=True)):
         core_calls.clear()
         check(q, k, v, dtype, **kw, **extra)
-        assert core_calls == [((2, hkv), (2, hkv, g, 16), False)], extra
-    out = np.empty((2, 8, 1, 12), dtype)
-    strided = np.zeros((2, 8, 12, 3), dtype).transpose(0, 1, 3, 2)[:, :, :1]     # (2, 8, 1, 12)
-    want = ref.attention(q.astype(F64), k.astype(F64), v.astype(F64), enable_gqa=True)
-    for o in (out, strided):
-        assert fastattn.attention(q, k, v, out=o, **kw) is o
+        assert core_calls == [((2, hkv), (2, hkv, g * nq, 16), False)], extra
+    out = np.empty((2, 8, nq, 12), dtype)
+    strided = np.zeros((2, 8, 12, nq + 2), dtype).transpose(0, 1, 3, 2)[:, :, :nq]  # (2, 8, nq, 12)
+    bnhd = np.zeros((2, nq, 8, 12), dtype).transpose(0, 2, 1, 3)   # rows of a group: no view of them
+    want = ref.attention(q.astype(F64), k.astype(F64), v.astype(F64), enable_gqa=True, causal=True)
+    for o in (out, strided, bnhd):
+        assert fastattn.attention(q, k, v, out=o, causal=True, **kw) is o
         assert_close(o, want, dtype)
+    qt = np.ascontiguousarray(q.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)   # (B, N, H, d) read as (B, H, N, d)
+    assert_close(fastattn.attention(qt, k, v, causal=True, **kw), want, dtype)
 
 
 def test_gqa_decode_fold_many_rows_and_exclusions(rng, core_calls):
     """32 query heads on one K and V fold into 32 rows (the tiled kernel, keys
     split on 2 threads).  What the rows of a group would not share stays one
-    item per head: a window, ALiBi slopes, kv_lengths per head, two query rows,
-    the weights."""
+    item per head: a window, ALiBi slopes, kv_lengths per head, more than 8
+    query rows, the weights."""
+    from fastattn._api import _FOLD_ROWS
     q, k, v = rand(rng, (1, 32, 1, 16)), rand(rng, (1, 1, 2100, 16)), rand(rng, (1, 1, 2100, 16))
     check(q, k, v, F32, enable_gqa=True, num_threads=2)
     assert core_calls == [((1, 1), (1, 1, 32, 16), False)]
-    q, k, v = rand(rng, (2, 8, 1, 16)), rand(rng, (2, 2, 300, 16)), rand(rng, (2, 2, 300, 12))
-    q2 = rand(rng, (2, 8, 2, 16))
+    q, k, v = rand(rng, (2, 8, 2, 16)), rand(rng, (2, 2, 300, 16)), rand(rng, (2, 2, 300, 12))
+    q9 = rand(rng, (2, 8, _FOLD_ROWS + 1, 16))
     for qq, extra in ((q, dict(window=(20, 0))), (q, dict(alibi_slopes=rng.random(8))),
-                      (q, dict(kv_lengths=rng.integers(0, 301, (2, 8)))), (q2, dict(causal=True)), (q2, dict())):
+                      (q, dict(kv_lengths=rng.integers(0, 301, (2, 8)))), (q9, dict(causal=True)), (q9, dict())):
         core_calls.clear()
         check(qq, k, v, F32, enable_gqa=True, **extra)
         assert core_calls == [((2, 2, 4), qq.shape[:1] + (2, 4) + qq.shape[2:], extra.get("causal", False))]
     core_calls.clear()
     w = fastattn.attention_weights(q, k, enable_gqa=True)
     assert_close(w, ref.attention_weights(q.astype(F64), k.astype(F64), enable_gqa=True), F32)
-    assert core_calls[0][:2] == ((2, 2, 4), (2, 2, 4, 1, 16))
+    assert core_calls[0][:2] == ((2, 2, 4), (2, 2, 4, 2, 16))
 
 
 # ---------------------------------------------------------------------------
