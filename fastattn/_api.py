@@ -18,7 +18,10 @@ from . import _core
 from .reference import default_scale
 
 # GQA: up to this many query rows, a group's query heads become the rows of one work
-# item over their K and V (see _prepare)
+# item over their K and V (see _prepare).  Against one item per head, causal, in one
+# process (H32/8 and /4 Nk4096-16384 d128, H8/2 Nk1024 and H16/4 Nk512 d64, float32
+# and float64): 2-8 rows 1.04-2.8x on avx512 and avx2 (portable path 0.96-1.55x);
+# 12-24 rows 0.68-1.51x, so it stops at 8.
 _FOLD_ROWS = 8
 
 __all__ = ["attention", "attention_weights", "merge_attention", "softmax"]
@@ -379,13 +382,12 @@ def _prepare(q, k, v, mask, causal, scale, enable_gqa, window, softcap, alibi_sl
     p.mask, p.slopes, p.kvl = mm, slopes, kvl
     p.inputs = (q, k, v, mask)
     # GQA decoding: _call hands the C core the query heads of a group as the rows of one
-    # item over their K and V (g * n_q rows), which it then reads once, not once per
-    # head.  One query row: H32/8 Nk4096-16384 d128 2.0-2.9x; 32 heads on one K and V
-    # 4.8x.  2-8 rows (speculative decoding, chunked prefill), with causal carried by a
-    # bool mask of the g * n_q rows: 1.1-2.1x (H32/8 and /4, H8/2, Nk512-16384, d64 and
-    # d128, float32 and float64); from 12 rows on, 0.85-1.05x, so it stops at 8.
-    # Exact where the rows of a group differ only in their queries: no window, no ALiBi
-    # slopes (per head), kv_lengths the same across the group.
+    # item over their K and V (n_q * g rows, position-major: the C core's row_group),
+    # which it then reads once, not once per head.  One query row: H32/8 Nk4096-16384
+    # d128 2.0-2.9x; 32 heads on one K and V 4.8x.  2-8 rows (speculative decoding,
+    # chunked prefill): see the note at _FOLD_ROWS.  Exact where the rows of a group
+    # differ only in their queries: no window, no ALiBi slopes (per head), kv_lengths
+    # the same across the group.
     p.fold = (p.gqa is not None and not weights and n_q <= _FOLD_ROWS and p.gqa[0] > p.gqa[1]
               and p.win_left < 0 and p.win_right < 0 and slopes is None
               and (kvl is None or kvl.ndim == 0 or kvl.shape[-1] == 1))
@@ -441,49 +443,49 @@ def _merge_heads(a, gqa, core):
 
 
 def _rows(a, core):
-    """a (..., g, n, *core) as (..., g * n, *core): a view where the strides allow
-    one, else a copy."""
+    """a (..., g, n, *core) as (..., n * g, *core), position-major (row r: n-index
+    r // g, g-index r % g): a view where the strides allow one, else a copy."""
     i = a.ndim - core - 2
-    return a.reshape(a.shape[:i] + (a.shape[i] * a.shape[i + 1],) + a.shape[i + 2:])
+    return np.swapaxes(a, i, i + 1).reshape(a.shape[:i] + (a.shape[i] * a.shape[i + 1],) + a.shape[i + 2:])
+
+
+def _unrows(dst, src, core):
+    """Write src (..., n * g, *core), rows as _rows orders them, into dst (..., g, n, *core)."""
+    i = dst.ndim - core - 2
+    t = np.swapaxes(dst, i, i + 1)
+    t[...] = src.reshape(t.shape)
 
 
 def _fold_mask(p):
-    """The mask of a folded call (see _prepare): (..., Hkv|1, g * n_q, n_k|1), with
-    the causal rule of n_q > 1 rows in it; None when there is neither."""
-    mask, kind = p.mask, p.mask_kind
+    """The mask of a folded call (see _prepare), (..., Hkv|1, n_q, g, n_k|1) as
+    (..., Hkv|1, n_q * g, n_k|1): a view where the rows' strides allow one (say a
+    key-padding mask, the same for every row), else a copy of at most n_q * g rows
+    of n_k per K and V head."""
+    if p.mask is None:
+        return None
     g = p.gqa[0] // p.gqa[1]
-    if p.causal and p.n_q > 1:  # row i sees key j <= i + kv_length - n_q: (..., n_q, n_k)
-        kv = p.n_k if p.kvl is None else p.kvl[..., None, None]
-        vis = np.arange(p.n_k) <= np.arange(p.n_q)[:, None] + (kv - p.n_q)
-        if mask is None:
-            mask, kind = vis.view(np.uint8), _core.MASK_BOOL
-        elif kind == _core.MASK_BOOL:
-            mask = mask & vis.view(np.uint8)
-        else:  # -inf hides, whatever the mask holds there
-            mask = np.where(vis, mask, -np.inf)
-    if mask is None:
-        return None, kind
-    mask = mask.reshape((1,) * (3 - mask.ndim) + mask.shape)
-    # the group and row axes at their full sizes, then merged (a copy only where the
-    # rows differ: at most g * n_q rows of n_k per K and V head)
-    return _rows(np.broadcast_to(mask, mask.shape[:-3] + (g, p.n_q, mask.shape[-1])), 1), kind
+    mask = p.mask.reshape((1,) * (3 - p.mask.ndim) + p.mask.shape)
+    return _rows(np.broadcast_to(mask, mask.shape[:-3] + (g, p.n_q, mask.shape[-1])), 1)
 
 
 def _call(p, target, lse, weights=False):
-    q, k, v, mask, kind, kvl, lead, causal = p.q, p.k, p.v, p.mask, p.mask_kind, p.kvl, p.lead, p.causal
-    rows = target
-    if p.fold:  # (see _prepare) q (..., Hkv, g, n_q, d) -> (..., Hkv, g * n_q, d); k and v
+    q, k, v, mask, kvl, lead, g = p.q, p.k, p.v, p.mask, p.kvl, p.lead, 1
+    rows, rows_lse = target, lse
+    if p.fold:  # (see _prepare) q (..., Hkv, g, n_q, d) -> (..., Hkv, n_q * g, d), position-
+        # major, rows g apart sharing a position (the C core's row_group); k and v
         # (..., Hkv, 1, n_k, d) -> (..., Hkv, n_k, d); out, lse and the mask alike
-        q, k, v, lead, causal = _rows(q, 1), k[..., 0, :, :], v[..., 0, :, :], lead[:-1], False
-        mask, kind = _fold_mask(p)
+        g = p.gqa[0] // p.gqa[1]
+        q, k, v, lead, mask = _rows(q, 1), k[..., 0, :, :], v[..., 0, :, :], lead[:-1], _fold_mask(p)
         rows = _rows(target, 1)
-        lse = _rows(lse, 0) if lse is not None else None  # a view: lse is a fresh array
+        rows_lse = _rows(lse, 0) if lse is not None else None
         if kvl is not None and kvl.ndim:  # (..., Hkv|1, 1)
             kvl = kvl[..., 0]
-    _core.attention(q, k, v, mask, kind, rows, lse, lead, causal, p.scale,
-                    p.nthreads, p.softcap, p.win_left, p.win_right, p.slopes, kvl, weights)
+    _core.attention(q, k, v, mask, p.mask_kind, rows, rows_lse, lead, p.causal, p.scale, p.nthreads,
+                    p.softcap, p.win_left, p.win_right, p.slopes, kvl, weights, g)
     if rows is not target and not np.may_share_memory(rows, target):
-        target[...] = rows.reshape(target.shape)  # out= whose strides allow no view of its rows
+        _unrows(target, rows, 1)  # rows written as a copy (no view of them): back in place
+    if rows_lse is not lse and not np.may_share_memory(rows_lse, lse):
+        _unrows(lse, rows_lse, 0)
 
 
 _SHARED_DOC = """

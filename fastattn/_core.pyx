@@ -45,6 +45,7 @@ cdef extern from "fastattn.h" nogil:
         int dtype
         int mask_kind
         int causal
+        int64_t row_group
         double scale
         double softcap
         int64_t win_left, win_right
@@ -129,13 +130,15 @@ cdef inline void _lead_strides(cnp.ndarray a, int nl, int core, int64_t *out):
 def attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask_kind,
               cnp.ndarray out, object lse, tuple lead, bint causal, double scale, int num_threads,
               double softcap=0.0, int64_t win_left=-1, int64_t win_right=-1, object slopes=None,
-              object kv_len=None, bint weights=False):
+              object kv_len=None, bint weights=False, int64_t row_group=1):
     """Fill `out` (and `lse`) with attention, or with the attention weights
     when `weights` (out is then lead + (nq, nk), zero-filled, v unused).
     q, k, v, mask have shape (..., rows, cols) with leading dims that
     broadcast to `lead`; out has shape lead + (nq, dv) and lse lead + (nq,);
     slopes (compute dtype) and kv_len (int64) broadcast to `lead`.  q, k, v,
-    out have unit stride on the last axis; the mask may have any strides."""
+    out have unit stride on the last axis; the mask may have any strides.
+    row_group: consecutive rows that share a position (causal, window, ALiBi),
+    a divisor of nq (fastattn.h)."""
     cdef fa_attention_args a
     cdef int nl = len(lead)
     cdef int d
@@ -195,6 +198,7 @@ def attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask
         _lead_strides(kl_arr, nl, 0, a.kvl_lead)
         a.kv_len = <const int64_t *>cnp.PyArray_DATA(kl_arr)
     a.causal = causal
+    a.row_group = row_group
     a.scale = scale
     a.softcap = softcap
     a.win_left = win_left

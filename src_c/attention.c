@@ -275,7 +275,7 @@ static void fill_item(const fa_attention_args *a, const fa_tiles *t, int64_t n_q
     it->kv = a->kv_len ? a->kv_len[okl] : a->nk;
     if (it->kv > a->nk) it->kv = a->nk;
     if (it->kv < 0) it->kv = 0;
-    it->off = it->kv - a->nq;
+    it->off = it->kv - a->nq / a->row_group;
     it->slope = !a->slopes ? 0.0
               : a->dtype == FA_F32 ? (double)((const float *)a->slopes)[os] : ((const double *)a->slopes)[os];
     const int64_t i0 = qb * t->bq, e = (int64_t)esz;
@@ -383,6 +383,7 @@ static int run(const fa_attention_args *a, int weights)
 {
     if (a->dtype != FA_F32 && a->dtype != FA_F64) return FA_EINVAL;
     if (a->n_lead < 0 || a->n_lead > FA_MAX_DIMS) return FA_EINVAL;
+    if (a->row_group < 1 || a->nq % a->row_group) return FA_EINVAL;
     int64_t n_lead_total = 1;
     for (int d = 0; d < a->n_lead; d++) n_lead_total *= a->lead_shape[d];
     if (n_lead_total == 0 || a->nq == 0 || (weights && a->nk == 0)) return FA_OK;

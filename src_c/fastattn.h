@@ -66,10 +66,13 @@ enum {
  * (dv and v unused); it expects out to be zero-filled.
  *
  * Which keys a query row sees.  With kv = kv_len[lead] (nk when kv_len is
- * NULL) and the bottom-right aligned position p = i + kv - nq, row i sees keys
- * j < kv with p - win_left <= j <= p + win_right (a negative bound is
- * unbounded); causal caps win_right at 0.  Scores are
- * s = softcap(q.k * scale) - slope * |p - j| + mask.
+ * NULL), G = row_group and the bottom-right aligned position
+ * p = i / G + kv - nq / G, row i sees keys j < kv with
+ * p - win_left <= j <= p + win_right (a negative bound is unbounded); causal
+ * caps win_right at 0.  Scores are s = softcap(q.k * scale) - slope * |p - j| + mask.
+ * G = 1: every row its own position.  G > 1 (nq a multiple of G): G consecutive
+ * rows share a position, as the query heads of a GQA group folded into the rows
+ * of one item, position-major (row i: position i / G, head i % G).
  */
 typedef struct {
     int n_lead;                         /* number of leading dims, 0..FA_MAX_DIMS */
@@ -84,7 +87,8 @@ typedef struct {
     void *out, *lse;
     int dtype;                          /* FA_F32 or FA_F64 */
     int mask_kind;                      /* FA_MASK_* */
-    int causal;                         /* key j visible to query i iff j <= i + nk - nq */
+    int causal;                         /* key j visible to query i iff j <= p (above) */
+    int64_t row_group;                  /* G >= 1: rows per position (above) */
     double scale;
     double softcap;                     /* > 0: s -> softcap * tanh(s / softcap); 0: off */
     int64_t win_left, win_right;        /* sliding window; < 0: unbounded */

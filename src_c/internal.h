@@ -46,7 +46,7 @@ typedef struct {
     int64_t i0, bq;
     int64_t j_lo, j_hi;   /* the keys of this item (a split's share); j_hi <= kv */
     int64_t kv;           /* keys that exist for this leading index */
-    int64_t off;          /* kv - nq: row i's aligned position is i + off */
+    int64_t off;          /* kv - nq / row_group: row i's aligned position is i / row_group + off */
     double slope;         /* ALiBi slope of this leading index (0: none) */
     const void *next_q, *next_k;
     int64_t next_bq, next_nk;

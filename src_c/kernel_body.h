@@ -698,28 +698,43 @@ static int mask_bits(IT *restrict W, int64_t ld, const uint8_t *restrict mk, int
 
 /* ---------------------------------------------------------------------------
  * Which keys the rows of an item see (fastattn.h): row i (local) sees key j iff
- *   j >= base + i - left   (when has_left)   and   j <= base + i + right  (when has_right)
- * with base = i0 + off the aligned position of the item's first row; causal
- * is right = 0.  The item's key range is the union over its rows.
+ *   j >= p(i) - left   (when has_left)   and   j <= p(i) + right  (when has_right)
+ * with p(i) = (r0 + i) / g + off its aligned position: r0 = i0 the item's first
+ * row, g = a->row_group rows per position (1, or a GQA group folded
+ * position-major), so positions never decrease along the rows; causal is
+ * right = 0.  The item's key range is the union over its rows.
  * ------------------------------------------------------------------------- */
 typedef struct {
-    int64_t base, left, right;
+    int64_t r0, g, off, left, right;
     int has_left, has_right;
     int64_t j_lo, j_hi; /* keys any row of the item may see */
 } band_t;
 
+/* The aligned position of local row i. */
+INLINE int64_t band_pos(const band_t *b, int64_t i) { return (b->r0 + i) / b->g + b->off; }
+
+/* The first local row whose position is x or more, within [0, bq]. */
+INLINE int64_t band_first_row(const band_t *b, int64_t x, int64_t bq)
+{
+    const int64_t r = (x - b->off) * b->g - b->r0; /* (r0 + i) / g >= x - off */
+    return r < 0 ? 0 : r > bq ? bq : r;
+}
+
 static band_t item_band(const fa_attention_args *a, const fa_item *it)
 {
     band_t b;
-    b.base = it->i0 + it->off;
+    b.r0 = it->i0;
+    b.g = a->row_group;
+    b.off = it->off;
     b.has_left = a->win_left >= 0;
     b.left = a->win_left;
     b.has_right = a->causal || a->win_right >= 0;
     b.right = a->causal ? 0 : a->win_right;
     b.j_lo = it->j_lo;
     b.j_hi = it->j_hi < it->kv ? it->j_hi : it->kv;
-    if (b.has_left && b.base - b.left > b.j_lo) b.j_lo = b.base - b.left;
-    if (b.has_right && b.base + it->bq + b.right < b.j_hi) b.j_hi = b.base + it->bq + b.right;
+    const int64_t first = band_pos(&b, 0), last = band_pos(&b, it->bq - 1);
+    if (b.has_left && first - b.left > b.j_lo) b.j_lo = first - b.left;
+    if (b.has_right && last + 1 + b.right < b.j_hi) b.j_hi = last + 1 + b.right;
     return b;
 }
 
@@ -767,9 +782,10 @@ static int tile_scores(const fa_attention_args *a, const fa_item *it, const band
         if (kind == 0) return -1;
         bits = kind == 1;
     }
-    /* band: key j hides rows i < j - base - right and rows i > j - base + left */
-    const int cut_right = b->has_right && j0 + nb - 1 > b->base + b->right;
-    const int cut_left = b->has_left && j0 < b->base + bq - 1 - b->left;
+    /* band: key j hides the rows before the first at position j - right, and
+     * those from the first at position j + left + 1 on (band_first_row) */
+    const int cut_right = b->has_right && j0 + nb - 1 > band_pos(b, 0) + b->right;
+    const int cut_left = b->has_left && j0 < band_pos(b, bq - 1) - b->left;
     if (f && !bits && !cut_right && !cut_left && !(a->softcap > 0) && it->slope == 0 &&
         a->mask_kind != FA_MASK_ADD) {
         qk_block(St, (const T *)it->k + j0 * a->k_rs, a->k_rs, Qt, ld, bqp, a->dk, nb, pf, f);
@@ -781,15 +797,21 @@ static int tile_scores(const fa_attention_args *a, const fa_item *it, const band
         for (int64_t j = 0; j < nb; j++)
             for (int64_t i = 0; i < bqp; i += L) vstore(St + j * ld + i, vtanh(vload(St + j * ld + i) * ic) * c);
     }
-    if (it->slope != 0) { /* ALiBi: s -= slope * |p - j|, p = base + i */
+    if (it->slope != 0 && b->g == 1) { /* ALiBi: s -= slope * |p(i) - j|, p(i) = p(0) + i */
         const T slope = (T)it->slope;
         T io[L];
         for (int r = 0; r < L; r++) io[r] = (T)r;
         const vec iota = vload(io);
         for (int64_t j = 0; j < nb; j++)
             for (int64_t i = 0; i < bqp; i += L) {
-                const vec d = iota + (T)(b->base + i - (j0 + j));
+                const vec d = iota + (T)(band_pos(b, i) - (j0 + j));
                 vstore(St + j * ld + i, vload(St + j * ld + i) - slope * vsel(d < 0, -d, d));
+            }
+    } else if (it->slope != 0) { /* rows sharing positions (the fold leaves out ALiBi) */
+        for (int64_t j = 0; j < nb; j++)
+            for (int64_t i = 0; i < bq; i++) {
+                const int64_t d = band_pos(b, i) - (j0 + j);
+                St[j * ld + i] -= (T)it->slope * (T)(d < 0 ? -d : d);
             }
     }
     if (a->mask_kind == FA_MASK_ADD) {
@@ -800,14 +822,11 @@ static int tile_scores(const fa_attention_args *a, const fa_item *it, const band
     if (cut_right || cut_left)
         for (int64_t j = 0; j < nb; j++) {
             const int64_t jj = j0 + j;
-            if (cut_right) {
-                int64_t hide = jj - b->base - b->right;
-                if (hide > bq) hide = bq;
-                for (int64_t i = 0; i < hide; i++) St[j * ld + i] = -INFINITY;
-            }
-            if (cut_left)
-                for (int64_t i = (jj - b->base + b->left + 1 > 0) ? jj - b->base + b->left + 1 : 0; i < bq; i++)
+            if (cut_right)
+                for (int64_t i = 0, hide = band_first_row(b, jj - b->right, bq); i < hide; i++)
                     St[j * ld + i] = -INFINITY;
+            if (cut_left)
+                for (int64_t i = band_first_row(b, jj + b->left + 1, bq); i < bq; i++) St[j * ld + i] = -INFINITY;
         }
     return bits;
 }
@@ -1573,7 +1592,7 @@ static void rows_softmax(const fa_attention_args *a, const fa_item *it, const ba
     const band_t b = *band;
     for (int64_t i = 0; i < bq; i++) {
         T *si = S + i * bk;
-        const int64_t pos = b.base + i; /* the row's aligned position */
+        const int64_t pos = band_pos(&b, i); /* the row's aligned position */
         if (a->softcap > 0) {
             const T c = (T)a->softcap, ic = 1 / c;
             int64_t j = 0;

@@ -936,6 +936,48 @@ def test_row_kernel_register_tiles(isa, rng, rows_max, dtype, nq, dk, dv):
     check(q, k, v, causal=True, num_threads=1)
 
 
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("G, P, nk", [(2, 5, 40), (3, 7, 300), (4, 8, 2100), (8, 1, 300)])
+@pytest.mark.parametrize("kernel", ["rows", "tiled", "odd tiles"])
+def test_row_group(isa, rng, rows_max, tiles, dtype, G, P, nk, kernel):
+    """The C core's row_group: G consecutive rows share a position, as the query
+    heads of a GQA group that fastattn.attention folds into the rows of one item
+    (position-major).  Causal, windows and ALiBi (which the fold leaves per
+    head), kv_lengths, a bool mask; one item with split keys on 2 threads and two
+    items; the row kernel, the tiled one, and tiles of 3 and 5 rows that start
+    inside a group.  Against the reference per head."""
+    rows_max(24 if kernel == "rows" else 1)
+    if kernel == "odd tiles":
+        tiles(3 if G > 2 else 5, 37)
+    for B in (1, 2):
+        q = rand(rng, (B, G, P, 16), dtype)
+        k, v = rand(rng, (B, nk, 16), dtype), rand(rng, (B, nk, 12), dtype)
+        qf = np.ascontiguousarray(q.transpose(0, 2, 1, 3)).reshape(B, P * G, 16)   # row r: position r // G
+        slopes = rng.random(B).astype(dtype)
+        kvl = rng.integers(P, nk + 1, B)
+        mask = rng.random((B, P, nk)) < 0.7
+        for extra in (dict(causal=True), dict(window=(20, 3)), dict(causal=True, window=(7, None)),
+                      dict(causal=True, alibi_slopes=slopes), dict(causal=True, kv_lengths=kvl),
+                      dict(causal=True, mask=mask)):
+            out, lse = np.empty((B, P * G, 12), dtype), np.empty((B, P * G), dtype)
+            wl, wr = extra.get("window", (None, None))
+            m = extra.get("mask")
+            mf = None if m is None else np.repeat(m, G, axis=1).view(np.uint8)   # (B, P * G, nk)
+            _core.attention(qf, k, v, mf, _core.MASK_NONE if m is None else _core.MASK_BOOL, out, lse, (B,),
+                            extra.get("causal", False), 0.25, 2, 0.0, -1 if wl is None else wl,
+                            -1 if wr is None else wr, extra.get("alibi_slopes"),
+                            None if "kv_lengths" not in extra else kvl.astype(np.int64), False, G)
+            kw = dict(extra)
+            for name in ("alibi_slopes", "kv_lengths"):
+                if name in kw:
+                    kw[name] = kw[name][:, None]          # per batch: (B, 1) against (B, G)
+            if m is not None:
+                kw["mask"] = m[:, None]
+            want, want_lse = reference64(q, k[:, None], v[:, None], scale=0.25, **kw)   # (B, G, P, ...)
+            assert_close(out.reshape(B, P, G, 12).transpose(0, 2, 1, 3), want, dtype)
+            assert_close(lse.reshape(B, P, G).transpose(0, 2, 1), want_lse, dtype, "lse")
+
+
 @pytest.fixture
 def stream():
     """Force the row kernel's prefetch across passes and its far prefetch into

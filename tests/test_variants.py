@@ -366,13 +366,13 @@ def test_gqa_reads_kv_in_place(rng):
 
 @pytest.fixture
 def core_calls(monkeypatch):
-    """The (lead, q shape, causal) of each call into the C core."""
+    """The (lead, q shape, row_group) of each call into the C core."""
     from fastattn import _api
     calls = []
     real = _api._core.attention
 
     def spy(q, k, v, mask, mask_kind, out, lse, lead, causal, *rest):
-        calls.append((lead, q.shape, causal))
+        calls.append((lead, q.shape, rest[8] if len(rest) > 8 else 1))
         return real(q, k, v, mask, mask_kind, out, lse, lead, causal, *rest)
 
     monkeypatch.setattr(_api._core, "attention", spy)
@@ -385,10 +385,10 @@ def core_calls(monkeypatch):
 @pytest.mark.parametrize("nk, threads", [(1, 1), (300, 2), (2100, 1), (2100, 2)])
 def test_gqa_decode_folds_heads(isa, rng, core_calls, dtype, hkv, nq, nk, threads):
     """GQA decoding (1 to 8 query rows per head): the query heads of a group
-    reach the kernel as the g * n_q rows of one item over their K and V (lead
-    (B, Hkv)), with causal (then a bool mask of those rows), bool and float
-    masks of every head and row layout alone and with causal, kv_lengths per
-    batch and scalar, softcap, out= and return_lse; against the reference.
+    reach the kernel as the n_q * g rows of one item over their K and V (lead
+    (B, Hkv), position-major, row_group g), with causal, bool and float masks of
+    every head and row layout alone and with causal, kv_lengths per batch and
+    scalar, softcap, out= of any layout and return_lse; against the reference.
     From 1 to 64 rows (the row kernel and the tiled one), split keys on 2
     threads."""
     g = 8 // hkv
@@ -409,7 +409,7 @@ def test_gqa_decode_folds_heads(isa, rng, core_calls, dtype, hkv, nq, nk, thread
                   dict(kv_lengths=np.array(nk // 2), causal=True), dict(softcap=2.0, causal=True)):
         core_calls.clear()
         check(q, k, v, dtype, **kw, **extra)
-        assert core_calls == [((2, hkv), (2, hkv, g * nq, 16), False)], extra
+        assert core_calls == [((2, hkv), (2, hkv, nq * g, 16), g)], extra
     out = np.empty((2, 8, nq, 12), dtype)
     strided = np.zeros((2, 8, 12, nq + 2), dtype).transpose(0, 1, 3, 2)[:, :, :nq]  # (2, 8, nq, 12)
     bnhd = np.zeros((2, nq, 8, 12), dtype).transpose(0, 2, 1, 3)   # rows of a group: no view of them
@@ -429,14 +429,14 @@ def test_gqa_decode_fold_many_rows_and_exclusions(rng, core_calls):
     from fastattn._api import _FOLD_ROWS
     q, k, v = rand(rng, (1, 32, 1, 16)), rand(rng, (1, 1, 2100, 16)), rand(rng, (1, 1, 2100, 16))
     check(q, k, v, F32, enable_gqa=True, num_threads=2)
-    assert core_calls == [((1, 1), (1, 1, 32, 16), False)]
+    assert core_calls == [((1, 1), (1, 1, 32, 16), 32)]
     q, k, v = rand(rng, (2, 8, 2, 16)), rand(rng, (2, 2, 300, 16)), rand(rng, (2, 2, 300, 12))
     q9 = rand(rng, (2, 8, _FOLD_ROWS + 1, 16))
     for qq, extra in ((q, dict(window=(20, 0))), (q, dict(alibi_slopes=rng.random(8))),
                       (q, dict(kv_lengths=rng.integers(0, 301, (2, 8)))), (q9, dict(causal=True)), (q9, dict())):
         core_calls.clear()
         check(qq, k, v, F32, enable_gqa=True, **extra)
-        assert core_calls == [((2, 2, 4), qq.shape[:1] + (2, 4) + qq.shape[2:], extra.get("causal", False))]
+        assert core_calls == [((2, 2, 4), qq.shape[:1] + (2, 4) + qq.shape[2:], 1)]
     core_calls.clear()
     w = fastattn.attention_weights(q, k, enable_gqa=True)
     assert_close(w, ref.attention_weights(q.astype(F64), k.astype(F64), enable_gqa=True), F32)
