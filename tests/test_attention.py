@@ -943,9 +943,11 @@ def test_row_group(isa, rng, rows_max, tiles, dtype, G, P, nk, kernel):
     """The C core's row_group: G consecutive rows share a position, as the query
     heads of a GQA group that fastattn.attention folds into the rows of one item
     (position-major).  Causal, windows and ALiBi (which the fold leaves per
-    head), kv_lengths, a bool mask; one item with split keys on 2 threads and two
-    items; the row kernel, the tiled one, and tiles of 3 and 5 rows that start
-    inside a group.  Against the reference per head."""
+    head), kv_lengths, a bool mask, NaN in the last key's value row (hidden from
+    the rows before the last position: they are recomputed carefully, row by
+    row); one item with split keys on 2 threads and two items; the row kernel,
+    the tiled one, and tiles of 3 and 5 rows that start inside a group.  Against
+    the reference per head."""
     rows_max(24 if kernel == "rows" else 1)
     if kernel == "odd tiles":
         tiles(3 if G > 2 else 5, 37)
@@ -956,14 +958,17 @@ def test_row_group(isa, rng, rows_max, tiles, dtype, G, P, nk, kernel):
         slopes = rng.random(B).astype(dtype)
         kvl = rng.integers(P, nk + 1, B)
         mask = rng.random((B, P, nk)) < 0.7
+        v_nan = v.copy()
+        v_nan[:, -1, 0] = np.nan
         for extra in (dict(causal=True), dict(window=(20, 3)), dict(causal=True, window=(7, None)),
                       dict(causal=True, alibi_slopes=slopes), dict(causal=True, kv_lengths=kvl),
-                      dict(causal=True, mask=mask)):
+                      dict(causal=True, mask=mask), dict(causal=True, v=v_nan)):
+            vv = extra.pop("v", v)
             out, lse = np.empty((B, P * G, 12), dtype), np.empty((B, P * G), dtype)
             wl, wr = extra.get("window", (None, None))
             m = extra.get("mask")
             mf = None if m is None else np.repeat(m, G, axis=1).view(np.uint8)   # (B, P * G, nk)
-            _core.attention(qf, k, v, mf, _core.MASK_NONE if m is None else _core.MASK_BOOL, out, lse, (B,),
+            _core.attention(qf, k, vv, mf, _core.MASK_NONE if m is None else _core.MASK_BOOL, out, lse, (B,),
                             extra.get("causal", False), 0.25, 2, 0.0, -1 if wl is None else wl,
                             -1 if wr is None else wr, extra.get("alibi_slopes"),
                             None if "kv_lengths" not in extra else kvl.astype(np.int64), False, G)
@@ -973,7 +978,7 @@ def test_row_group(isa, rng, rows_max, tiles, dtype, G, P, nk, kernel):
                     kw[name] = kw[name][:, None]          # per batch: (B, 1) against (B, G)
             if m is not None:
                 kw["mask"] = m[:, None]
-            want, want_lse = reference64(q, k[:, None], v[:, None], scale=0.25, **kw)   # (B, G, P, ...)
+            want, want_lse = reference64(q, k[:, None], vv[:, None], scale=0.25, **kw)   # (B, G, P, ...)
             assert_close(out.reshape(B, P, G, 12).transpose(0, 2, 1, 3), want, dtype)
             assert_close(lse.reshape(B, P, G).transpose(0, 2, 1), want_lse, dtype, "lse")
 
