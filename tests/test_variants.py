@@ -421,6 +421,26 @@ def test_gqa_decode_folds_heads(isa, rng, core_calls, dtype, hkv, nq, nk, thread
     assert_close(fastattn.attention(qt, k, v, causal=True, **kw), want, dtype)
 
 
+def test_gqa_fold_broadcasts(rng, core_calls):
+    """The fold (3 query rows per head) with leading dims broadcast (q or K and V
+    over the batch), masks broadcast along their rows or keys, float16, more
+    query rows than keys under causal (early rows see nothing) and no keys."""
+    q, k, v = rand(rng, (1, 8, 3, 16)), rand(rng, (2, 2, 50, 16)), rand(rng, (2, 2, 50, 12))
+    check(q, k, v, F32, enable_gqa=True, causal=True)
+    check(rand(rng, (2, 8, 3, 16)), k[:1], v[:1], F32, enable_gqa=True, causal=True)
+    for m in (rng.random((2, 1, 3, 1)) < 0.7, rng.random((8, 3, 1)) < 0.7, rng.random((8, 1, 50)) < 0.7):
+        check(q, k, v, F32, enable_gqa=True, causal=True, mask=m)
+    out = fastattn.attention(q.astype(np.float16), k.astype(np.float16), v.astype(np.float16),
+                             enable_gqa=True, causal=True)
+    assert out.dtype == np.float16
+    assert_close(out, ref.attention(q.astype(F64), k.astype(F64), v.astype(F64), enable_gqa=True, causal=True),
+                 np.float16)
+    check(rand(rng, (2, 8, 7, 16)), k[:, :, :4], v[:, :, :4], F32, enable_gqa=True, causal=True)
+    out, lse = fastattn.attention(q, k[:, :, :0], v[:, :, :0], enable_gqa=True, causal=True, return_lse=True)
+    assert (out == 0).all() and np.isneginf(lse).all()
+    assert [call[2] for call in core_calls] == [4] * 8   # every call folded (row_group 4)
+
+
 def test_gqa_decode_fold_many_rows_and_exclusions(rng, core_calls):
     """32 query heads on one K and V fold into 32 rows (the tiled kernel, keys
     split on 2 threads).  What the rows of a group would not share stays one
