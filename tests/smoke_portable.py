@@ -55,6 +55,13 @@ for dtype, tol in ((np.float32, 1e-5), (np.float64, 1e-12)):
                 assert np.array_equal(fin, np.isfinite(lse))
                 assert np.max(np.abs(lse[fin] - want_lse[fin]), initial=0) <= tol * 100, (dtype, "lse")
                 checks += 1
+    # GQA speculative decoding: 3 query rows of 8 heads on 2 K and V heads, folded into
+    # 12-row items with 4 rows to a position (the C core's row_group), causal
+    q, k, v = (rng.standard_normal(s).astype(dtype) for s in ((2, 8, 3, 32), (2, 2, 1500, 32), (2, 2, 1500, 32)))
+    out = fastattn.attention(q, k, v, causal=True, enable_gqa=True)
+    want = reference.attention(*(a.astype(np.float64) for a in (q, k, v)), causal=True, enable_gqa=True)
+    assert np.max(np.abs(out - want)) <= tol * max(1.0, float(np.abs(want).max())), (dtype, "gqa")
+    checks += 1
     x = (rng.standard_normal((5, 3000)) * 10).astype(dtype)
     assert np.max(np.abs(fastattn.softmax(x) - reference.softmax(x.astype(np.float64)))) <= tol
     xs = np.linspace(-700 if dtype is np.float64 else -87, 0, 1001).astype(dtype)  # normal results
