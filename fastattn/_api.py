@@ -386,11 +386,10 @@ def _prepare(q, k, v, mask, causal, scale, enable_gqa, window, softcap, alibi_sl
     # which it then reads once, not once per head.  One query row: H32/8 Nk4096-16384
     # d128 2.0-2.9x; 32 heads on one K and V 4.8x.  2-8 rows (speculative decoding,
     # chunked prefill): see the note at _FOLD_ROWS.  Exact where the rows of a group
-    # differ only in their queries: no window, no ALiBi slopes (per head), kv_lengths
-    # the same across the group.
+    # differ only in their queries and positions (causal and windows follow the
+    # positions): no ALiBi slopes (per head), kv_lengths the same across the group.
     p.fold = (p.gqa is not None and not weights and n_q <= _FOLD_ROWS and p.gqa[0] > p.gqa[1]
-              and p.win_left < 0 and p.win_right < 0 and slopes is None
-              and (kvl is None or kvl.ndim == 0 or kvl.shape[-1] == 1))
+              and slopes is None and (kvl is None or kvl.ndim == 0 or kvl.shape[-1] == 1))
     return p
 
 

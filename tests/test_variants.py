@@ -388,7 +388,7 @@ def test_gqa_decode_folds_heads(isa, rng, core_calls, dtype, hkv, nq, nk, thread
     reach the kernel as the n_q * g rows of one item over their K and V (lead
     (B, Hkv), position-major, row_group g), with causal, bool and float masks of
     every head and row layout alone and with causal, kv_lengths per batch and
-    scalar, softcap, out= of any layout and return_lse; against the reference.
+    scalar, windows, softcap, out= of any layout and return_lse; against the reference.
     From 1 to 64 rows (the row kernel and the tiled one), split keys on 2
     threads."""
     g = 8 // hkv
@@ -406,7 +406,9 @@ def test_gqa_decode_folds_heads(isa, rng, core_calls, dtype, hkv, nq, nk, thread
                   dict(mask=fmask), dict(mask=fmask, causal=True), dict(mask=fmask_rows, causal=True),
                   dict(kv_lengths=rng.integers(0, nk + 1, (2, 1))),
                   dict(kv_lengths=rng.integers(0, nk + 1, (2, 1)), causal=True),
-                  dict(kv_lengths=np.array(nk // 2), causal=True), dict(softcap=2.0, causal=True)):
+                  dict(kv_lengths=np.array(nk // 2), causal=True), dict(softcap=2.0, causal=True),
+                  dict(window=(100, 0)), dict(window=(2, 1), kv_lengths=rng.integers(0, nk + 1, (2, 1))),
+                  dict(causal=True, window=(50, None), mask=rng.random((2, 1, nq, nk)) < 0.6)):
         core_calls.clear()
         check(q, k, v, dtype, **kw, **extra)
         assert core_calls == [((2, hkv), (2, hkv, nq * g, 16), g)], extra
@@ -444,15 +446,15 @@ def test_gqa_fold_broadcasts(rng, core_calls):
 def test_gqa_decode_fold_many_rows_and_exclusions(rng, core_calls):
     """32 query heads on one K and V fold into 32 rows (the tiled kernel, keys
     split on 2 threads).  What the rows of a group would not share stays one
-    item per head: a window, ALiBi slopes, kv_lengths per head, more than 8
-    query rows, the weights."""
+    item per head: ALiBi slopes, kv_lengths per head, more than 8 query rows,
+    the weights."""
     from fastattn._api import _FOLD_ROWS
     q, k, v = rand(rng, (1, 32, 1, 16)), rand(rng, (1, 1, 2100, 16)), rand(rng, (1, 1, 2100, 16))
     check(q, k, v, F32, enable_gqa=True, num_threads=2)
     assert core_calls == [((1, 1), (1, 1, 32, 16), 32)]
     q, k, v = rand(rng, (2, 8, 2, 16)), rand(rng, (2, 2, 300, 16)), rand(rng, (2, 2, 300, 12))
     q9 = rand(rng, (2, 8, _FOLD_ROWS + 1, 16))
-    for qq, extra in ((q, dict(window=(20, 0))), (q, dict(alibi_slopes=rng.random(8))),
+    for qq, extra in ((q, dict(alibi_slopes=rng.random(8))),
                       (q, dict(kv_lengths=rng.integers(0, 301, (2, 8)))), (q9, dict(causal=True)), (q9, dict())):
         core_calls.clear()
         check(qq, k, v, F32, enable_gqa=True, **extra)
