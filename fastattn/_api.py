@@ -371,7 +371,9 @@ def _prepare(q, k, v, mask, causal, scale, enable_gqa, window, softcap, alibi_sl
     p.scale = _scale(scale, d_k)
     p.nthreads = _num_threads(num_threads)
     p.causal = bool(causal)
-    p.win_left, p.win_right = _window(window)
+    # a side wider than any query-key distance (< n_q + n_k) is unbounded: also keeps
+    # the C core's p - left and p + right within int64
+    p.win_left, p.win_right = (-1 if w >= n_q + n_k else w for w in _window(window))
     p.softcap = _softcap(softcap)
     p.res, p.comp, p.lead = res, comp, lead
     p.n_q, p.n_k, p.d_v = n_q, n_k, d_v

@@ -157,10 +157,10 @@ def scores(q: ArrayLike, k: ArrayLike, *, mask: Optional[ArrayLike] = None, caus
         visible = visible & (j <= p)
     if window is not None:
         left, right = window
-        if left is not None and left >= 0:
-            visible = visible & (j >= p - left)
-        if right is not None and right >= 0:
-            visible = visible & (j <= p + right)
+        if left is not None and left >= 0:     # j >= p - left, without p - left overflowing
+            visible = visible & (p - j <= left)
+        if right is not None and right >= 0:   # j <= p + right
+            visible = visible & (j - p <= right)
     return np.where(visible, s, -np.inf).astype(dt, copy=False)
 
 

@@ -76,7 +76,8 @@ def test_gqa_errors(rng, qs, ks, vs, msg):
 # ---------------------------------------------------------------------------
 # sliding windows
 # ---------------------------------------------------------------------------
-WINDOWS = [(0, 0), (5, 0), (None, 3), (3, None), (-1, 2), (40, 40), (0, 10**6), (10**6, 10**6), (None, None)]
+WINDOWS = [(0, 0), (5, 0), (None, 3), (3, None), (-1, 2), (40, 40), (0, 10**6), (10**6, 10**6), (None, None),
+           (2**63 - 1, 0), (0, 2**63 - 1)]
 
 
 @pytest.mark.parametrize("dtype", [F32, F64])
@@ -95,6 +96,11 @@ def test_window_empty_rows_and_more_queries(isa, rng):
     q, k, v = rand(rng, (300, 8)), rand(rng, (100, 8)), rand(rng, (100, 4))
     out, lse = check(q, k, v, F32, window=(10, 0))
     assert np.all(out[:190] == 0) and np.all(np.isneginf(lse[:190]))
+    for huge in (2**63 - 1, 2**62, 400, 399):   # wider than any distance (< 400): unbounded
+        out, _ = check(q, k, v, F32, window=(huge, 0))
+        assert np.array_equal(out, fastattn.attention(q, k, v, window=(None, 0)))
+        out, _ = check(q, k, v, F32, window=(0, huge), causal=False)
+        assert np.array_equal(out, fastattn.attention(q, k, v, window=(0, None)))
 
 
 @pytest.mark.parametrize("window,exc", [((1, 2, 3), ValueError), (5, ValueError), ((1.5, 2), TypeError),
