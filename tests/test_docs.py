@@ -35,3 +35,8 @@ def test_readme_python_blocks_run():
     assert np.max(np.abs(ns["out"] - full)) < 1e-12        # the merge example
     t = fastattn.attention(ns["qs"], ns["ks"], ns["vs"], return_lse=True)[1]
     assert np.max(np.abs(ns["lse"] - t)) < 1e-12
+    # the speculative-decoding example: per sequence, the drafts against its own keys
+    for b, n_b in enumerate(ns["lengths"]):
+        kb, vb = (ns[name][b, :, :n_b].astype(np.float64) for name in ("cache_k", "cache_v"))
+        want = fastattn.reference.attention(ns["drafts"][b].astype(np.float64), kb, vb, causal=True, enable_gqa=True)
+        assert np.max(np.abs(ns["o_draft"][b] - want)) < 1e-5 * max(1, np.max(np.abs(want)))
