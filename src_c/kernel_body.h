@@ -799,12 +799,13 @@ static int tile_scores(const fa_attention_args *a, const fa_item *it, const band
     }
     if (it->slope != 0 && b->g == 1) { /* ALiBi: s -= slope * |p(i) - j|, p(i) = p(0) + i */
         const T slope = (T)it->slope;
+        const int64_t p0 = band_pos(b, 0);
         T io[L];
         for (int r = 0; r < L; r++) io[r] = (T)r;
         const vec iota = vload(io);
         for (int64_t j = 0; j < nb; j++)
             for (int64_t i = 0; i < bqp; i += L) {
-                const vec d = iota + (T)(band_pos(b, i) - (j0 + j));
+                const vec d = iota + (T)(p0 + i - (j0 + j));
                 vstore(St + j * ld + i, vload(St + j * ld + i) - slope * vsel(d < 0, -d, d));
             }
     } else if (it->slope != 0) { /* rows sharing positions (the fold leaves out ALiBi) */
