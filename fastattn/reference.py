@@ -151,7 +151,8 @@ def scores(q: ArrayLike, k: ArrayLike, *, mask: Optional[ArrayLike] = None, caus
         if mask.dtype == bool:
             s = np.where(mask, s, -np.inf)
         else:
-            s = s + mask.astype(dt, copy=False)
+            with np.errstate(invalid="ignore"):  # inf + -inf = NaN, as it should be
+                s = s + mask.astype(dt, copy=False)
     visible = j < kv
     if causal:
         visible = visible & (j <= p)

@@ -22,6 +22,7 @@
  * The output accumulator is kept transposed too, Ot (dv, bqp), and is turned
  * back and normalised once at the end (FlashAttention-2 loop order).
  */
+#include <float.h>
 #include <math.h>
 #include <string.h>
 
@@ -433,6 +434,7 @@ typedef struct {
     T *St;           /* (nb, ld) the tile's first row */
     int64_t ld, dv;  /* row stride of Ot and St; rows of Ot */
     int64_t regrows; /* rescaling calls of fuse_regrow in the item so far */
+    int mask;        /* St holds the tile's float mask, transposed (mask_tile), to add */
 } fuse_t;
 
 /* x[r * stride + 0..L) *= alpha for r < n: one query vector of Ot or St */
@@ -480,7 +482,8 @@ INLINE void fuse_exp(const int R, vec *a, fuse_t *f, int64_t i, int64_t j)
 }
 
 /* St[r][0..NV*L) = sum_c kr[r][c] * Qt[c][0..NV*L)   for r < R
- * or, with f, their probabilities (fuse_exp; st is f->St + j * bqp + i):
+ * or, with f, their probabilities (fuse_exp; st is f->St + j * bqp + i), of
+ * the scores plus what st holds with f->mask (a float mask):
  *   st  (R, NV*L)   row stride bqp
  *   kr  (R, dk)     row stride krs
  *   qt  (dk, NV*L)  row stride bqp */
@@ -500,6 +503,12 @@ INLINE void qk_tile(const int R, const int NV, T *st, int64_t bqp, const T *rest
         }
     }
     if (f) {
+        if (f->mask)
+            UNROLL(16) for (int r = 0; r < R; r++)
+            {
+                a0[r] += vload(st + r * bqp);
+                if (NV == 2) a1[r] += vload(st + r * bqp + L);
+            }
         fuse_exp(R, a0, f, i, j);
         if (NV == 2) fuse_exp(R, a1, f, i + L, j);
     }
@@ -762,95 +771,8 @@ static void pack_queries(const fa_attention_args *a, const fa_item *it, T *Qt, i
     }
 }
 
-/* Scores of the key tile [j0, j0 + nb) for the item's rows:
- *   St (nb, bqp) = K_tile . Qt (Qt already scaled; both row stride ld), then softcap, ALiBi,
- *   float mask and the band (causal, window), on every lane or the real rows.
- * A bool mask is packed into bit words W (ceil(nb / 32), ld) for the caller
- * to apply.  With f, a tile that has none of those modifiers (nor a bool mask
- * with a False in it) gets its probabilities instead (the fused exp, FUSE_LAG).
- * Returns -1 when the bool mask forbids the whole tile (St is not computed),
- * 2 when St holds the fused probabilities, 1 when W must be applied, 0
- * otherwise. */
-static int tile_scores(const fa_attention_args *a, const fa_item *it, const band_t *b, T *St,
-                       const T *Qt, IT *W, int64_t ld, int64_t bqp, int64_t j0, int64_t nb, const tile_pf *pf,
-                       fuse_t *f)
-{
-    const int64_t bq = it->bq;
-    int bits = 0;
-    if (a->mask_kind == FA_MASK_BOOL) {
-        const int kind = mask_bits(W, ld, (const uint8_t *)it->mask + j0 * a->m_cs, a->m_rs, a->m_cs, bq, nb);
-        if (kind == 0) return -1;
-        bits = kind == 1;
-    }
-    /* band: key j hides the rows before the first at position j - right, and
-     * those from the first at position j + left + 1 on (band_first_row) */
-    const int cut_right = b->has_right && j0 + nb - 1 > band_pos(b, 0) + b->right;
-    const int cut_left = b->has_left && j0 < band_pos(b, bq - 1) - b->left;
-    if (f && !bits && !cut_right && !cut_left && !(a->softcap > 0) && it->slope == 0 &&
-        a->mask_kind != FA_MASK_ADD) {
-        qk_block(St, (const T *)it->k + j0 * a->k_rs, a->k_rs, Qt, ld, bqp, a->dk, nb, pf, f);
-        return 2;
-    }
-    qk_block(St, (const T *)it->k + j0 * a->k_rs, a->k_rs, Qt, ld, bqp, a->dk, nb, pf, NULL);
-    if (a->softcap > 0) {
-        const T c = (T)a->softcap, ic = 1 / c;
-        for (int64_t j = 0; j < nb; j++)
-            for (int64_t i = 0; i < bqp; i += L) vstore(St + j * ld + i, vtanh(vload(St + j * ld + i) * ic) * c);
-    }
-    if (it->slope != 0 && b->g == 1) { /* ALiBi: s -= slope * |p(i) - j|, p(i) = p(0) + i */
-        const T slope = (T)it->slope;
-        const int64_t p0 = band_pos(b, 0);
-        T io[L];
-        for (int r = 0; r < L; r++) io[r] = (T)r;
-        const vec iota = vload(io);
-        for (int64_t j = 0; j < nb; j++)
-            for (int64_t i = 0; i < bqp; i += L) {
-                const vec d = iota + (T)(p0 + i - (j0 + j));
-                vstore(St + j * ld + i, vload(St + j * ld + i) - slope * vsel(d < 0, -d, d));
-            }
-    } else if (it->slope != 0) { /* rows sharing positions (the fold leaves out ALiBi) */
-        for (int64_t j = 0; j < nb; j++)
-            for (int64_t i = 0; i < bq; i++) {
-                const int64_t d = band_pos(b, i) - (j0 + j);
-                St[j * ld + i] -= (T)it->slope * (T)(d < 0 ? -d : d);
-            }
-    }
-    if (a->mask_kind == FA_MASK_ADD) {
-        const T *mk = (const T *)it->mask + j0 * a->m_cs;
-        for (int64_t j = 0; j < nb; j++)
-            for (int64_t i = 0; i < bq; i++) St[j * ld + i] += mk[i * a->m_rs + j * a->m_cs];
-    }
-    if (cut_right || cut_left)
-        for (int64_t j = 0; j < nb; j++) {
-            const int64_t jj = j0 + j;
-            if (cut_right)
-                for (int64_t i = 0, hide = band_first_row(b, jj - b->right, bq); i < hide; i++)
-                    St[j * ld + i] = -INFINITY;
-            if (cut_left)
-                for (int64_t i = band_first_row(b, jj + b->left + 1, bq); i < bq; i++) St[j * ld + i] = -INFINITY;
-        }
-    return bits;
-}
-
-/* The scores of key j (row j of St) at the query columns [i, i + L), -inf
- * where W's bit says the mask forbids them. */
-INLINE vec masked_scores(const T *St, const IT *W, int64_t ld, int64_t i, int64_t j)
-{
-    const uvec w = (uvec)vload_i(W + (j >> 5) * ld + i);
-    const ivec keep = (ivec)((w >> (j & 31)) & 1) != 0;
-    return vsel(keep, vload(St + j * ld + i), vset1(-INFINITY));
-}
-
-/* St[j][i] = -inf where the bool mask's bit is 0 (for the weights kernel;
- * the attention kernel applies the bits in its max pass, tile_softmax). */
-static void apply_bits(T *St, const IT *W, int64_t ld, int64_t bqp, int64_t nb)
-{
-    for (int64_t j = 0; j < nb; j++)
-        for (int64_t i = 0; i < bqp; i += L) vstore(St + j * ld + i, masked_scores(St, W, ld, i, j));
-}
-
 /* The key columns of a tile that some row of the item sees under a bool
- * mask, as at most PV_RUNS ranges run[r] = [start, end) (key_runs: -1 when
+ * mask (or a float mask, where it is not -inf), as at most PV_RUNS ranges run[r] = [start, end) (key_runs: -1 when
  * there are more).  P.V runs over these ranges only: a key that the mask hides
  * from every row (padding) has weight 0 everywhere, but 0 * NaN = NaN, so NaN
  * or inf in its V row (a padded cache from np.empty) would make every row of
@@ -884,6 +806,216 @@ INLINE void key_runs_add(key_runs *r, int64_t j, int on)
 INLINE int runs_whole(const key_runs *kr, int64_t nb)
 {
     return kr->n < 0 || (kr->n == 1 && kr->run[0][0] == 0 && kr->run[0][1] == nb);
+}
+
+/* A float mask tile, transposed, added to the scores (set = 0) or stored in
+ * their place (set = 1, for the fused exp to add: qk_tile):
+ *   St  (nb, bqp)  row stride ld (transposed scores); added to in the real
+ *                  rows i < bq, or, with set, stored there; the padded rows
+ *                  get -inf or (with set) 0
+ *   mk  (bq, nb)   the mask in the compute dtype, strides mrs, mcs (already at
+ *                  the tile's first key)
+ * and in kr the keys where some row's mask is not -inf (key_runs: P.V leaves
+ * the others out).  A mask row that is contiguous is read L keys of L rows at
+ * a time and transposed in registers; a mask the same for every row (mrs ==
+ * 0: key padding) is one broadcast per key.  Element by element, the
+ * transposed read cost as much as the rest of the tile: B1 H8 N2048 d64
+ * float32 with an N x N float mask took 97-103 ms against 48 with a bool mask
+ * (AVX-512, 2 threads). */
+INLINE void mask_put(T *s, vec x, int set) { vstore(s, set ? x : vload(s) + x); }
+static void mask_tile(T *St, int64_t ld, const T *mk, int64_t mrs, int64_t mcs, int64_t bq, int64_t bqp,
+                      int64_t nb, int set, key_runs *kr)
+{
+    const int64_t bqv = bq / L * L; /* rows in whole vectors */
+    int64_t j = 0, done = bq;       /* keys [0, j) are written in the rows [0, done) */
+    kr->n = 0;
+    kr->start = -1;
+    if (mrs == 0) {
+        for (; j < nb; j++) {
+            const T x = mk[j * mcs];
+            for (int64_t i = 0; i < bqv; i += L) mask_put(St + j * ld + i, vset1(x), set);
+            for (int64_t i = bqv; i < bq; i++) St[j * ld + i] = set ? x : St[j * ld + i] + x;
+            key_runs_add(kr, j, x != -INFINITY);
+        }
+    } else if (mcs == 1) {
+        done = (bq + L - 1) / L * L;
+        for (; j + L <= nb; j += L) {
+            ivec seen[L];
+            for (int x = 0; x < L; x++) seen[x] = (ivec)vset1(0);
+            for (int64_t i0 = 0; i0 < bq; i0 += L) {
+                vec r[L];
+                UNROLL(16) for (int x = 0; x < L; x++)
+                {
+                    r[x] = i0 + x < bq ? vload(mk + (i0 + x) * mrs + j) : vset1(-INFINITY);
+                    __builtin_prefetch(mk + (i0 + x) * mrs + j + nb, 0, 2); /* the next tile's */
+                }
+                transpose_block(r);
+                UNROLL(16) for (int x = 0; x < L; x++)
+                {
+                    seen[x] |= r[x] != vset1(-INFINITY);
+                    mask_put(St + (j + x) * ld + i0, r[x], set);
+                }
+            }
+            for (int x = 0; x < L; x++) key_runs_add(kr, j + x, vany(seen[x]));
+        }
+    }
+    for (int64_t jj = j; jj < nb; jj++) {
+        int seen = 0;
+        for (int64_t i = 0; i < bq; i++) {
+            const T x = mk[i * mrs + jj * mcs];
+            St[jj * ld + i] = set ? x : St[jj * ld + i] + x;
+            seen |= x != -INFINITY;
+        }
+        key_runs_add(kr, jj, seen);
+    }
+    key_runs_add(kr, nb, 0);
+    if (set) /* the padded rows, bq up to bqp */
+        for (int64_t jj = 0; jj < nb; jj++)
+            for (int64_t i = jj < j ? done : bq; i < bqp; i++) St[jj * ld + i] = 0;
+}
+
+/* Whether a float mask tile hides every key from every row: all of
+ *   mk (bq, nb), strides mrs, mcs
+ * is -inf (NaN is not). */
+static int mask_tile_hidden(const T *mk, int64_t mrs, int64_t mcs, int64_t bq, int64_t nb)
+{
+    for (int64_t i = 0; i < (mrs == 0 ? 1 : bq); i++) {
+        const T *row = mk + i * mrs;
+        int64_t j = 0;
+        if (mcs == 1)
+            for (; j + L <= nb; j += L)
+                if (vany(vload(row + j) != vset1(-INFINITY))) return 0;
+        for (; j < nb; j++)
+            if (row[j * mcs] != -INFINITY) return 0;
+    }
+    return 1;
+}
+
+/* The largest |x| over x (nr, nc) row stride rs; NaN when any is NaN. */
+static T abs_max(const T *x, int64_t rs, int64_t nc, int64_t nr)
+{
+    vec mv = vset1(0);
+    T ms = 0;
+    for (int64_t r = 0; r < nr; r++) {
+        int64_t c = 0;
+        for (; c + L <= nc; c += L) {
+            const vec y = vload(x + r * rs + c);
+            mv = vnanmax(vsel(y < 0, -y, y), mv);
+        }
+        for (; c < nc; c++) {
+            const T y = x[r * rs + c] < 0 ? -x[r * rs + c] : x[r * rs + c];
+            if (y > ms || y != y) ms = y;
+        }
+    }
+    T t[L];
+    memcpy(t, &mv, sizeof t);
+    for (int i = 0; i < L; i++)
+        if (t[i] > ms || t[i] != t[i]) ms = t[i];
+    return ms;
+}
+
+/* Whether a key tile that a float mask hides everywhere may be skipped: only
+ * when no score in it can be NaN or +inf (+inf + -inf = NaN, which the row
+ * must get, as in the reference).  Every |score| is at most dk * qmax * kmax
+ * (qmax = max |Qt|, the scaled queries), and kmax covers the tile's keys; a
+ * softcap and ALiBi keep a score that is finite finite. */
+static int hidden_tile_skips(const T *K, int64_t krs, int64_t dk, int64_t nb, T qmax)
+{
+    const double kmax = (double)abs_max(K, krs, dk, nb);
+    return (double)qmax * kmax * (double)dk <= 0.5 * (FA_IS_F64 ? DBL_MAX : FLT_MAX);
+}
+
+/* Scores of the key tile [j0, j0 + nb) for the item's rows:
+ *   St (nb, bqp) = K_tile . Qt (Qt already scaled; both row stride ld), then softcap, ALiBi,
+ *   float mask and the band (causal, window), on every lane or the real rows.
+ * A bool mask is packed into bit words W (ceil(nb / 32), ld) for the caller
+ * to apply.  With f, a tile that has none of those modifiers but a float mask
+ * (nor a bool mask with a False in it) gets its probabilities instead (the
+ * fused exp, FUSE_LAG; the float mask stored in St first, for qk_tile to add).
+ * Returns -1 when the bool mask forbids the whole tile, or the float mask is
+ * -inf throughout it and no score there can be NaN or +inf (hidden_tile_skips;
+ * qmax is max |Qt|): St is not computed; 2 when St holds the fused
+ * probabilities, 1 when W must be applied, 0 otherwise.  Under a float mask,
+ * kr gets the keys that some row sees (mask_tile); otherwise it is left as it
+ * is. */
+static int tile_scores(const fa_attention_args *a, const fa_item *it, const band_t *b, T *St,
+                       const T *Qt, T qmax, IT *W, int64_t ld, int64_t bqp, int64_t j0, int64_t nb,
+                       const tile_pf *pf, fuse_t *f, key_runs *kr)
+{
+    const int64_t bq = it->bq;
+    int bits = 0;
+    if (a->mask_kind == FA_MASK_BOOL) {
+        const int kind = mask_bits(W, ld, (const uint8_t *)it->mask + j0 * a->m_cs, a->m_rs, a->m_cs, bq, nb);
+        if (kind == 0) return -1;
+        bits = kind == 1;
+    }
+    if (a->mask_kind == FA_MASK_ADD &&
+        mask_tile_hidden((const T *)it->mask + j0 * a->m_cs, a->m_rs, a->m_cs, bq, nb) &&
+        hidden_tile_skips((const T *)it->k + j0 * a->k_rs, a->k_rs, a->dk, nb, qmax))
+        return -1;
+    /* band: key j hides the rows before the first at position j - right, and
+     * those from the first at position j + left + 1 on (band_first_row) */
+    const int cut_right = b->has_right && j0 + nb - 1 > band_pos(b, 0) + b->right;
+    const int cut_left = b->has_left && j0 < band_pos(b, bq - 1) - b->left;
+    if (f && !bits && !cut_right && !cut_left && !(a->softcap > 0) && it->slope == 0) {
+        f->mask = a->mask_kind == FA_MASK_ADD;
+        if (f->mask) mask_tile(St, ld, (const T *)it->mask + j0 * a->m_cs, a->m_rs, a->m_cs, bq, bqp, nb, 1, kr);
+        qk_block(St, (const T *)it->k + j0 * a->k_rs, a->k_rs, Qt, ld, bqp, a->dk, nb, pf, f);
+        return 2;
+    }
+    qk_block(St, (const T *)it->k + j0 * a->k_rs, a->k_rs, Qt, ld, bqp, a->dk, nb, pf, NULL);
+    if (a->softcap > 0) {
+        const T c = (T)a->softcap, ic = 1 / c;
+        for (int64_t j = 0; j < nb; j++)
+            for (int64_t i = 0; i < bqp; i += L) vstore(St + j * ld + i, vtanh(vload(St + j * ld + i) * ic) * c);
+    }
+    if (it->slope != 0 && b->g == 1) { /* ALiBi: s -= slope * |p(i) - j|, p(i) = p(0) + i */
+        const T slope = (T)it->slope;
+        const int64_t p0 = band_pos(b, 0);
+        T io[L];
+        for (int r = 0; r < L; r++) io[r] = (T)r;
+        const vec iota = vload(io);
+        for (int64_t j = 0; j < nb; j++)
+            for (int64_t i = 0; i < bqp; i += L) {
+                const vec d = iota + (T)(p0 + i - (j0 + j));
+                vstore(St + j * ld + i, vload(St + j * ld + i) - slope * vsel(d < 0, -d, d));
+            }
+    } else if (it->slope != 0) { /* rows sharing positions (the fold leaves out ALiBi) */
+        for (int64_t j = 0; j < nb; j++)
+            for (int64_t i = 0; i < bq; i++) {
+                const int64_t d = band_pos(b, i) - (j0 + j);
+                St[j * ld + i] -= (T)it->slope * (T)(d < 0 ? -d : d);
+            }
+    }
+    if (a->mask_kind == FA_MASK_ADD)
+        mask_tile(St, ld, (const T *)it->mask + j0 * a->m_cs, a->m_rs, a->m_cs, bq, bqp, nb, 0, kr);
+    if (cut_right || cut_left)
+        for (int64_t j = 0; j < nb; j++) {
+            const int64_t jj = j0 + j;
+            if (cut_right)
+                for (int64_t i = 0, hide = band_first_row(b, jj - b->right, bq); i < hide; i++)
+                    St[j * ld + i] = -INFINITY;
+            if (cut_left)
+                for (int64_t i = band_first_row(b, jj + b->left + 1, bq); i < bq; i++) St[j * ld + i] = -INFINITY;
+        }
+    return bits;
+}
+
+/* The scores of key j (row j of St) at the query columns [i, i + L), -inf
+ * where W's bit says the mask forbids them. */
+INLINE vec masked_scores(const T *St, const IT *W, int64_t ld, int64_t i, int64_t j)
+{
+    const uvec w = (uvec)vload_i(W + (j >> 5) * ld + i);
+    const ivec keep = (ivec)((w >> (j & 31)) & 1) != 0;
+    return vsel(keep, vload(St + j * ld + i), vset1(-INFINITY));
+}
+
+/* St[j][i] = -inf where the bool mask's bit is 0 (for the weights kernel;
+ * the attention kernel applies the bits in its max pass, tile_softmax). */
+static void apply_bits(T *St, const IT *W, int64_t ld, int64_t bqp, int64_t nb)
+{
+    for (int64_t j = 0; j < nb; j++)
+        for (int64_t i = 0; i < bqp; i += L) vstore(St + j * ld + i, masked_scores(St, W, ld, i, j));
 }
 
 /* kr from the tiled kernel's bits (mask_bits) of a tile of nb keys:
@@ -983,10 +1115,11 @@ void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_i
     const int64_t bqp = tl->bqp, ld = tl->ld, bk = tl->bk, dk = a->dk, dv = a->dv;
     T *Qt = scratch, *St = Qt + dk * ld, *Ot = St + bk * ld, *m = Ot + dv * ld, *l = m + ld;
     IT *W = (IT *)(l + ld);
-    fuse_t fz = {.m = m, .l = l, .Ot = Ot, .St = St, .ld = ld, .dv = dv, .regrows = 0};
+    fuse_t fz = {.m = m, .l = l, .Ot = Ot, .St = St, .ld = ld, .dv = dv, .regrows = 0, .mask = 0};
 
     /* Pass 1: pack the queries. */
     pack_queries(a, it, Qt, ld, bqp);
+    const T qmax = a->mask_kind == FA_MASK_ADD ? abs_max(Qt, ld, bqp, dk) : 0; /* hidden_tile_skips */
     memset(Ot, 0, (size_t)(dv * ld) * sizeof(T));
     for (int64_t i = 0; i < bqp; i++) {
         m[i] = -INFINITY;
@@ -1012,7 +1145,8 @@ void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_i
                               .krs = a->k_rs, .qrs = a->q_rs, .dk = dk};
         /* the fused exp, until its rescaling costs more than it saves (FUSE_LAG) */
         fuse_t *f = tl->fuse && fz.regrows <= 2 * (bqp / L) ? &fz : NULL;
-        const int bits = tile_scores(a, it, &b, St, Qt, W, ld, bqp, j0, nb, &pf_v, f);
+        key_runs kr = {.n = -1}; /* the keys P.V needs: all, or those a mask leaves some row */
+        const int bits = tile_scores(a, it, &b, St, Qt, qmax, W, ld, bqp, j0, nb, &pf_v, f, &kr);
         if (bits < 0) continue;
 
         /* Pass 4 (when the exp is not fused): online softmax, two vectors of
@@ -1024,9 +1158,9 @@ void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_i
         }
 
         /* Pass 5: Ot += P . V_tile, while pf_k's rows are prefetched; under a
-         * bool mask, over the keys that some row sees (visible_runs) */
+         * mask, over the keys that some row sees (visible_runs; a float
+         * mask's from mask_tile) */
         const T *vt = (const T *)it->v + j0 * a->v_rs;
-        key_runs kr = {.n = -1};
         if (bits == 1) visible_runs(&kr, W, ld, it->bq, nb);
         if (runs_whole(&kr, nb))
             pv_block(Ot, St, vt, a->v_rs, ld, bqp, dv, nb, &pf_k);
@@ -1053,6 +1187,7 @@ void FN(fa_weights_item)(const fa_attention_args *a, const fa_tiles *tl, const f
     IT *W = (IT *)(l + ld);
     T *out = it->out;
     pack_queries(a, it, Qt, ld, bqp);
+    const T qmax = a->mask_kind == FA_MASK_ADD ? abs_max(Qt, ld, bqp, dk) : 0; /* hidden_tile_skips */
     for (int64_t i = 0; i < bqp; i++) {
         m[i] = -INFINITY;
         l[i] = 0;
@@ -1061,7 +1196,8 @@ void FN(fa_weights_item)(const fa_attention_args *a, const fa_tiles *tl, const f
     for (int pass = 0; pass < 2; pass++) {
         for (int64_t j0 = b.j_lo; j0 < b.j_hi; j0 += bk) {
             const int64_t nb = (b.j_hi - j0 < bk) ? b.j_hi - j0 : bk;
-            const int bits = tile_scores(a, it, &b, St, Qt, W, ld, bqp, j0, nb, NULL, NULL);
+            key_runs kr;
+            const int bits = tile_scores(a, it, &b, St, Qt, qmax, W, ld, bqp, j0, nb, NULL, NULL, &kr);
             if (bits < 0) continue;
             if (bits) apply_bits(St, W, ld, bqp, nb);
             for (int64_t i = 0; i < bqp; i += L) {
@@ -1509,13 +1645,24 @@ static void rows_pv(T *restrict A, const T *restrict S, int64_t ls, int64_t bq, 
 }
 
 /* The row kernel's key_runs (see visible_runs) for the tile [j0, j0 + nb),
- * from the bool mask's bytes it->mask (bq, n_k) with strides m_rs, m_cs;
- * n = -1 without a bool mask.  noinline, as rows_pv_runs. */
+ * from the mask it->mask (bq, n_k) with strides m_rs, m_cs: a bool mask's
+ * bytes, or where a float mask is not -inf; n = -1 without a mask.  noinline,
+ * as rows_pv_runs. */
 static __attribute__((noinline)) void mask_runs(key_runs *r, const fa_attention_args *a, const fa_item *it,
                                                 int64_t j0, int64_t nb)
 {
     r->n = -1;
     r->start = -1;
+    if (a->mask_kind == FA_MASK_ADD) {
+        const T *mf = (const T *)it->mask + j0 * a->m_cs;
+        r->n = 0;
+        for (int64_t j = 0; j < nb && r->n >= 0; j++) {
+            int on = 0;
+            for (int64_t i = 0; i < it->bq && !on; i++) on = mf[i * a->m_rs + j * a->m_cs] != -INFINITY;
+            key_runs_add(r, j, on);
+        }
+        key_runs_add(r, nb, 0);
+    }
     if (a->mask_kind != FA_MASK_BOOL) return;
     r->n = 0;
     const uint8_t *mk = (const uint8_t *)it->mask + j0 * a->m_cs;
@@ -1779,7 +1926,7 @@ static void item_rows(const fa_attention_args *a, const fa_tiles *tl, const fa_i
         rows_softmax(a, it, &b, S, bk, A, m, l, j0, nb, 0);
         for (;;) {
             const int64_t j1 = j0 + nb, nb1 = (b.j_hi - j1 < bk) ? b.j_hi - j1 : bk;
-            key_runs kr; /* keys a bool mask hides (padding): P . V skips them */
+            key_runs kr; /* keys a mask hides (padding): P . V skips them */
             mask_runs(&kr, a, it, j0, nb);
             if (nb1 <= 0) {
                 rows_pv_runs(&kr, A, S, bk, 1, v + j0 * a->v_rs, a->v_rs, dv, nb, b.j_hi - j0, far, NULL);
@@ -1822,7 +1969,7 @@ static void item_rows(const fa_attention_args *a, const fa_tiles *tl, const fa_i
         if (careful)
             rows_pv_careful(A, S, v + j0 * a->v_rs, a->v_rs, dv, nb);
         else {
-            key_runs kr; /* keys a bool mask hides from every row (padding): skipped */
+            key_runs kr; /* keys a mask hides from every row (padding): skipped */
             mask_runs(&kr, a, it, j0, nb);
             if (runs_whole(&kr, nb))
                 rows_pv(A, S, bk, bq, v + j0 * a->v_rs, a->v_rs, dv, nb, b.j_hi - j0, far,

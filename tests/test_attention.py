@@ -325,13 +325,16 @@ def test_hidden_nonfinite_values_split_keys(isa, rng, dtype, threads):
 @pytest.mark.parametrize("nq", [1, 3, 9, 40, 130])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("layout", ["end", "start", "both", "middle", "many"])
-def test_padding_mask_skips_hidden_keys(isa, rng, dtype, nq, threads, layout):
-    """Keys that a bool mask hides from every row (padding) are left out of
-    P.V by ranges (visible_runs in the tiled kernel, mask_runs in the row
-    kernel and its decode loop): NaN and inf in their K and V rows stay out of
-    the result, at the start, at the end, across a key tile edge, and with more
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_padding_mask_skips_hidden_keys(isa, rng, dtype, nq, threads, layout, kind):
+    """Keys that a mask hides from every row (padding: False, or -inf in a
+    float mask) are left out of P.V by ranges (visible_runs and mask_tile in
+    the tiled kernel, mask_runs in the row kernel and its decode loop): NaN
+    and inf in their V rows (and, under a bool mask, K rows) stay out of the
+    result, at the start, at the end, across a key tile edge, and with more
     hidden stretches per tile than there are ranges (the whole tile, then the
-    careful redo); one head with two threads splits the keys."""
+    careful redo); one head with two threads splits the keys.  (A NaN key
+    under a float mask's -inf is NaN + -inf = NaN, as in the reference.)"""
     nk = 700  # key tiles of 64 (tiled), 128 (row kernel) or 256 (one row), the last one partial
     q, k, v = rand(rng, (2, nq, 24), dtype), rand(rng, (2, nk, 24), dtype), rand(rng, (2, nk, 20), dtype)
     hidden = np.zeros(nk, bool)
@@ -347,7 +350,10 @@ def test_padding_mask_skips_hidden_keys(isa, rng, dtype, nq, threads, layout):
     mask[:, hidden] = False
     mask[-1, 300] = nq == 1           # with several rows: hidden from one row only (finite there)
     kb, vb = k.copy(), v.copy()
-    kb[:, hidden] = np.nan
+    if kind == "bool":
+        kb[:, hidden] = np.nan
+    else:
+        mask = np.where(mask, rng.standard_normal((nq, nk)), -np.inf).astype(dtype)
     vb[:, hidden, ::3] = np.inf
     vb[:, hidden, 1::3] = np.nan
     vb[:, hidden, 2::3] = -np.inf
@@ -1158,3 +1164,81 @@ def test_bool_mask_tiles(isa, rng, dtype):
     kn[:, 10] = np.nan                        # NaN keys inside a skipped tile stay out
     out = fastattn.attention(q, kn, v, mask=mask)
     assert np.isfinite(out).all()
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("bq,bk", [(0, 0), (40, 72), (17, 37)])
+def test_float_mask_tiles(isa, fused, tiles, rng, dtype, bq, bk):
+    """Float masks are read per key tile, transposed L keys by L rows in
+    registers (mask_tile), and added to the scores, or, for the fused exp, to
+    the accumulators of Q.K^T: every mask layout (contiguous rows, key padding
+    broadcast over the rows, one value per row broadcast over the keys,
+    column-major, a negative column stride), tiles whose query rows and keys
+    are not whole vectors (an item of 30 rows in tiles of 40 pads to 64
+    columns), a jump far above the reference max (the fused exp rescales),
+    fully masked rows, and with causal, softcap and ALiBi."""
+    tiles(bq, bk)
+    nq, nk = 150, 1100
+    q, k, v = rand(rng, (2, nq, 24), dtype), rand(rng, (2, nk, 24), dtype), rand(rng, (2, nk, 16), dtype)
+    mask = rng.standard_normal((nq, nk)).astype(dtype)
+    mask[rng.random((nq, nk)) < 0.2] = -np.inf
+    mask[5] = -np.inf                         # a row that sees nothing
+    check(q, k, v, mask=mask)
+    check(q, k, v, mask=mask, causal=True)
+    check(q, k, v, mask=np.asfortranarray(mask))           # column-major: strided reads
+    check(q, k, v, mask=mask[:, ::-1])                      # negative column stride
+    jump = mask.copy()
+    jump[::3, 700:] += 60                     # far above the max so far, for every third row
+    check(q, k, v, mask=jump)
+    pad = np.zeros((1, nk), dtype)
+    pad[:, 1000:] = -np.inf                   # key padding: the same row for every query
+    pad[:, :1000] = rng.standard_normal(1000)
+    check(q, k, v, mask=pad)
+    check(q, k, v, mask=rng.standard_normal((nq, 1)).astype(dtype))   # column stride 0
+    check(q, k, v, mask=mask, softcap=2.0)
+    check(q, k, v, mask=mask, alibi_slopes=np.array([0.5, 0.25]), causal=True)
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("layout", ["full", "keys"])
+def test_float_mask_hidden_tiles(isa, fused, tiles, rng, dtype, threads, layout):
+    """A key tile where a float mask is -inf for every row is skipped (its P.V
+    too), and keys where it is -inf for every row are left out of P.V (tiles
+    of 128 keys, the last one of 60 partly hidden: a tail of keys that are not a
+    whole vector), so NaN and inf in their V rows never reach the fast
+    kernels' output (no careful redo).  A tile is skipped only when no score
+    there can be NaN or +inf (hidden_tile_skips): a NaN key, or one whose
+    score overflows to +inf, makes the rows NaN as in the reference (NaN +
+    -inf, +inf + -inf).  A causal float mask skips the tiles above the
+    diagonal and agrees with causal=True."""
+    tiles(64, 128)
+    nq, nk = 150, 700
+    q, k, v = rand(rng, (2, nq, 24), dtype), rand(rng, (2, nk, 24), dtype), rand(rng, (2, nk, 20), dtype)
+    mask = rng.standard_normal((nq if layout == "full" else 1, nk)).astype(dtype)
+    mask[:, 512:698] = -np.inf                # the tile [512, 640), most of [640, 700)
+    mask[:, 300:330] = -np.inf                # inside a tile that stays
+    vb = v.copy()
+    for hidden in (slice(512, 698), slice(300, 330)):   # P.V leaves these keys out
+        vb[:, hidden, ::2] = np.nan
+        vb[:, hidden, 1::2] = np.inf
+    _core._take_redo_count()
+    out = check(q, k, vb, mask=mask, num_threads=threads)[0]
+    assert _core._take_redo_count() == 0
+    assert np.isfinite(out).all()
+    w = fastattn.attention_weights(q, k, mask=mask, num_threads=threads)
+    assert_close(w, ref.attention_weights(q.astype(F64), k.astype(F64), mask=mask.astype(F64)), dtype, "weights")
+    kb = k.copy()
+    kb[0, 600, 3] = np.nan                    # NaN + -inf = NaN: every row of item 0
+    out = check(q, kb, v, mask=mask, num_threads=threads)[0]
+    assert np.isnan(out[0]).all() and np.isfinite(out[1]).all()
+    kb, qs = k.copy(), q.copy()
+    kb[1, 650] = np.finfo(dtype).max / 2      # scores overflow there, in the dtype:
+    qs[1, ::2] = np.abs(q[1, ::2])            # to +inf in the even rows (+inf + -inf = NaN),
+    qs[1, 1::2] = -np.abs(q[1, 1::2])         # to -inf in the odd rows (hidden)
+    out = fastattn.attention(qs, kb, v, mask=mask, num_threads=threads)
+    assert np.isnan(out[1, ::2]).all() and np.isfinite(out[1, 1::2]).all() and np.isfinite(out[0]).all()
+    assert_close(out, ref.attention(qs, kb, v, mask=mask), dtype)
+    causal = np.triu(np.full((nq, nk), -np.inf, dtype), nk - nq + 1)
+    out = check(q, k, v, mask=causal, num_threads=threads)[0]
+    assert_close(out, fastattn.attention(q, k, v, causal=True, num_threads=threads), dtype)
