@@ -60,6 +60,8 @@ WORKLOADS = [
     _w("20 rows H32 Nk4096 d128", (1, 32, 20, 4096, 128)),  # ... and from memory: up to 24 rows
     _w("20 rows H8 Nk2048 d128", (1, 8, 20, 2048, 128)),    # ... and in cache from d128 on
     _w("B1 H8 N2048 d64 bool mask", (1, 8, 2048, 2048, 64), mask="bool"),
+    # an additive mask (as PyTorch users pass): normal scores, -inf where the bool mask is False
+    _w("B1 H8 N2048 d64 float mask", (1, 8, 2048, 2048, 64), mask="float"),
     # key padding (the last 128 keys) whose K and V rows hold NaN, as an unwritten cache from np.empty
     _w("B1 H8 N2048 d64 pad, NaN", (1, 8, 2048, 2048, 64), mask="pad"),
     _w("B1 H8 N2048 d64 GQA 8q/2kv", (1, 8, 2048, 2048, 64), gqa=2),
@@ -141,7 +143,9 @@ def make_inputs(w, seed=0):
     q = rng.standard_normal((B, H, nq, d)).astype(dt)
     k = rng.standard_normal((B, hkv, nk, d)).astype(dt)
     v = rng.standard_normal((B, hkv, nk, d)).astype(dt)
-    mask = rng.random((nq, nk)) < 0.9 if w["mask"] == "bool" else None
+    mask = rng.random((nq, nk)) < 0.9 if w["mask"] in ("bool", "float") else None
+    if w["mask"] == "float":
+        mask = np.where(mask, rng.standard_normal((nq, nk)), -np.inf).astype(dt)
     if w["mask"] == "pad":
         mask = np.ones((nq, nk), bool)
         mask[:, nk - nk // 16:] = False
