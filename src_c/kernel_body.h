@@ -916,13 +916,16 @@ static T abs_max(const T *x, int64_t rs, int64_t nc, int64_t nr)
 
 /* Whether a key tile that a float mask hides everywhere may be skipped: only
  * when no score in it can be NaN or +inf (+inf + -inf = NaN, which the row
- * must get, as in the reference).  Every |score| is at most dk * qmax * kmax
- * (qmax = max |Qt|, the scaled queries), and kmax covers the tile's keys; a
- * softcap and ALiBi keep a score that is finite finite. */
-static int hidden_tile_skips(const T *K, int64_t krs, int64_t dk, int64_t nb, T qmax)
+ * must get, as in the reference).  Every |score| is at most dk * qmax * kmax,
+ * with qmax = max |Qt| (the scaled queries; -1 until known, then computed
+ * once per item) and kmax = max |K| over the tile; a softcap and ALiBi keep a
+ * score that is finite finite. */
+static int hidden_tile_skips(const T *K, int64_t krs, int64_t dk, int64_t nb, const T *Qt, int64_t ld,
+                             int64_t bqp, T *qmax)
 {
+    if (*qmax < 0) *qmax = abs_max(Qt, ld, bqp, dk);
     const double kmax = (double)abs_max(K, krs, dk, nb);
-    return (double)qmax * kmax * (double)dk <= 0.5 * (FA_IS_F64 ? DBL_MAX : FLT_MAX);
+    return (double)*qmax * kmax * (double)dk <= 0.5 * (FA_IS_F64 ? DBL_MAX : FLT_MAX);
 }
 
 /* Scores of the key tile [j0, j0 + nb) for the item's rows:
@@ -934,12 +937,12 @@ static int hidden_tile_skips(const T *K, int64_t krs, int64_t dk, int64_t nb, T 
  * fused exp, FUSE_LAG; the float mask stored in St first, for qk_tile to add).
  * Returns -1 when the bool mask forbids the whole tile, or the float mask is
  * -inf throughout it and no score there can be NaN or +inf (hidden_tile_skips;
- * qmax is max |Qt|): St is not computed; 2 when St holds the fused
+ * qmax is max |Qt|, or -1 until known): St is not computed; 2 when St holds the fused
  * probabilities, 1 when W must be applied, 0 otherwise.  Under a float mask,
  * kr gets the keys that some row sees (mask_tile); otherwise it is left as it
  * is. */
 static int tile_scores(const fa_attention_args *a, const fa_item *it, const band_t *b, T *St,
-                       const T *Qt, T qmax, IT *W, int64_t ld, int64_t bqp, int64_t j0, int64_t nb,
+                       const T *Qt, T *qmax, IT *W, int64_t ld, int64_t bqp, int64_t j0, int64_t nb,
                        const tile_pf *pf, fuse_t *f, key_runs *kr)
 {
     const int64_t bq = it->bq;
@@ -951,7 +954,7 @@ static int tile_scores(const fa_attention_args *a, const fa_item *it, const band
     }
     if (a->mask_kind == FA_MASK_ADD &&
         mask_tile_hidden((const T *)it->mask + j0 * a->m_cs, a->m_rs, a->m_cs, bq, nb) &&
-        hidden_tile_skips((const T *)it->k + j0 * a->k_rs, a->k_rs, a->dk, nb, qmax))
+        hidden_tile_skips((const T *)it->k + j0 * a->k_rs, a->k_rs, a->dk, nb, Qt, ld, bqp, qmax))
         return -1;
     /* band: key j hides the rows before the first at position j - right, and
      * those from the first at position j + left + 1 on (band_first_row) */
@@ -1119,7 +1122,7 @@ void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_i
 
     /* Pass 1: pack the queries. */
     pack_queries(a, it, Qt, ld, bqp);
-    const T qmax = a->mask_kind == FA_MASK_ADD ? abs_max(Qt, ld, bqp, dk) : 0; /* hidden_tile_skips */
+    T qmax = -1; /* max |Qt|, when hidden_tile_skips first needs it */
     memset(Ot, 0, (size_t)(dv * ld) * sizeof(T));
     for (int64_t i = 0; i < bqp; i++) {
         m[i] = -INFINITY;
@@ -1146,7 +1149,7 @@ void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_i
         /* the fused exp, until its rescaling costs more than it saves (FUSE_LAG) */
         fuse_t *f = tl->fuse && fz.regrows <= 2 * (bqp / L) ? &fz : NULL;
         key_runs kr = {.n = -1}; /* the keys P.V needs: all, or those a mask leaves some row */
-        const int bits = tile_scores(a, it, &b, St, Qt, qmax, W, ld, bqp, j0, nb, &pf_v, f, &kr);
+        const int bits = tile_scores(a, it, &b, St, Qt, &qmax, W, ld, bqp, j0, nb, &pf_v, f, &kr);
         if (bits < 0) continue;
 
         /* Pass 4 (when the exp is not fused): online softmax, two vectors of
@@ -1187,7 +1190,7 @@ void FN(fa_weights_item)(const fa_attention_args *a, const fa_tiles *tl, const f
     IT *W = (IT *)(l + ld);
     T *out = it->out;
     pack_queries(a, it, Qt, ld, bqp);
-    const T qmax = a->mask_kind == FA_MASK_ADD ? abs_max(Qt, ld, bqp, dk) : 0; /* hidden_tile_skips */
+    T qmax = -1; /* max |Qt|, when hidden_tile_skips first needs it */
     for (int64_t i = 0; i < bqp; i++) {
         m[i] = -INFINITY;
         l[i] = 0;
@@ -1197,7 +1200,7 @@ void FN(fa_weights_item)(const fa_attention_args *a, const fa_tiles *tl, const f
         for (int64_t j0 = b.j_lo; j0 < b.j_hi; j0 += bk) {
             const int64_t nb = (b.j_hi - j0 < bk) ? b.j_hi - j0 : bk;
             key_runs kr;
-            const int bits = tile_scores(a, it, &b, St, Qt, qmax, W, ld, bqp, j0, nb, NULL, NULL, &kr);
+            const int bits = tile_scores(a, it, &b, St, Qt, &qmax, W, ld, bqp, j0, nb, NULL, NULL, &kr);
             if (bits < 0) continue;
             if (bits) apply_bits(St, W, ld, bqp, nb);
             for (int64_t i = 0; i < bqp; i += L) {
