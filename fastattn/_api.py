@@ -63,8 +63,15 @@ def _readable(a: np.ndarray, unit_last: bool) -> bool:
 
 def _as_compute(a: np.ndarray, dtype: Any, unit_last: bool = True) -> np.ndarray:
     """`a` in `dtype`, copied only when the C core could not read it as it is
-    (leading and row strides, zero and negative ones included, are read in place)."""
-    a = a.astype(dtype, copy=False)
+    (leading and row strides, zero and negative ones included, are read in place).
+    A conversion copies one entry of each broadcast (stride-0) axis and broadcasts
+    the copy again: a float64 key-padding mask broadcast to (n_q, n_k) stays n_k
+    numbers for float32 inputs, not an n_q x n_k copy."""
+    if a.dtype != dtype and a.size > 1 and 0 in a.strides:
+        one = a[tuple(slice(0, 1) if st == 0 else slice(None) for st in a.strides)]
+        a = np.broadcast_to(one.astype(dtype), a.shape)
+    else:
+        a = a.astype(dtype, copy=False)
     return a if _readable(a, unit_last) else np.ascontiguousarray(a)
 
 

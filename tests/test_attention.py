@@ -123,6 +123,24 @@ def test_mask_dtype_mixed(rng, dtype):
     check(q, k, v, mask=rng.standard_normal((30, 30)).astype(np.float16))
 
 
+def test_converted_broadcast_not_expanded(rng):
+    """A float64 mask broadcast over rows (key padding) or heads, with float32
+    inputs, is converted one broadcast entry at a time: it stays a stride-0 view
+    (not an n_q x n_k copy), and the result agrees with the reference."""
+    from fastattn._api import _as_compute
+    q, k, v = rand(rng, (2, 3, 40, 8)), rand(rng, (2, 3, 50, 8)), rand(rng, (2, 3, 50, 8))
+    pad = np.where(rng.random(50) < 0.8, rng.standard_normal(50), -np.inf)
+    for mask in (np.broadcast_to(pad, (40, 50)), np.broadcast_to(rng.standard_normal((2, 1, 40, 50)), (2, 3, 40, 50))):
+        conv = _as_compute(mask, np.dtype(F32), unit_last=False)
+        assert conv.dtype == F32 and 0 in conv.strides and conv.base is not None
+        assert np.array_equal(conv, mask.astype(F32))
+        check(q, k, v, mask=mask)
+    k64 = np.broadcast_to(rand(rng, (1, 1, 50, 8), np.float64), (2, 3, 50, 8))   # inputs alike
+    conv = _as_compute(k64, np.dtype(F32))
+    assert conv.strides[:2] == (0, 0) and np.array_equal(conv, k64.astype(F32))
+    check(q.astype(np.float64), k64, v)
+
+
 def test_mask_strided_views(rng):
     q, k, v = rand(rng, (2, 40, 8)), rand(rng, (2, 50, 8)), rand(rng, (2, 50, 8))
     big = rng.random((2, 100, 150)) < 0.6
