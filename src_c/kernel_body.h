@@ -778,14 +778,15 @@ static void pack_queries(const fa_attention_args *a, const fa_item *it, T *Qt, i
 }
 
 /* The key columns of a tile that some row of the item sees under a bool
- * mask (or a float mask, where it is not -inf), as at most PV_RUNS ranges run[r] = [start, end) (key_runs: -1 when
- * there are more).  P.V runs over these ranges only: a key that the mask hides
- * from every row (padding) has weight 0 everywhere, but 0 * NaN = NaN, so NaN
- * or inf in its V row (a padded cache from np.empty) would make every row of
- * the item non-finite and send it to the careful redo (redo_nonfinite_rows):
- * B1 H8 N2048 d64 with its last 100 keys masked and NaN there took 5.6x as
- * long (the row kernel: 1.5-3.1x at 1-8 rows).  Skipping them is exact, and
- * saves their share of P.V. */
+ * mask (or a float mask, where it is not -inf), as at most PV_RUNS ranges
+ * run[r] = [start, end) (key_runs: -1 when there are more).  P.V runs over
+ * these ranges only: a key that the mask hides from every row (padding) has
+ * weight 0 everywhere, but 0 * NaN = NaN, so NaN or inf in its V row (a
+ * padded cache from np.empty) would make every row of the item non-finite and
+ * send it to the careful redo (redo_nonfinite_rows): B1 H8 N2048 d64 with its
+ * last 100 keys masked and NaN there took 5.6x as long (the row kernel:
+ * 1.5-3.1x at 1-8 rows; a float mask's -inf, before b6417dd, 5.3x).  Skipping
+ * them is exact, and saves their share of P.V. */
 enum { PV_RUNS = 4 };
 typedef struct {
     int64_t run[PV_RUNS][2];
@@ -817,8 +818,9 @@ INLINE int runs_whole(const key_runs *kr, int64_t nb)
 /* A float mask tile, transposed, added to the scores (set = 0) or stored in
  * their place (set = 1, for the fused exp to add: qk_tile):
  *   St  (nb, bqp)  row stride ld (transposed scores); added to in the real
- *                  rows i < bq, or, with set, stored there; the padded rows
- *                  get -inf or (with set) 0
+ *                  rows i < bq, or, with set, stored there.  The padded rows
+ *                  of the last vector of rows may get -inf, and with set the
+ *                  others get 0
  *   mk  (bq, nb)   the mask in the compute dtype, strides mrs, mcs (already at
  *                  the tile's first key)
  * and in kr the keys where some row's mask is not -inf (key_runs: P.V leaves
@@ -852,8 +854,11 @@ static void mask_tile(T *St, int64_t ld, const T *mk, int64_t mrs, int64_t mcs, 
                 vec r[L];
                 UNROLL(16) for (int x = 0; x < L; x++)
                 {
-                    r[x] = i0 + x < bq ? vload(mk + (i0 + x) * mrs + j) : vset1(-INFINITY);
-                    __builtin_prefetch(mk + (i0 + x) * mrs + j + nb, 0, 2); /* the next tile's */
+                    r[x] = vset1(-INFINITY);
+                    if (i0 + x < bq) {
+                        r[x] = vload(mk + (i0 + x) * mrs + j);
+                        __builtin_prefetch(mk + (i0 + x) * mrs + j + nb, 0, 2); /* the next tile's */
+                    }
                 }
                 transpose_block(r);
                 UNROLL(16) for (int x = 0; x < L; x++)
