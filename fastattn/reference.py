@@ -136,7 +136,7 @@ def scores(q: ArrayLike, k: ArrayLike, *, mask: Optional[ArrayLike] = None, caus
     n_q, n_k = q.shape[-2], k.shape[-2]
     if scale is None:
         scale = default_scale(q.shape[-1])
-    with np.errstate(invalid="ignore"):  # inf * 0 in a product is NaN, as it should be
+    with np.errstate(invalid="ignore", over="ignore"):  # inf * 0 is NaN, and a huge product inf, as they should be
         s = (q @ np.swapaxes(k, -1, -2)) * dt.type(scale)
     if softcap is not None:
         s = softcap * np.tanh(s / softcap)

@@ -386,6 +386,53 @@ def test_padding_mask_skips_hidden_keys(isa, rng, dtype, nq, threads, layout, ki
 
 
 @pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("nq", [1, 2, 3, 8])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_row_kernel_trims_padding(isa, rng, dtype, nq, threads, kind):
+    """The row kernel drops the keys at either end that a mask hides from every
+    row (mask_trim): their scores and P.V are never computed, so NaN in their K
+    and V rows stays out under a bool mask (no careful redo).  Under a float
+    mask a NaN key there gives NaN (NaN + -inf), as in the reference, and a
+    score that overflows to +inf there too: the trim checks their K rows first
+    (2 rows or more; one row keeps the keys and leaves them out of P.V).  One
+    head on two threads splits the keys, so a split may lie wholly in the
+    padding."""
+    nk = 700
+    q, k, v = rand(rng, (2, nq, 24), dtype), rand(rng, (2, nk, 24), dtype), rand(rng, (2, nk, 20), dtype)
+    seen = np.ones((nq, nk), bool)
+    seen[:, :37] = seen[:, 470:] = False      # padding at both ends
+    seen[:, 200:230] = False                  # and a stretch inside
+    seen[-1, 600] = True                      # one row sees a key past the end padding
+    mask = seen if kind == "bool" else np.where(seen, rng.standard_normal((nq, nk)), -np.inf).astype(dtype)
+    pad = np.zeros(nk, bool)
+    pad[:37] = pad[470:600] = pad[601:] = True
+    for h in (2, 1):
+        check(q[:h], k[:h], v[:h], mask=mask, num_threads=threads)
+        vb = v.copy()
+        vb[:, pad] = np.nan
+        kb = k.copy()
+        if kind == "bool":
+            kb[:, pad] = np.nan
+        _core._take_redo_count()
+        out = check(q[:h], kb[:h], vb[:h], mask=mask, num_threads=threads)[0]
+        assert np.isfinite(out).all()
+        assert _core._take_redo_count() == 0
+    if kind == "float":
+        kb = k.copy()
+        kb[0, 650, 5] = np.nan                # NaN + -inf = NaN in every row of head 0
+        out = check(q, kb, v, mask=mask, num_threads=threads)[0]
+        assert np.isnan(out[0]).all() and np.isfinite(out[1]).all()
+        kb, qs = k.copy(), q.copy()
+        kb[1, 10] = np.finfo(dtype).max / 2   # +inf scores in the even rows of head 1
+        qs[1, ::2] = np.abs(q[1, ::2])
+        qs[1, 1::2] = -np.abs(q[1, 1::2])
+        out = fastattn.attention(qs, kb, v, mask=mask, num_threads=threads)
+        assert np.isnan(out[1, ::2]).all() and np.isfinite(out[1, 1::2]).all()
+        assert_close(out, ref.attention(qs, kb, v, mask=mask), dtype)
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
 @pytest.mark.parametrize("nq", [1, 5, 40])
 @pytest.mark.parametrize("threads", [1, 2, 4])
 @pytest.mark.parametrize("big_first", [True, False])
