@@ -68,6 +68,8 @@ WORKLOADS = [
     _w("B1 H8 N8192 d64 causal", (1, 8, 8192, 8192, 64), causal=True),
     _w("  ...window (256, 0)", (1, 8, 8192, 8192, 64), causal=True, window=(256, 0)),
     _w("decode B8 H8 Nk4096 kv_len", (8, 8, 1, 4096, 128), kv_lengths=True),
+    # ... the same lengths as a key-padding bool mask (B, 1, 1, n_k), as HF-style decoding passes them
+    _w("decode B8 H8 Nk4096 pad mask", (8, 8, 1, 4096, 128), mask="keys"),
     # GQA decoding: 32 query heads on 8 K and V heads (as Llama 3 8B), as many bytes as the decode row
     _w("decode GQA 32/8 Nk16k d128", (1, 32, 1, 16384, 128), gqa=8),
     # ... verifying 8 speculative tokens there (causal: bottom-right, as KV-cache decoding)
@@ -156,8 +158,12 @@ def make_inputs(w, seed=0):
         kw["enable_gqa"] = True
     if "window" in opts:
         kw["window"] = opts["window"]
-    if opts.get("kv_lengths"):
-        kw["kv_lengths"] = rng.integers(nk // 4, nk + 1, (B, 1))   # a padded cache: B sequence lengths
+    if opts.get("kv_lengths") or w["mask"] == "keys":
+        lengths = rng.integers(nk // 4, nk + 1, (B, 1))   # a padded cache: B sequence lengths
+        if w["mask"] == "keys":
+            mask = np.arange(nk) < lengths[:, :, None, None]
+        else:
+            kw["kv_lengths"] = lengths
     return q, k, v, mask, kw
 
 
@@ -171,13 +177,24 @@ def _stream_buffer():
     return _STREAM_BUF[0]
 
 
-def _flops(w, kw):
+def _live_keys(w, mask, kw):
+    """Key rows summed over the leading dims that a padded cache holds (kv_lengths or a
+    key-padding mask), or None."""
+    if "kv_lengths" in kw:
+        return float(kw["kv_lengths"].sum()) * w["shape"][1]
+    if w["mask"] == "keys":
+        return float(mask.sum()) * w["shape"][1]
+    return None
+
+
+def _flops(w, kw, mask=None):
     """Floating-point operations of a workload (the keys each query really sees)."""
     B, H, nq, nk, d = w["shape"]
     if "window" in kw:
         return 2 * B * H * nq * (min(kw["window"][0], nk) + 1) * (d + d)
-    if "kv_lengths" in kw:
-        return 2 * H * nq * float(kw["kv_lengths"].sum()) * (d + d)
+    live = _live_keys(w, mask, kw)
+    if live is not None:
+        return 2 * nq * live * (d + d)
     if w["mask"] == "pad":
         nk -= nk // 16
     return 2 * B * H * nq * nk * (d + d) / (2 if w["causal"] and nq == nk else 1)
@@ -229,7 +246,7 @@ def _measure(w, threads, torch, repeats, with_reference):
     inputs = make_inputs(w)
     q, k, v, mask, kw = inputs
     B, H, nq, nk, d = w["shape"]
-    flops = _flops(w, kw)
+    flops = _flops(w, kw, mask)
     calls = peer_calls(w, inputs, threads, torch)
     ref = calls.pop("reference", None)
     fns = dict(calls)
@@ -253,8 +270,9 @@ def _measure(w, threads, torch, repeats, with_reference):
     if "torch" in times:
         row["torch_ms"] = times["torch"] * 1e3
         row["x_torch"] = times["torch"] / t
-    if decode:   # bytes of K and V that fastattn reads (kv_lengths: only the live rows)
-        kv_rows = float(kw["kv_lengths"].sum()) * H if "kv_lengths" in kw else B * k.shape[1] * nk
+    if decode:   # bytes of K and V that fastattn reads (a padded cache: only the live rows)
+        live = _live_keys(w, mask, kw)
+        kv_rows = live if live is not None else B * k.shape[1] * nk
         row["read_gbs"] = kv_rows * (k.shape[-1] + v.shape[-1]) * k.itemsize / t / 1e9
         row["stream_gbs"] = buf.nbytes / times["stream"] / 1e9
     return row
