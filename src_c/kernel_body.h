@@ -925,18 +925,24 @@ static T abs_max(const T *x, int64_t rs, int64_t nc, int64_t nr)
     return ms;
 }
 
-/* Whether a key tile that a float mask hides everywhere may be skipped: only
- * when no score in it can be NaN or +inf (+inf + -inf = NaN, which the row
- * must get, as in the reference).  Every |score| is at most dk * qmax * kmax,
- * with qmax = max |Qt| (the scaled queries; -1 until known, then computed
- * once per item) and kmax = max |K| over the tile; a softcap and ALiBi keep a
- * score that is finite finite. */
+/* Whether no score of queries with max |q| = qmax (scaled) and keys with
+ * max |k| = kmax can be NaN or +inf: every |score| is at most dk * qmax * kmax
+ * (false when either max is NaN); a softcap and ALiBi keep a finite score
+ * finite.  Keys that a float mask hides (-inf) may then be left out entirely:
+ * otherwise +inf + -inf = NaN, which the row must get, as in the reference. */
+INLINE int scores_bounded(T qmax, T kmax, int64_t dk)
+{
+    return (double)qmax * (double)kmax * (double)dk <= 0.5 * (FA_IS_F64 ? DBL_MAX : FLT_MAX);
+}
+
+/* Whether a key tile that a float mask hides everywhere may be skipped
+ * (scores_bounded), with qmax = max |Qt| (the scaled queries; -1 until known,
+ * then computed once per item) and the max |K| over the tile. */
 static int hidden_tile_skips(const T *K, int64_t krs, int64_t dk, int64_t nb, const T *Qt, int64_t ld,
                              int64_t bqp, T *qmax)
 {
     if (*qmax < 0) *qmax = abs_max(Qt, ld, bqp, dk);
-    const double kmax = (double)abs_max(K, krs, dk, nb);
-    return (double)*qmax * kmax * (double)dk <= 0.5 * (FA_IS_F64 ? DBL_MAX : FLT_MAX);
+    return scores_bounded(*qmax, abs_max(K, krs, dk, nb), dk);
 }
 
 /* Scores of the key tile [j0, j0 + nb) for the item's rows:
@@ -1658,48 +1664,6 @@ static void rows_pv(T *restrict A, const T *restrict S, int64_t ls, int64_t bq, 
     }
 }
 
-/* The row kernel's key_runs (see visible_runs) for the tile [j0, j0 + nb),
- * from the mask it->mask (bq, n_k) with strides m_rs, m_cs: a bool mask's
- * bytes, or where a float mask is not -inf; n = -1 without a mask.  noinline,
- * as rows_pv_runs. */
-static __attribute__((noinline)) void mask_runs(key_runs *r, const fa_attention_args *a, const fa_item *it,
-                                                int64_t j0, int64_t nb)
-{
-    r->n = -1;
-    r->start = -1;
-    if (a->mask_kind == FA_MASK_ADD) {
-        const T *mf = (const T *)it->mask + j0 * a->m_cs;
-        r->n = 0;
-        for (int64_t j = 0; j < nb && r->n >= 0; j++) {
-            int on = 0;
-            for (int64_t i = 0; i < it->bq && !on; i++) on = mf[i * a->m_rs + j * a->m_cs] != -INFINITY;
-            key_runs_add(r, j, on);
-        }
-        key_runs_add(r, nb, 0);
-    }
-    if (a->mask_kind != FA_MASK_BOOL) return;
-    r->n = 0;
-    const uint8_t *mk = (const uint8_t *)it->mask + j0 * a->m_cs;
-    for (int64_t j = 0; j < nb && r->n >= 0;) {
-        if (a->m_cs == 1 && r->start >= 0 && j + 8 <= nb) { /* 8 keys at once inside a range */
-            uint64_t w = 0, x;
-            for (int64_t i = 0; i < it->bq; i++) {
-                memcpy(&x, mk + i * a->m_rs + j, 8);
-                w |= x;
-            }
-            if (!((w - 0x0101010101010101ULL) & ~w & 0x8080808080808080ULL)) { /* no zero byte */
-                j += 8;
-                continue;
-            }
-        }
-        int on = 0;
-        for (int64_t i = 0; i < it->bq && !on; i++) on = mk[i * a->m_rs + j * a->m_cs] != 0;
-        key_runs_add(r, j, on);
-        j++;
-    }
-    key_runs_add(r, nb, 0);
-}
-
 /* Whether some row of the item may see key j under the mask (it->mask (bq,
  * n_k) with strides m_rs, m_cs): a bool mask's True, or a float mask's value
  * other than -inf. */
@@ -1714,14 +1678,44 @@ INLINE int mask_key_seen(const fa_attention_args *a, const fa_item *it, int64_t 
     return 0;
 }
 
+/* The row kernel's key_runs (see visible_runs) for the tile [j0, j0 + nb),
+ * from the mask it->mask (bq, n_k) with strides m_rs, m_cs: a bool mask's
+ * bytes, or where a float mask is not -inf; n = -1 without a mask.  noinline,
+ * as rows_pv_runs. */
+static __attribute__((noinline)) void mask_runs(key_runs *r, const fa_attention_args *a, const fa_item *it,
+                                                int64_t j0, int64_t nb)
+{
+    r->n = -1;
+    r->start = -1;
+    if (a->mask_kind == FA_MASK_NONE) return;
+    r->n = 0;
+    const uint8_t *mk = (const uint8_t *)it->mask + j0 * a->m_cs;
+    for (int64_t j = 0; j < nb && r->n >= 0;) {
+        if (a->mask_kind == FA_MASK_BOOL && a->m_cs == 1 && r->start >= 0 && j + 8 <= nb) {
+            uint64_t w = 0, x; /* 8 keys at once inside a range */
+            for (int64_t i = 0; i < it->bq; i++) {
+                memcpy(&x, mk + i * a->m_rs + j, 8);
+                w |= x;
+            }
+            if (!((w - 0x0101010101010101ULL) & ~w & 0x8080808080808080ULL)) { /* no zero byte */
+                j += 8;
+                continue;
+            }
+        }
+        key_runs_add(r, j, mask_key_seen(a, it, j0 + j));
+        j++;
+    }
+    key_runs_add(r, nb, 0);
+}
+
 /* The row kernel's key range [b->j_lo, b->j_hi) without the keys at either
  * end that the mask hides from every row (padding, as HF-style decoding
  * passes it), so that neither their scores nor P . V are computed.  Decoding
  * 1, 4 and 12 rows against 4096 keys of which the last 3000 are padding, with
  * a bool mask: 2.2-5.6 ms before, 0.59-2.1 after, 0.56-0.72 with kv_lengths
  * (H32 d128; H8 Nk1024 d64 in cache 1.5-2.4x).  Under a float mask only where
- * no score of the cut keys can be NaN or +inf (NaN + -inf = NaN; as
- * hidden_tile_skips, which reads their K rows), and only for 2 rows or more:
+ * no score of the cut keys can be NaN or +inf (scores_bounded, which takes
+ * reading their K rows), and only for 2 rows or more:
  * 4 and 12 rows 1.7x and 1.7x (H32 Nk4096), 1.08x and 1.8x (H8 Nk1024 in
  * cache), but one row, whose scores cost no more than that check, 0.81x in
  * cache (mask_runs leaves the keys out of its P . V anyway).
@@ -1734,12 +1728,10 @@ static __attribute__((noinline)) void mask_trim(band_t *b, const fa_attention_ar
     while (hi > lo && !mask_key_seen(a, it, hi - 1)) hi--;
     while (lo < hi && !mask_key_seen(a, it, lo)) lo++;
     if (a->mask_kind == FA_MASK_ADD && (lo > b->j_lo || hi < b->j_hi)) {
-        const T *K = (const T *)it->k;
-        const double qmax = (double)abs_max(Qs, dkp, dkp, it->bq), dk = (double)a->dk;
-        const double klo = (double)abs_max(K + b->j_lo * a->k_rs, a->k_rs, a->dk, lo - b->j_lo);
-        const double khi = (double)abs_max(K + hi * a->k_rs, a->k_rs, a->dk, b->j_hi - hi);
-        const double lim = 0.5 * (FA_IS_F64 ? DBL_MAX : FLT_MAX);
-        if (!(qmax * klo * dk <= lim && qmax * khi * dk <= lim)) return;
+        const T *K = (const T *)it->k, qmax = abs_max(Qs, dkp, dkp, it->bq);
+        if (!scores_bounded(qmax, abs_max(K + b->j_lo * a->k_rs, a->k_rs, a->dk, lo - b->j_lo), a->dk) ||
+            !scores_bounded(qmax, abs_max(K + hi * a->k_rs, a->k_rs, a->dk, b->j_hi - hi), a->dk))
+            return;
     }
     b->j_lo = lo;
     b->j_hi = hi;
