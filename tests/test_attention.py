@@ -1307,3 +1307,69 @@ def test_float_mask_hidden_tiles(isa, fused, tiles, rng, dtype, threads, layout)
     causal = np.triu(np.full((nq, nk), -np.inf, dtype), nk - nq + 1)
     out = check(q, k, v, mask=causal, num_threads=threads)[0]
     assert_close(out, fastattn.attention(q, k, v, causal=True, num_threads=threads), dtype)
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_zero_or_neginf_float_mask_runs_as_bool(isa, rng, monkeypatch, dtype):
+    """A float mask of only 0 and -inf (np.triu(np.full((n, n), -np.inf), 1))
+    that the heads share reaches the C core as the bool mask `mask == 0`, but
+    only where that gives the same result: no score can be NaN or +inf (q and
+    k finite, d_k * max|q * scale| * max|k| within half the dtype's range,
+    ALiBi slopes finite), else NaN + -inf = NaN would be lost.  Masks with
+    another value, key-padding masks and masks too little reused (one per
+    head) stay float.  Every case against the reference, and with the
+    conversion turned off."""
+    from fastattn import _api
+    h, n, d = 8, 100, 16
+    q, k, v = rand(rng, (h, n, d), dtype), rand(rng, (h, n, d), dtype), rand(rng, (h, n, 12), dtype)
+    causal = np.triu(np.full((n, n), -np.inf), 1)      # float64, as np.full makes it
+
+    def kind(q, k, mask, **kw):
+        return _api._prepare(q, k, v, mask, False, None, False, None, None, kw.get("alibi_slopes"),
+                             None, None).mask_kind
+
+    def both(q, k, mask, **kw):
+        """check() with the conversion on, then off: the same result."""
+        out = check(q, k, v, dtype, mask=mask, **kw)[0]
+        monkeypatch.setattr(_api, "_FLOAT_MASKS_AS_BOOL", False)
+        assert kind(q, k, mask, **kw) == _core.MASK_ADD
+        assert_close(fastattn.attention(q, k, v, mask=mask, **kw), out, dtype)
+        monkeypatch.setattr(_api, "_FLOAT_MASKS_AS_BOOL", True)
+        return out
+
+    for mask in (causal, causal.astype(dtype), np.where(causal == 0, -0.0, causal)):
+        assert kind(q, k, mask) == _core.MASK_BOOL
+        out = both(q, k, mask)
+        assert_close(out, fastattn.attention(q, k, v, causal=True), dtype)
+    assert kind(q, k, causal, alibi_slopes=np.linspace(0.1, 1, h)) == _core.MASK_BOOL
+    both(q, k, causal, alibi_slopes=np.linspace(0.1, 1, h))
+    w = fastattn.attention_weights(q, k, mask=causal)
+    assert_close(w, ref.attention_weights(q.astype(F64), k.astype(F64), mask=causal), dtype, "weights")
+
+    mixed = causal.copy()
+    mixed[n // 2, 3] = -1.0                   # one other value, in a middle row
+    assert kind(q, k, mixed) == _core.MASK_ADD
+    check(q, k, v, mask=mixed)
+    inf_slopes = np.full(h, np.inf)
+    assert kind(q, k, causal, alibi_slopes=inf_slopes) == _core.MASK_ADD
+    pad = np.zeros((1, n))
+    pad[:, 70:] = -np.inf                     # key padding: the float path reads it as cheaply
+    assert kind(q, k, pad) == _core.MASK_ADD
+    per_head = np.broadcast_to(causal, (h, n, n)).copy()   # read once per head: not worth a pass
+    assert kind(q, k, per_head) == _core.MASK_ADD
+
+    kn = k.copy()
+    kn[3, 70, 0] = np.nan                     # NaN + -inf = NaN: every row of head 3
+    assert kind(q, kn, causal) == _core.MASK_ADD
+    out = both(q, kn, causal)
+    assert np.isnan(out[3]).all() and np.isfinite(np.delete(out, 3, axis=0)).all()
+    qi = q.copy()
+    qi[2, 5, 1] = np.inf                      # inf q: its row NaN or inf, as in the reference
+    assert kind(qi, k, causal) == _core.MASK_ADD
+    both(qi, k, causal)
+    kb, qs = k.copy(), np.abs(q)
+    kb[5, 80] = np.finfo(dtype).max / 2       # scores overflow to +inf in the dtype: +inf + -inf = NaN
+    assert kind(qs, kb, causal) == _core.MASK_ADD
+    out = fastattn.attention(qs, kb, v, mask=causal)
+    assert np.isnan(out[5, :80]).all() and np.isfinite(np.delete(out, 5, axis=0)).all()
+    assert_close(out, ref.attention(qs, kb, v, mask=causal.astype(dtype)), dtype)
