@@ -129,8 +129,8 @@ def _mask_as_bool(mm: np.ndarray, p: Any, slopes: Optional[np.ndarray]) -> Optio
     if slopes is not None and not np.isfinite(slopes).all():
         return None
     d_k = p.q.shape[-1]
-    if d_k * _abs_max(p.q) * abs(p.scale) * _abs_max(p.k) > 0.5 * float(np.finfo(p.comp).max):
-        return None
+    if not d_k * _abs_max(p.q) * abs(p.scale) * _abs_max(p.k) <= 0.5 * float(np.finfo(p.comp).max):
+        return None  # (not <=: scale 0 times an inf is NaN, and 0 * inf is a NaN score)
     keep = zero_or_neginf(core)
     return None if keep is None else np.broadcast_to(keep, mm.shape)
 

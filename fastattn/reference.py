@@ -197,13 +197,14 @@ def _weighted_values(w: NDArray[Any], v: NDArray[Any], seen: NDArray[Any]) -> ND
     """w @ v, where a key hidden from a row (seen False) adds nothing to it even
     if its value row holds inf or NaN (w @ v alone would add 0 * inf = NaN),
     and a key the row sees adds its inf and NaN even when its weight underflows
-    to 0 (its true weight is positive, and inf * tiny = inf)."""
+    to 0 (its true weight is positive, and inf * tiny = inf).  A row whose
+    weights are NaN (a NaN score) is NaN throughout, inf values or not."""
     finite = np.isfinite(v)
     if finite.all():
         return w @ v
-    out = w @ np.where(finite, v, 0)
+    out = w @ np.where(finite, v, 0)   # NaN only where the row's weights hold NaN
     seen = seen.astype(w.dtype)
-    nan = seen @ np.isnan(v) > 0
+    nan = (seen @ np.isnan(v) > 0) | np.isnan(out)
     pos = seen @ (v == np.inf) > 0
     neg = seen @ (v == -np.inf) > 0
     return np.where(nan | (pos & neg), np.nan, np.where(pos, np.inf, np.where(neg, -np.inf, out)))

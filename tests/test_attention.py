@@ -504,6 +504,25 @@ def test_reference_hidden_nonfinite_values():
     assert np.isnan(got[5, 0]) and np.isinf(got[4, 1]) and np.isnan(got[3:, 2]).all()
 
 
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_nan_score_row_is_nan_throughout(isa, rng, dtype):
+    """A row with a NaN score (an inf key under a float mask's -inf: +inf +
+    -inf) has NaN weights, so its output is NaN in every column, also in one
+    where a key it sees holds inf (the reference gave inf there before)."""
+    q, k, v = rand(rng, (1, 6, 8), dtype), rand(rng, (1, 40, 8), dtype), rand(rng, (1, 40, 5), dtype)
+    q[0, :3, 0] = -1 - np.abs(q[0, :3, 0])   # rows 0-2: score +inf with key 7
+    q[0, 3:, 0] = 1 + np.abs(q[0, 3:, 0])    # rows 3-5: -inf
+    k[0, 7, 0] = -np.inf
+    mask = np.zeros((6, 40), dtype)
+    mask[:, 7] = -np.inf                      # +inf + -inf = NaN in rows 0-2; -inf in rows 3-5
+    v[0, 20, 2] = np.inf                      # seen by every row
+    out = check(q, k, v, mask=mask)[0]
+    assert np.isnan(out[0, :3]).all()
+    assert np.isposinf(out[0, 3:, 2]).all() and np.isfinite(np.delete(out[0, 3:], 2, axis=-1)).all()
+    want = ref.attention(q.astype(F64), k.astype(F64), v.astype(F64), mask=mask.astype(F64))
+    assert np.isnan(want[0, :3]).all() and np.isposinf(want[0, 3:, 2]).all()
+
 # ---------------------------------------------------------------------------
 # the fused exp (kernel_body.h, FUSE_LAG): a key tile takes its probabilities
 # against a reference max that may lag the true one by up to 24; a register
@@ -1325,7 +1344,7 @@ def test_zero_or_neginf_float_mask_runs_as_bool(isa, rng, monkeypatch, dtype):
     causal = np.triu(np.full((n, n), -np.inf), 1)      # float64, as np.full makes it
 
     def kind(q, k, mask, **kw):
-        return _api._prepare(q, k, v, mask, False, None, False, None, None, kw.get("alibi_slopes"),
+        return _api._prepare(q, k, v, mask, False, kw.get("scale"), False, None, None, kw.get("alibi_slopes"),
                              None, None).mask_kind
 
     def both(q, k, mask, **kw):
@@ -1367,6 +1386,11 @@ def test_zero_or_neginf_float_mask_runs_as_bool(isa, rng, monkeypatch, dtype):
     qi[2, 5, 1] = np.inf                      # inf q: its row NaN or inf, as in the reference
     assert kind(qi, k, causal) == _core.MASK_ADD
     both(qi, k, causal)
+    ki = k.copy()
+    ki[1, 90, 2] = np.inf                     # scale 0: 0 * inf = NaN scores, in every row of head 1
+    assert kind(q, ki, causal, scale=0.0) == _core.MASK_ADD
+    out = both(q, ki, causal, scale=0.0)
+    assert np.isnan(out[1]).all() and np.isfinite(np.delete(out, 1, axis=0)).all()
     kb, qs = k.copy(), np.abs(q)
     kb[5, 80] = np.finfo(dtype).max / 2       # scores overflow to +inf in the dtype: +inf + -inf = NaN
     assert kind(qs, kb, causal) == _core.MASK_ADD
