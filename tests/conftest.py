@@ -44,8 +44,9 @@ def tol(dtype):
     return RTOL[dt]
 
 
-def assert_close(got, want, dtype, what="output"):
-    """|got - want| <= rtol * max(1, max|want|), with NaN and inf where want has them."""
+def assert_close(got, want, dtype, what="output", rtol=None):
+    """|got - want| <= rtol * max(1, max|want|), with NaN and inf where want has them
+    (rtol: the dtype's tolerance, tol(dtype), unless given)."""
     got = np.asarray(got, dtype=np.float64)
     want = np.asarray(want, dtype=np.float64)
     assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
@@ -57,7 +58,8 @@ def assert_close(got, want, dtype, what="output"):
         return
     scale = max(1.0, float(np.max(np.abs(want[fin]))))
     err = float(np.max(np.abs(got[fin] - want[fin]), initial=0.0))
-    assert err <= tol(dtype) * scale, f"{what}: max error {err:.3g} > {tol(dtype):.1g} * {scale:.3g} ({dtype})"
+    rtol = tol(dtype) if rtol is None else rtol
+    assert err <= rtol * scale, f"{what}: max error {err:.3g} > {rtol:.1g} * {scale:.3g} ({dtype})"
 
 
 def reference64(q, k, v, **kw):
