@@ -114,10 +114,13 @@ def _mask_as_bool(mm: np.ndarray, p: Any, slopes: Optional[np.ndarray]) -> Optio
     """The bool mask that the float mask `mm` (shape (..., n_q | 1, n_k | 1)) acts as in
     this call (see above), broadcast to mm's shape; None where it has another value
     or the call could form a NaN or +inf score."""
+    n_scores, qk_size = math.prod(p.lead) * p.n_q * p.n_k, p.q.size + p.k.size
+    if mm.shape[-2] < 2 or mm.shape[-1] < 2 or 2 * n_scores < 3 * p.n_q * p.n_k + 2 * qk_size:
+        return None  # (the tests below, without a look at the mask's strides)
     core = _broadcast_core(mm)
-    if core.ndim < 2 or core.shape[-2] < 2 or core.shape[-1] < 2:
+    if core.shape[-2] < 2 or core.shape[-1] < 2:
         return None  # a key-padding (or per-row) mask: the float path reads it as cheaply
-    if 2 * math.prod(p.lead) * p.n_q * p.n_k < 3 * core.size + 2 * (p.q.size + p.k.size):
+    if 2 * n_scores < 3 * core.size + 2 * qk_size:
         return None  # gain (score reads of the mask) below cost (passes over mask, q and k)
 
     def zero_or_neginf(x):
