@@ -62,8 +62,8 @@ WORKLOADS = [
     _w("B1 H8 N2048 d64 bool mask", (1, 8, 2048, 2048, 64), mask="bool"),
     # an additive mask (as PyTorch users pass): normal scores, -inf where the bool mask is False
     _w("B1 H8 N2048 d64 float mask", (1, 8, 2048, 2048, 64), mask="float"),
-    # the causal mask as tutorials build it, np.triu(np.full((n, n), -np.inf), 1) (in the dtype)
-    _w("B1 H8 N2048 d64 causal float mask", (1, 8, 2048, 2048, 64), mask="causal"),
+    # a causal float mask as tutorials build it, np.triu(np.full((n, n), -np.inf), 1) (in the dtype)
+    _w("B1 H8 N2048 d64 triu mask", (1, 8, 2048, 2048, 64), mask="causal"),
     # key padding (the last 128 keys) whose K and V rows hold NaN, as an unwritten cache from np.empty
     _w("B1 H8 N2048 d64 pad, NaN", (1, 8, 2048, 2048, 64), mask="pad"),
     _w("B1 H8 N2048 d64 GQA 8q/2kv", (1, 8, 2048, 2048, 64), gqa=2),
