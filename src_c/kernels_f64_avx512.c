@@ -3,7 +3,7 @@
  * flag); dispatch.c calls them only after CPUID reports those four extensions
  * and the OS saves the ZMM and mask registers.  No static initialisers here:
  * they would run at load time on any CPU.  -DFA_NO_AVX512 leaves them out (CI's
- * sanitizer build: no machine here can run them, and they are its slowest files). */
+ * sanitizer build on a CPU that cannot run them: its slowest files). */
 #if (defined(__x86_64__) || defined(_M_X64)) && !defined(FA_NO_AVX512)
 #define FA_TARGET "avx512f,avx512dq,avx512bw,avx512vl,avx2,fma"
 #define FA_T double
