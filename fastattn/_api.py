@@ -116,7 +116,7 @@ def _mask_as_bool(mm: np.ndarray, p: Any, slopes: Optional[np.ndarray]) -> Optio
     or the call could form a NaN or +inf score."""
     n_scores, qk_size = math.prod(p.lead) * p.n_q * p.n_k, p.q.size + p.k.size
     if mm.shape[-2] < 2 or mm.shape[-1] < 2 or 2 * n_scores < 3 * p.n_q * p.n_k + 2 * qk_size:
-        return None  # (the tests below, without a look at the mask's strides)
+        return None  # (the two tests below, first with the fewest entries the mask can have)
     core = _broadcast_core(mm)
     if core.shape[-2] < 2 or core.shape[-1] < 2:
         return None  # a key-padding (or per-row) mask: the float path reads it as cheaply
