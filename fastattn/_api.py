@@ -383,7 +383,7 @@ def _prepare(q, k, v, mask, causal, scale, enable_gqa, window, softcap, alibi_sl
         slopes = np.asarray(alibi_slopes)
         if slopes.dtype.kind not in "fiu" or slopes.dtype.itemsize > 8:
             raise TypeError(f"alibi_slopes must be real numbers, got dtype {slopes.dtype}")
-        slopes = np.ascontiguousarray(slopes, dtype=comp)
+        slopes = np.asarray(slopes, dtype=comp, order="C")  # a scalar stays 0-d (lead may be ())
     if kv_lengths is not None:
         kvl = np.asarray(kv_lengths)
         if kvl.dtype.kind not in "iu":
@@ -391,7 +391,7 @@ def _prepare(q, k, v, mask, causal, scale, enable_gqa, window, softcap, alibi_sl
         if kvl.size and (kvl.min() < 0 or kvl.max() > n_k):
             raise ValueError(f"kv_lengths must lie in [0, n_k={n_k}], got values from "
                              f"{kvl.min()} to {kvl.max()}")
-        kvl = np.ascontiguousarray(kvl, dtype=np.int64)
+        kvl = np.asarray(kvl, dtype=np.int64, order="C")
 
     # grouped-query attention: query head h uses key/value head h // (H // H_kv)
     p.gqa = None

@@ -181,6 +181,20 @@ def test_kv_lengths(isa, rng, dtype, path):
     assert_close(out2, out.astype(F64), dtype)
 
 
+def test_scalar_lengths_and_slopes_without_leading_dims(isa, rng):
+    """A scalar kv_lengths or ALiBi slope with inputs that have no leading dims
+    (q (n_q, d) or (d,)): leading dims () take a scalar as any others do (it was
+    once turned into shape (1,) and refused)."""
+    q, k, v = rand(rng, (5, 16)), rand(rng, (40, 16)), rand(rng, (40, 8))
+    check(q, k, v, F32, kv_lengths=23)
+    check(q, k, v, F32, kv_lengths=np.int64(30), causal=True)
+    check(q, k, v, F32, kv_lengths=0)
+    check(q, k, v, F32, alibi_slopes=0.5)
+    check(q, k, v, F32, alibi_slopes=np.float32(0.25), kv_lengths=17, causal=True)
+    out = fastattn.attention(q[0], k, v, kv_lengths=11)
+    assert_close(out, ref.attention(q[0].astype(F64), k.astype(F64), v.astype(F64), kv_lengths=11), F32)
+
+
 def test_kv_lengths_errors(rng):
     q, k, v = rand(rng, (2, 3, 4, 8)), rand(rng, (2, 3, 6, 8)), rand(rng, (2, 3, 6, 2))
     with pytest.raises(ValueError, match="kv_lengths must lie"):
