@@ -1,0 +1,187 @@
+"""Differential fuzzing: random attention problems against the float64 reference.
+
+    python tests/fuzz.py --seconds 600            # from the checkout, after an install
+    python tests/fuzz.py --seed 258 --count 1 -v  # one case again, with its arguments
+
+Wider than the property tests (test_properties.py), and meant to run for minutes,
+not in CI: shapes up to 700 x 2100 (several tiles, split keys, the row kernel),
+B and H with broadcast K and V, GQA, every mask kind and layout (bool, float,
+float masks of only 0 and -inf, causal ones, key padding, column-major and
+reversed), window, softcap, ALiBi, kv_lengths, scale (0 too), float16 to
+float64, NaN and inf planted in q, k and v, transposed (B, N, H, d) views, out=
+and attention_weights; on a random SIMD path and thread count, with the tiles,
+the fused exp, the far prefetch and the row kernel's limit forced at random.
+Each failure prints its seed; a seed reproduces its case exactly.  Three bugs
+were found this way (in 443c525 and f48d0b1).
+"""
+
+import argparse
+import os
+import sys
+import time
+import warnings
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from conftest import ISAS, RTOL, assert_close, reference64  # noqa: E402
+
+import fastattn  # noqa: E402
+from fastattn import _api, _core  # noqa: E402
+from fastattn import reference as ref  # noqa: E402
+
+
+def problem(rng):
+    """q, k, v and the keyword arguments of one random case."""
+    dt = rng.choice([np.float16, np.float32, np.float32, np.float64, np.float64])
+    big = rng.random() < 0.3
+    nq = int(rng.integers(100, 700) if big else rng.choice([1, 1, 2, 3, 5, 8, 13, 24, 25, 33, 64, 65, 129, 300]))
+    nk = int(rng.integers(100, 1500) if big else rng.choice([0, 1, 7, 31, 64, 65, 255, 257, 700, 1100, 2100]))
+    dk = int(rng.choice([1, 3, 8, 16, 17, 24, 32, 64, 80, 128, 130]))
+    dv = dk if rng.random() < 0.6 else int(rng.choice([1, 5, 16, 20, 64, 128]))
+    H = int(rng.choice([1, 2, 3, 4, 8]))
+    gqa = rng.random() < 0.25
+    hkv = int(rng.choice([h for h in (1, 2, 4) if H % h == 0])) if gqa else H
+    lead = ((int(rng.choice([1, 2])),) if rng.random() < 0.5 else ()) + (H,)
+    lead_kv = lead[:-1] + (1 if not gqa and rng.random() < 0.3 else hkv,)
+    q = rng.standard_normal(lead + (nq, dk)) * rng.choice([0.3, 1.0, 3.0])
+    k = rng.standard_normal(lead_kv + (nk, dk))
+    v = rng.standard_normal(lead_kv + (nk, dv))
+    kw = {"enable_gqa": True} if gqa else {}
+    if rng.random() < 0.3:
+        kw["causal"] = True
+
+    def mask_shape():
+        ms = list(lead) if rng.random() < 0.3 else ([] if rng.random() < 0.5 else [1] * len(lead))
+        if ms and rng.random() < 0.5:
+            ms[-1] = 1
+        return tuple(ms) + (nq if rng.random() < 0.8 else 1, nk if rng.random() < 0.9 else 1)
+
+    kind = rng.choice(["none", "bool", "float", "zero_or_neginf", "zero_or_neginf", "key_padding"])
+    if kind == "bool":
+        kw["mask"] = rng.random(mask_shape()) < rng.choice([0.05, 0.5, 0.9, 1.0])
+    elif kind == "float":
+        m = rng.standard_normal(mask_shape()) * 3
+        m[rng.random(m.shape) < rng.choice([0.0, 0.3, 0.9])] = -np.inf
+        kw["mask"] = m.astype(rng.choice([dt, np.float64]))
+    elif kind == "zero_or_neginf":
+        s = mask_shape()
+        if rng.random() < 0.5 and s[-2:] == (nq, nk):
+            m = np.broadcast_to(np.triu(np.full((nq, nk), -np.inf), int(rng.integers(-5, 20))), s).copy()
+        else:
+            m = np.where(rng.random(s) < rng.choice([0.1, 0.5, 0.95]), 0.0, -np.inf)
+        if rng.random() < 0.2:
+            m[m == 0] = -0.0
+        kw["mask"] = m.astype(rng.choice([dt, np.float64]))
+    elif kind == "key_padding":
+        keep = np.arange(nk) < rng.integers(0, nk + 1, lead[:-1] + (1, 1, 1))
+        kw["mask"] = keep if rng.random() < 0.5 else np.where(keep, 0.0, -np.inf).astype(dt)
+    if "mask" in kw and rng.random() < 0.15:
+        kw["mask"] = np.asfortranarray(kw["mask"]) if rng.random() < 0.5 else kw["mask"][..., ::-1][..., ::-1]
+    if rng.random() < 0.15:
+        kw["window"] = (int(rng.choice([-1, 0, 3, 50, 300])), int(rng.choice([-1, 0, 5, 100])))
+    if rng.random() < 0.15:
+        kw["softcap"] = float(rng.choice([1.0, 5.0, 30.0]))
+    if rng.random() < 0.15 and not gqa:
+        kw["alibi_slopes"] = rng.random(H) * rng.choice([0.1, 1.0])
+    if rng.random() < 0.15:
+        kw["kv_lengths"] = rng.integers(0, nk + 1, (lead[0], 1) if len(lead) > 1 and rng.random() < 0.7 else lead)
+    if rng.random() < 0.2:
+        kw["scale"] = float(rng.choice([0.0, -0.5, 2.0, 0.01]))
+    for a in (q, k, v):   # NaN and inf
+        if a.size and rng.random() < 0.15:
+            a[tuple(rng.integers(0, s) for s in a.shape)] = rng.choice([np.nan, np.inf, -np.inf])
+    q, k, v = q.astype(dt), k.astype(dt), v.astype(dt)
+    if rng.random() < 0.15:
+        q = np.swapaxes(np.ascontiguousarray(np.swapaxes(q, -2, -3)), -2, -3)
+    if rng.random() < 0.15:   # (B, N, H, d) read as (B, H, N, d)
+        k = np.swapaxes(np.ascontiguousarray(np.swapaxes(k, -2, -3)), -2, -3)
+        v = np.swapaxes(np.ascontiguousarray(np.swapaxes(v, -2, -3)), -2, -3)
+    return q, k, v, kw
+
+
+def settings(rng):
+    """The SIMD path, threads and forced kernel choices of one case."""
+    tiles = (0, 0) if rng.random() < 0.5 else (int(rng.choice([0, 16, 24, 40, 64, 128])),
+                                                int(rng.choice([0, 16, 40, 64, 128, 256])))
+    return dict(isa=str(rng.choice(ISAS)), threads=int(rng.choice([1, 2, 3])), tiles=tiles,
+                fused=int(rng.choice([-1, 0, 1])), stream=int(rng.choice([-1, -1, 0, 1])),
+                rows_max=int(rng.choice([0, 0, 1, 8, 24])), float_masks_as_bool=bool(rng.random() < 0.7),
+                out=bool(rng.random() < 0.2), weights=bool(rng.random() < 0.1))
+
+
+def run_case(seed, verbose=False):
+    rng = np.random.default_rng(seed)
+    q, k, v, kw = problem(rng)
+    s = settings(rng)
+    if verbose:
+        shapes = {n: (a.shape, str(a.dtype)) if isinstance(a, np.ndarray) else a for n, a in kw.items()}
+        print(f"seed {seed}: q {q.shape} k {k.shape} v {v.shape} {q.dtype} {shapes} {s}")
+    before = _core.isa_name()
+    _core.set_isa(s["isa"])
+    _core._set_tiles(*s["tiles"])
+    _core._set_fused(s["fused"])
+    _core._set_stream(s["stream"])
+    _core._set_rows_max(s["rows_max"])
+    _api._FLOAT_MASKS_AS_BOOL = s["float_masks_as_bool"]
+    try:
+        out, lse = fastattn.attention(q, k, v, return_lse=True, num_threads=s["threads"], **kw)
+        if s["out"]:
+            o = np.full(out.shape[::-1], 7, out.dtype).T
+            assert fastattn.attention(q, k, v, num_threads=s["threads"], out=o, **kw) is o
+            np.testing.assert_array_equal(o, out)
+        if s["weights"]:
+            w = fastattn.attention_weights(q, k, num_threads=s["threads"], **kw)
+    finally:
+        _core.set_isa(before)
+        _core._set_tiles(0, 0)
+        _core._set_fused(-1)
+        _core._set_stream(-1)
+        _core._set_rows_max(0)
+        _api._FLOAT_MASKS_AS_BOOL = True
+    with warnings.catch_warnings(), np.errstate(all="ignore"):
+        warnings.simplefilter("ignore")
+        want, want_lse = reference64(q, k, v, **kw)
+        score_kw = dict(kw)
+        mask = score_kw.pop("mask", None)
+        if mask is not None and mask.dtype != bool:
+            mask = mask.astype(np.float64)
+        scores = ref.scores(q.astype(np.float64), k.astype(np.float64), mask=mask, **score_kw)
+    # float32 rounds a score s to about |s| * 6e-8, which exp carries into the weights
+    big = np.abs(scores[np.isfinite(scores)])
+    dtype = np.result_type(q, k, v)
+    rtol = RTOL[np.dtype(np.float32) if dtype == np.float16 else dtype] * max(1.0, float(big.max(initial=0)) / 16)
+    if dtype == np.float16:
+        rtol = max(rtol, RTOL[np.dtype(np.float16)])
+    assert_close(out, want, dtype, rtol=rtol)
+    assert_close(lse, want_lse, dtype, "lse", rtol=rtol)
+    if s["weights"]:
+        with np.errstate(all="ignore"):
+            want_w = ref.attention_weights(q.astype(np.float64), k.astype(np.float64), mask=mask, **score_kw)
+        assert_close(w, want_w, dtype, "weights", rtol=rtol)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seconds", type=float, default=60.0, help="stop after this long (default 60)")
+    parser.add_argument("--seed", type=int, default=0, help="first seed (default 0)")
+    parser.add_argument("--count", type=int, default=10**9, help="at most this many cases")
+    parser.add_argument("-v", "--verbose", action="store_true", help="print each case's arguments")
+    args = parser.parse_args(argv)
+    t0, done, failed = time.time(), 0, []
+    for seed in range(args.seed, args.seed + args.count):
+        if time.time() - t0 > args.seconds:
+            break
+        try:
+            run_case(seed, args.verbose)
+        except Exception as e:  # report and go on: one seed per failure
+            failed.append(seed)
+            print(f"seed {seed}: {type(e).__name__}: {str(e)[:400]}", flush=True)
+        done += 1
+    print(f"{done} cases (seeds {args.seed}-{args.seed + done - 1}), {len(failed)} failed"
+          + (f": {failed}" if failed else "") + f", {time.time() - t0:.0f} s")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
