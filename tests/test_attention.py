@@ -504,7 +504,6 @@ def test_reference_hidden_nonfinite_values():
     assert np.isnan(got[5, 0]) and np.isinf(got[4, 1]) and np.isnan(got[3:, 2]).all()
 
 
-
 @pytest.mark.parametrize("dtype", [F32, F64])
 def test_nan_score_row_is_nan_throughout(isa, rng, dtype):
     """A row with a NaN score (an inf key under a float mask's -inf: +inf +
@@ -522,6 +521,7 @@ def test_nan_score_row_is_nan_throughout(isa, rng, dtype):
     assert np.isposinf(out[0, 3:, 2]).all() and np.isfinite(np.delete(out[0, 3:], 2, axis=-1)).all()
     want = ref.attention(q.astype(F64), k.astype(F64), v.astype(F64), mask=mask.astype(F64))
     assert np.isnan(want[0, :3]).all() and np.isposinf(want[0, 3:, 2]).all()
+
 
 # ---------------------------------------------------------------------------
 # the fused exp (kernel_body.h, FUSE_LAG): a key tile takes its probabilities
