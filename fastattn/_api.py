@@ -27,6 +27,7 @@ _FOLD_ROWS = 8
 __all__ = ["attention", "attention_weights", "merge_attention", "softmax"]
 
 _F16, _F32, _F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
+_BOOL = np.dtype(bool)
 
 
 # ---------------------------------------------------------------------------
@@ -110,13 +111,20 @@ def _abs_max(x: np.ndarray) -> float:
     return math.inf if math.isnan(hi) or math.isnan(lo) else max(hi, -lo)
 
 
+def _may_pay(mask_shape: Tuple[int, ...], n_scores: int, n_q: int, n_k: int, qk_size: int) -> bool:
+    """Could the conversion of a float mask of this shape pay in a call of n_scores
+    scores over n_q x n_k and q.size + k.size == qk_size?  The two tests of
+    _mask_as_bool below, first with the fewest entries the mask can have."""
+    return mask_shape[-2] > 1 and mask_shape[-1] > 1 and 2 * n_scores >= 3 * n_q * n_k + 2 * qk_size
+
+
 def _mask_as_bool(mm: np.ndarray, p: Any, slopes: Optional[np.ndarray]) -> Optional[np.ndarray]:
     """The bool mask that the float mask `mm` (shape (..., n_q | 1, n_k | 1)) acts as in
     this call (see above), broadcast to mm's shape; None where it has another value
     or the call could form a NaN or +inf score."""
     n_scores, qk_size = math.prod(p.lead) * p.n_q * p.n_k, p.q.size + p.k.size
-    if mm.shape[-2] < 2 or mm.shape[-1] < 2 or 2 * n_scores < 3 * p.n_q * p.n_k + 2 * qk_size:
-        return None  # (the two tests below, first with the fewest entries the mask can have)
+    if not _may_pay(mm.shape, n_scores, p.n_q, p.n_k, qk_size):
+        return None
     core = _broadcast_core(mm)
     if core.shape[-2] < 2 or core.shape[-1] < 2:
         return None  # a key-padding (or per-row) mask: the float path reads it as cheaply
@@ -486,6 +494,35 @@ def _plain(q: Any, k: Any, v: Any) -> bool:
             and q.flags.c_contiguous and k.flags.c_contiguous and v.flags.c_contiguous)
 
 
+def _plain_mask(mask: Any, q: np.ndarray, k: np.ndarray) -> int:
+    """The C core's mask kind for the mask of a plain call (see _plain) that it can
+    read as it is, else MASK_NONE (the general path then checks, converts or
+    refuses it): an ndarray (not a subclass) of dtype bool or of q's dtype, of rank
+    2 to q's, broadcastable to the scores (..., n_q, n_k) without adding to or
+    growing q's leading dims, with strides in whole elements.  A float mask that
+    _mask_as_bool might turn into a bool one goes the general way too."""
+    if type(mask) is not np.ndarray:
+        return _core.MASK_NONE
+    dt = mask.dtype
+    kind = _core.MASK_BOOL if dt == _BOOL else _core.MASK_ADD if dt == q.dtype else _core.MASK_NONE
+    ms, qs = mask.shape, q.shape
+    n = len(ms)
+    if kind == _core.MASK_NONE or not 2 <= n <= len(qs):
+        return _core.MASK_NONE
+    n_q, n_k = qs[-2], k.shape[-2]
+    if not ((ms[-2] == 1 or ms[-2] == n_q) and (ms[-1] == 1 or ms[-1] == n_k)):
+        return _core.MASK_NONE
+    lead = qs[len(qs) - n:-2]
+    if ms[:-2] != lead and not all(m == 1 or m == x for m, x in zip(ms[:-2], lead)):
+        return _core.MASK_NONE
+    if kind == _core.MASK_ADD:
+        if not _readable(mask, False):
+            return _core.MASK_NONE
+        if _FLOAT_MASKS_AS_BOOL and _may_pay(ms, math.prod(qs[:-1]) * n_k, n_q, n_k, q.size + k.size):
+            return _core.MASK_NONE
+    return kind
+
+
 def _plain_out(out: Any, q: Any, k: Any, v: Any) -> bool:
     """Can a plain call write into `out` as it is?  An ndarray (not a
     subclass) of q's dtype and the result's shape, C-contiguous, writeable and
@@ -496,17 +533,17 @@ def _plain_out(out: Any, q: Any, k: Any, v: Any) -> bool:
             and not (np.may_share_memory(out, q) or np.may_share_memory(out, k) or np.may_share_memory(out, v)))
 
 
-def _attention_plain(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool, scale: Any,
-                     num_threads: Any, out: Optional[np.ndarray], return_lse: bool) -> Any:
-    """attention() of a call that _plain (and _plain_out) accepted: the same
-    result as through _prepare (the same C call on the same arrays), without
-    its general work."""
+def _attention_plain(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: Optional[np.ndarray], mask_kind: int,
+                     causal: bool, scale: Any, num_threads: Any, out: Optional[np.ndarray],
+                     return_lse: bool) -> Any:
+    """attention() of a call that _plain (and _plain_out, _plain_mask) accepted:
+    the same result as through _prepare (the same C call on the same arrays),
+    without its general work."""
     s, nthreads = _scale(scale, q.shape[-1]), _num_threads(num_threads)
     result = np.empty(q.shape[:-1] + v.shape[-1:], q.dtype) if out is None else out
     lse = np.empty(q.shape[:-1], q.dtype) if return_lse else None
     if result.size or lse is not None:
-        _core.attention(q, k, v, None, _core.MASK_NONE, result, lse, q.shape[:-2], bool(causal), s,
-                        nthreads)
+        _core.attention(q, k, v, mask, mask_kind, result, lse, q.shape[:-2], bool(causal), s, nthreads)
     return (result, lse) if return_lse else result
 
 
@@ -615,10 +652,12 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, mask: Optional[ArrayL
               window: Optional[Window] = None, softcap: Optional[float] = None,
               alibi_slopes: Optional[ArrayLike] = None,
               kv_lengths: Optional[ArrayLike] = None) -> NDArray[Any] | tuple[NDArray[Any], NDArray[Any]]:
-    if (mask is None and not enable_gqa and window is None and softcap is None and alibi_slopes is None
+    if (not enable_gqa and window is None and softcap is None and alibi_slopes is None
             and kv_lengths is None and _plain(q, k, v) and (out is None or _plain_out(out, q, k, v))):
-        return _attention_plain(q, k, v, causal, scale, num_threads, out,  # type: ignore[arg-type]
-                                return_lse)
+        mask_kind = _core.MASK_NONE if mask is None else _plain_mask(mask, q, k)  # type: ignore[arg-type]
+        if mask is None or mask_kind != _core.MASK_NONE:
+            return _attention_plain(q, k, v, mask, mask_kind, causal, scale,  # type: ignore[arg-type]
+                                    num_threads, out, return_lse)
     p = _prepare(q, k, v, mask, causal, scale, enable_gqa, window, softcap, alibi_slopes, kv_lengths,
                  num_threads)
     full_shape = p.lead + (p.n_q, p.d_v)

@@ -865,6 +865,98 @@ def test_plain_out_recognised(rng):
         np.testing.assert_array_equal(out, want)
 
 
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_plain_masked_call_matches_general_path(isa, rng, dtype, threads):
+    """A plain call with a bool mask, or a float mask of q's dtype, that the C
+    core reads as it is skips the general preparation too: the same result as
+    the general path (the same inputs as strided views), for every mask shape
+    that broadcasts to the scores without growing the leading dims, and as the
+    reference."""
+    from fastattn import _api
+    b, h, nq, nk = 2, 3, 9, 70
+    q, k, v = rand(rng, (b, h, nq, 16), dtype), rand(rng, (b, h, nk, 16), dtype), rand(rng, (b, h, nk, 8), dtype)
+    gq, gk, gv = _strided(q), _strided(k), _strided(v)
+    keep = rng.random((b, h, nq, nk)) < 0.7
+    keep[..., 0, :] = False                                    # a row that sees nothing
+    bias = np.where(keep, rng.standard_normal(keep.shape), -np.inf).astype(dtype)
+    masks = []
+    for m in (keep, bias):
+        masks += [m, m[0, 0], m[:, :1], m[:1, :, :1], m[:1, :1, :, :1], m[0, :, :1, :],
+                  m[0, 0, ::-1], np.swapaxes(m, -1, -2).copy().swapaxes(-1, -2)[0],
+                  np.broadcast_to(m[0, 0, :1], (nq, nk))]
+    masks += [np.triu(np.full((nq, nk), -np.inf, dtype), 1)[None]]   # 0/-inf, too little reused to convert
+    for mask in masks:
+        kind = _core.MASK_BOOL if mask.dtype == bool else _core.MASK_ADD
+        assert _api._plain_mask(mask, q, k) == kind, mask.shape
+        for causal in (False, True):
+            got, lse = fastattn.attention(q, k, v, mask=mask, causal=causal, num_threads=threads, return_lse=True)
+            g_got, g_lse = fastattn.attention(gq, gk, gv, mask=mask, causal=causal, num_threads=threads,
+                                              return_lse=True)
+            np.testing.assert_array_equal(got, g_got)
+            np.testing.assert_array_equal(lse, g_lse)
+            want, want_lse = reference64(q, k, v, mask=mask, causal=causal)
+            assert_close(got, want, dtype)
+            assert_close(lse, want_lse, dtype, "lse")
+            out = np.full(got.shape, np.nan, dtype)
+            assert fastattn.attention(q, k, v, mask=mask, causal=causal, num_threads=threads, out=out) is out
+            np.testing.assert_array_equal(out, got)
+
+
+def test_plain_mask_recognised(rng):
+    """_plain_mask takes exactly the masks that the C core reads as they are in a
+    plain call; any other goes the general way, with its conversions, its
+    errors and the same result."""
+    from fastattn import _api
+
+    class Sub(np.ndarray):
+        pass
+
+    q, k, v = rand(rng, (2, 5, 8)), rand(rng, (2, 6, 8)), rand(rng, (2, 6, 4))
+    keep = rng.random((2, 5, 6)) < 0.8
+    bias = rand(rng, (2, 5, 6))
+    assert _api._plain_mask(keep, q, k) == _core.MASK_BOOL and _api._plain_mask(bias, q, k) == _core.MASK_ADD
+    packed = np.zeros((5, 6), [("m", F32), ("flag", np.uint8)])
+    packed["m"] = bias[0]
+    odd = packed["m"]                              # strides (30, 5) bytes: not whole float32s
+    odd_bool = np.zeros((5, 6), [("m", bool), ("x", F32)])["m"]   # (any strides are whole bools)
+    general = [
+        (keep.tolist(), None),                       # a list
+        (keep.view(Sub), None),                      # an ndarray subclass
+        (keep.astype(np.uint8), TypeError),          # an integer mask
+        (bias.astype(F64), None),                    # another float dtype: converted
+        (bias.astype(np.float16), None),
+        (bias.astype(">f4"), None),                  # byte-swapped
+        (keep[0, 0], None),                          # 1-D (n_k,)
+        (keep[None], None),                          # more dims than q: adds a leading dim
+        (np.ones((3, 5, 6), bool), ValueError),      # a leading dim that does not broadcast
+        (np.ones((2, 4, 6), bool), ValueError),      # n_q differs
+        (np.ones((2, 5, 7), bool), ValueError),      # n_k differs
+        (np.ones((2, 5, 6), complex), TypeError),
+        (odd, None),                                 # copied by the general path
+    ]
+    for mask, exc in general:
+        assert _api._plain_mask(mask, q, k) == _core.MASK_NONE
+        if exc is not None:
+            with pytest.raises(exc):
+                fastattn.attention(q, k, v, mask=mask)
+        else:
+            m = np.asarray(mask)
+            want = fastattn.attention(_strided(q), _strided(k), _strided(v), mask=m)
+            np.testing.assert_array_equal(fastattn.attention(q, k, v, mask=mask), want)
+    assert _api._plain_mask(odd_bool, q, k) == _core.MASK_BOOL
+    np.testing.assert_array_equal(fastattn.attention(q, k, v, mask=odd_bool),
+                                  fastattn.attention(q, k, v, mask=np.zeros((5, 6), bool)))
+    # a float mask that the conversion to bool may pay for (0 and -inf, shared by the
+    # heads of a call with enough scores) goes the general way, which converts it
+    qq, kk, vv = rand(rng, (8, 64, 8)), rand(rng, (8, 64, 8)), rand(rng, (8, 64, 4))
+    tri = np.triu(np.full((64, 64), -np.inf, F32), 1)
+    assert _api._plain_mask(tri, qq, kk) == _core.MASK_NONE
+    assert _api._prepare(qq, kk, vv, tri, False, None, False, None, None, None, None, None).mask_kind \
+        == _core.MASK_BOOL
+    np.testing.assert_array_equal(fastattn.attention(qq, kk, vv, mask=tri), fastattn.attention(qq, kk, vv, causal=True))
+
+
 # ---------------------------------------------------------------------------
 # threads
 # ---------------------------------------------------------------------------
