@@ -80,6 +80,7 @@ cdef extern from "fastattn.h" nogil:
     int fa_openmp_enabled()
     int fa_max_threads()
     uint64_t fa_stream_read(const void *x, int64_t n, int num_threads)
+    int fa_mask_keep(int dtype, const void *x, int64_t n, unsigned char *keep, int num_threads, int *all_ok)
     int fa_last_threads()
     const char *fa_openmp_library()
     const char *fa_build_info()
@@ -236,6 +237,22 @@ def softmax(cnp.ndarray x, cnp.ndarray out, int num_threads):
     with nogil:
         status = fa_softmax(&a)
     _check(status)
+
+
+def mask_keep(cnp.ndarray x, cnp.ndarray keep, int num_threads):
+    """keep[...] = (x == 0) for a C-contiguous float32 or float64 x and a
+    C-contiguous bool keep of x's size; returns whether every entry of x is 0
+    or -inf (see _mask_as_bool in _api.py)."""
+    cdef int dt = _dtype_code(x)
+    cdef int64_t n = x.size
+    cdef const void *px = cnp.PyArray_DATA(x)
+    cdef unsigned char *pk = <unsigned char *>cnp.PyArray_DATA(keep)
+    cdef int ok = 0
+    cdef int status
+    with nogil:
+        status = fa_mask_keep(dt, px, n, pk, num_threads, &ok)
+    _check(status)
+    return ok != 0
 
 
 def vexp(cnp.ndarray x, bint neg=False):

@@ -6,6 +6,7 @@
 #if defined(__linux__) && !defined(_GNU_SOURCE)
 #define _GNU_SOURCE /* dladdr */
 #endif
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -499,6 +500,82 @@ int fa_softmax(const fa_softmax_args *a)
                          .rows = rows, .status = FA_OK};
     run_parallel(softmax_team, &plan, team_size(a->num_threads, rows, 20.0 * (double)rows * (double)a->n));
     return plan.status;
+}
+
+/* ---------------------------------------------------------------------------
+ * A float mask of only 0 and -inf as the bool mask it acts as (see
+ * _mask_as_bool in fastattn/_api.py): keep[i] = (x[i] == 0) and whether every
+ * x[i] is 0 (either sign) or -inf, in one pass split across the threads
+ * (num_threads <= 0: the OpenMP default), where NumPy takes four.
+ *   x     (n) float32 or float64 (dtype), contiguous
+ *   keep  (n) bytes, 0 or 1; all written whatever *all_ok
+ * ------------------------------------------------------------------------- */
+typedef struct {
+    const void *x;
+    uint8_t *keep;
+    int64_t n;
+    int dtype, ok;
+} keep_plan;
+
+enum { KEEP_CHUNK = 1 << 15 }; /* elements per work unit */
+
+/* keep[i] = x[i] == 0 for i in [lo, hi); whether each x[i] there is 0 or -inf. */
+static int keep_f32(const float *restrict x, uint8_t *restrict keep, int64_t lo, int64_t hi)
+{
+    int ok = 1;
+    for (int64_t i = lo; i < hi; i++) {
+        keep[i] = x[i] == 0;
+        ok &= (x[i] == 0) | (x[i] == -INFINITY);
+    }
+    return ok;
+}
+
+/* The same for float64, in pairs of lanes: GCC does not vectorise the loop of
+ * keep_f32 for double (5.4 ms against 2.1 for a 2048 x 2048 mask on one thread). */
+static int keep_f64(const double *restrict x, uint8_t *restrict keep, int64_t lo, int64_t hi)
+{
+    typedef double d2 __attribute__((vector_size(16)));
+    typedef int64_t i2 __attribute__((vector_size(16)));
+    const d2 zero = {0, 0}, ninf = {-INFINITY, -INFINITY};
+    i2 ok2 = {-1, -1};
+    int64_t i = lo;
+    for (; i + 2 <= hi; i += 2) {
+        d2 v;
+        memcpy(&v, x + i, sizeof v);
+        const i2 z = v == zero;
+        ok2 &= z | (v == ninf);
+        keep[i] = (uint8_t)(z[0] & 1);
+        keep[i + 1] = (uint8_t)(z[1] & 1);
+    }
+    int ok = (ok2[0] & ok2[1]) != 0;
+    for (; i < hi; i++) {
+        keep[i] = x[i] == 0;
+        ok &= (x[i] == 0) | (x[i] == -INFINITY);
+    }
+    return ok;
+}
+
+static void mask_keep_team(void *arg)
+{
+    keep_plan *p = arg;
+    int ok = 1;
+    RECORD_TEAM();
+#pragma omp for schedule(static)
+    for (int64_t c = 0; c < (p->n + KEEP_CHUNK - 1) / KEEP_CHUNK; c++) {
+        const int64_t lo = c * KEEP_CHUNK, hi = p->n - lo < KEEP_CHUNK ? p->n : lo + KEEP_CHUNK;
+        ok &= p->dtype == FA_F32 ? keep_f32(p->x, p->keep, lo, hi) : keep_f64(p->x, p->keep, lo, hi);
+    }
+#pragma omp atomic
+    p->ok &= ok;
+}
+
+int fa_mask_keep(int dtype, const void *x, int64_t n, uint8_t *keep, int num_threads, int *all_ok)
+{
+    if ((dtype != FA_F32 && dtype != FA_F64) || n < 0) return FA_EINVAL;
+    keep_plan plan = {.x = x, .keep = keep, .n = n, .dtype = dtype, .ok = 1};
+    run_parallel(mask_keep_team, &plan, team_size(num_threads, (n + KEEP_CHUNK - 1) / KEEP_CHUNK, 2.0 * (double)n));
+    *all_ok = plan.ok;
+    return FA_OK;
 }
 
 /* ---------------------------------------------------------------------------

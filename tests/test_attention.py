@@ -1421,6 +1421,34 @@ def test_float_mask_hidden_tiles(isa, fused, tiles, rng, dtype, threads, layout)
 
 
 @pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_mask_keep(rng, dtype, threads):
+    """The C helper of the float mask conversion (_core.mask_keep): keep = x == 0
+    and whether every entry is 0 or -inf, in one threaded pass, for every length
+    (the vectorised loops' tails, several work units) and every special value:
+    -0 is 0; +inf, NaN, denormals and the smallest normals are other values."""
+    tiny = np.finfo(dtype).smallest_subnormal
+    others = [np.inf, np.nan, tiny, -tiny, np.finfo(dtype).tiny, -1.0, np.finfo(dtype).min]
+    for n in (0, 1, 2, 3, 5, 31, 32, 33, 1000, (1 << 15) + 1, 3 * (1 << 15) + 7):
+        x = np.where(rng.random(n) < 0.5, -np.inf, 0.0).astype(dtype)
+        x[rng.random(n) < 0.1] = -0.0
+        keep = np.empty(n, bool)
+        assert _core.mask_keep(x, keep, threads)
+        np.testing.assert_array_equal(keep, x == 0)
+        for pos in sorted({0, n // 2, n - 1}) if n else []:
+            for other in others:
+                y = x.copy()
+                y[pos] = other
+                keep = np.ones(n, bool)
+                assert not _core.mask_keep(y, keep, threads), (n, pos, other)
+                np.testing.assert_array_equal(keep, y == 0)
+    x2 = np.triu(np.full((70, 90), -np.inf, dtype), 1)
+    keep2 = np.empty(x2.shape, bool)
+    assert _core.mask_keep(x2, keep2, threads)
+    np.testing.assert_array_equal(keep2, x2 == 0)
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
 def test_zero_or_neginf_float_mask_runs_as_bool(isa, rng, monkeypatch, dtype):
     """A float mask of only 0 and -inf (np.triu(np.full((n, n), -np.inf), 1))
     that the heads share reaches the C core as the bool mask `mask == 0`, but
@@ -1448,7 +1476,8 @@ def test_zero_or_neginf_float_mask_runs_as_bool(isa, rng, monkeypatch, dtype):
         monkeypatch.setattr(_api, "_FLOAT_MASKS_AS_BOOL", True)
         return out
 
-    for mask in (causal, causal.astype(dtype), np.where(causal == 0, -0.0, causal)):
+    f_order = np.asfortranarray(causal.astype(dtype))   # not C-contiguous: NumPy's passes, not mask_keep
+    for mask in (causal, causal.astype(dtype), np.where(causal == 0, -0.0, causal), f_order):
         assert kind(q, k, mask) == _core.MASK_BOOL
         out = both(q, k, mask)
         assert_close(out, fastattn.attention(q, k, v, causal=True), dtype)
@@ -1460,6 +1489,7 @@ def test_zero_or_neginf_float_mask_runs_as_bool(isa, rng, monkeypatch, dtype):
     mixed = causal.copy()
     mixed[n // 2, 3] = -1.0                   # one other value, in a middle row
     assert kind(q, k, mixed) == _core.MASK_ADD
+    assert kind(q, k, np.asfortranarray(mixed)) == _core.MASK_ADD
     check(q, k, v, mask=mixed)
     inf_slopes = np.full(h, np.inf)
     assert kind(q, k, causal, alibi_slopes=inf_slopes) == _core.MASK_ADD
