@@ -1335,6 +1335,8 @@ def test_bool_mask_tiles(isa, rng, dtype):
     check(q, k, v, mask=mask, causal=True)
     check(q, k, v, mask=np.asfortranarray(mask))           # column-major: strided words
     check(q, k, v, mask=mask[:, ::-1])                      # negative column stride
+    check(q, k, v, mask=np.asfortranarray(mask)[::-1])      # column-major, negative row stride
+    check(q, k, v, mask=np.asfortranarray(np.repeat(mask, 2, 0))[::2])   # row stride 2: element by element
     check(q, k, v, mask=np.broadcast_to(rng.random((nq, 1)) < 0.5, (nq, nk)))  # column stride 0
     kn = k.copy()
     kn[:, 10] = np.nan                        # NaN keys inside a skipped tile stay out
@@ -1349,7 +1351,8 @@ def test_float_mask_tiles(isa, fused, tiles, rng, dtype, bq, bk):
     registers (mask_tile), and added to the scores, or, for the fused exp, to
     the accumulators of Q.K^T: every mask layout (contiguous rows, key padding
     broadcast over the rows, one value per row broadcast over the keys,
-    column-major, a negative column stride), tiles whose query rows and keys
+    column-major, a negative column stride, a negative row stride, neither
+    stride unit), tiles whose query rows and keys
     are not whole vectors (an item of 30 rows in tiles of 40 pads to 64
     columns), a jump far above the reference max (the fused exp rescales),
     fully masked rows, and with causal, softcap and ALiBi."""
@@ -1377,7 +1380,7 @@ def test_float_mask_tiles(isa, fused, tiles, rng, dtype, bq, bk):
 
 @pytest.mark.parametrize("dtype", [F32, F64])
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("layout", ["full", "keys"])
+@pytest.mark.parametrize("layout", ["full", "keys", "transposed"])
 def test_float_mask_hidden_tiles(isa, fused, tiles, rng, dtype, threads, layout):
     """A key tile where a float mask is -inf for every row is skipped (its P.V
     too), and keys where it is -inf for every row are left out of P.V (tiles
@@ -1391,9 +1394,11 @@ def test_float_mask_hidden_tiles(isa, fused, tiles, rng, dtype, threads, layout)
     tiles(64, 128)
     nq, nk = 150, 700
     q, k, v = rand(rng, (2, nq, 24), dtype), rand(rng, (2, nk, 24), dtype), rand(rng, (2, nk, 20), dtype)
-    mask = rng.standard_normal((nq if layout == "full" else 1, nk)).astype(dtype)
+    mask = rng.standard_normal((1 if layout == "keys" else nq, nk)).astype(dtype)
     mask[:, 512:698] = -np.inf                # the tile [512, 640), most of [640, 700)
     mask[:, 300:330] = -np.inf                # inside a tile that stays
+    if layout == "transposed":                # the query axis contiguous: read element by element
+        mask = np.asfortranarray(mask)
     vb = v.copy()
     for hidden in (slice(512, 698), slice(300, 330)):   # P.V leaves these keys out
         vb[:, hidden, ::2] = np.nan
