@@ -347,7 +347,7 @@ class _Prepared:
 
 
 def _prepare(q, k, v, mask, causal, scale, enable_gqa, window, softcap, alibi_slopes, kv_lengths,
-             num_threads, weights=False):
+             num_threads, weights=False, q_lengths=None):
     p = _Prepared()
     q = _as_array(q, "q")
     k = _as_array(k, "k")
@@ -393,7 +393,7 @@ def _prepare(q, k, v, mask, causal, scale, enable_gqa, window, softcap, alibi_sl
             raise ValueError(f"mask of shape {np.shape(mask)} does not broadcast to the scores "
                              f"(..., n_q={n_q}, n_k={n_k})" + (" (1-D q: (..., n_k))" if p.q1 else ""))
 
-    slopes = kvl = None
+    slopes = kvl = qln = None
     if alibi_slopes is not None:
         slopes = np.asarray(alibi_slopes)
         if slopes.dtype.kind not in "fiu" or slopes.dtype.itemsize > 8:
@@ -407,6 +407,14 @@ def _prepare(q, k, v, mask, causal, scale, enable_gqa, window, softcap, alibi_sl
             raise ValueError(f"kv_lengths must lie in [0, n_k={n_k}], got values from "
                              f"{kvl.min()} to {kvl.max()}")
         kvl = np.asarray(kvl, dtype=np.int64, order="C")
+    if q_lengths is not None:
+        qln = np.asarray(q_lengths)
+        if qln.dtype.kind not in "iu":
+            raise TypeError(f"q_lengths must be integers, got dtype {qln.dtype}")
+        if qln.size and (qln.min() < 0 or qln.max() > n_q):
+            raise ValueError(f"q_lengths must lie in [0, n_q={n_q}], got values from "
+                             f"{qln.min()} to {qln.max()}")
+        qln = np.asarray(qln, dtype=np.int64, order="C")
 
     # grouped-query attention: query head h uses key/value head h // (H // H_kv)
     p.gqa = None
@@ -429,6 +437,8 @@ def _prepare(q, k, v, mask, causal, scale, enable_gqa, window, softcap, alibi_sl
             slopes = _split_heads(slopes, "alibi_slopes", H, Hkv, 0)
         if kvl is not None:
             kvl = _split_heads(kvl, "kv_lengths", H, Hkv, 0)
+        if qln is not None:
+            qln = _split_heads(qln, "q_lengths", H, Hkv, 0)
 
     try:
         lq, lk, lv = qq.shape[:-2], k.shape[:-2], vv.shape[:-2]
@@ -440,7 +450,8 @@ def _prepare(q, k, v, mask, causal, scale, enable_gqa, window, softcap, alibi_sl
         shapes = f"q {q.shape}, k {k.shape}" + (f", v {v.shape}" if v is not None else "") + \
             (f", mask {np.shape(mask)}" if mask is not None else "")
         raise ValueError(f"leading dims do not broadcast: {shapes}") from None
-    for arr, name in ((slopes, "alibi_slopes"), (kvl, "kv_lengths")):
+    given = {"alibi_slopes": alibi_slopes, "kv_lengths": kv_lengths, "q_lengths": q_lengths}
+    for arr, name in ((slopes, "alibi_slopes"), (kvl, "kv_lengths"), (qln, "q_lengths")):
         if arr is not None:
             try:
                 ok = np.broadcast_shapes(arr.shape, lead) == lead
@@ -448,10 +459,10 @@ def _prepare(q, k, v, mask, causal, scale, enable_gqa, window, softcap, alibi_sl
                 ok = False
             if not ok:
                 want = lead if not p.gqa else lead[:-2] + (p.gqa[0],)
-                raise ValueError(f"{name} of shape {np.shape(alibi_slopes if name[0] == 'a' else kv_lengths)} "
+                raise ValueError(f"{name} of shape {np.shape(given[name])} "
                                  f"does not broadcast to the leading dims {want}"
                                  + (" (for (B, H, n, d) inputs, per-batch values have shape (B, 1))"
-                                    if name == "kv_lengths" else ""))
+                                    if name != "alibi_slopes" else ""))
 
     p.scale = _scale(scale, d_k)
     p.nthreads = _num_threads(num_threads)
@@ -470,7 +481,7 @@ def _prepare(q, k, v, mask, causal, scale, enable_gqa, window, softcap, alibi_sl
     if mm is not None:  # read with any strides: never expanded, a bool mask never converted
         mm = _as_compute(mm.view(np.uint8) if p.mask_kind == _core.MASK_BOOL else mm,
                          np.uint8 if p.mask_kind == _core.MASK_BOOL else comp, unit_last=False)
-    p.mask, p.slopes, p.kvl = mm, slopes, kvl
+    p.mask, p.slopes, p.kvl, p.qln = mm, slopes, kvl, qln
     p.inputs = (q, k, v, mask)
     # GQA decoding: _call hands the C core the query heads of a group as the rows of one
     # item over their K and V (n_q * g rows, position-major: the C core's row_group),
@@ -478,9 +489,10 @@ def _prepare(q, k, v, mask, causal, scale, enable_gqa, window, softcap, alibi_sl
     # d128 2.0-2.9x; 32 heads on one K and V 4.8x.  2-8 rows (speculative decoding,
     # chunked prefill): see the note at _FOLD_ROWS.  Exact where the rows of a group
     # differ only in their queries and positions (causal and windows follow the
-    # positions): no ALiBi slopes (per head), kv_lengths the same across the group.
+    # positions): no ALiBi slopes (per head), kv_lengths and q_lengths the same across
+    # the group.
     p.fold = (p.gqa is not None and not weights and n_q <= _FOLD_ROWS and p.gqa[0] > p.gqa[1]
-              and slopes is None and (kvl is None or kvl.ndim == 0 or kvl.shape[-1] == 1))
+              and slopes is None and all(x is None or x.ndim == 0 or x.shape[-1] == 1 for x in (kvl, qln)))
     return p
 
 
@@ -588,7 +600,7 @@ def _fold_mask(p):
 
 
 def _call(p, target, lse, weights=False):
-    q, k, v, mask, kvl, lead, g = p.q, p.k, p.v, p.mask, p.kvl, p.lead, 1
+    q, k, v, mask, kvl, qln, lead, g = p.q, p.k, p.v, p.mask, p.kvl, p.qln, p.lead, 1
     rows, rows_lse = target, lse
     if p.fold:  # (see _prepare) q (..., Hkv, g, n_q, d) -> (..., Hkv, n_q * g, d), position-
         # major, rows g apart sharing a position (the C core's row_group); k and v
@@ -599,8 +611,10 @@ def _call(p, target, lse, weights=False):
         rows_lse = _rows(lse, 0) if lse is not None else None
         if kvl is not None and kvl.ndim:  # (..., Hkv|1, 1)
             kvl = kvl[..., 0]
+        if qln is not None and qln.ndim:  # (..., Hkv|1, 1): in positions, as the C core takes it
+            qln = qln[..., 0]
     _core.attention(q, k, v, mask, p.mask_kind, rows, rows_lse, lead, p.causal, p.scale, p.nthreads,
-                    p.softcap, p.win_left, p.win_right, p.slopes, kvl, weights, g)
+                    p.softcap, p.win_left, p.win_right, p.slopes, kvl, weights, g, qln)
     if rows is not target and not np.may_share_memory(rows, target):
         _unrows(target, rows, 1)  # rows written as a copy (no view of them): back in place
     if rows_lse is not lse and not np.may_share_memory(rows_lse, lse):
@@ -630,7 +644,15 @@ _SHARED_DOC = """
         Broadcastable to the leading dims: only the first kv_lengths[...] keys
         exist for that leading index (a padded KV cache); causal and window
         alignment use that length in place of n_k.  Note NumPy broadcasting:
-        for (B, H, n, d) inputs, per-batch lengths have shape (B, 1)."""
+        for (B, H, n, d) inputs, per-batch lengths have shape (B, 1).
+    q_lengths : array_like of int, optional
+        Broadcastable to the leading dims: only the first q_lengths[...]
+        query rows are real (right-padded queries, as in batched prefill of
+        sequences of different lengths); the rows after them are padding,
+        not computed: zeros in the output (lse -inf, zero weights).  Causal
+        and window alignment use that length in place of n_q: with
+        q_lengths == kv_lengths, query i sits at position i.  Values in
+        [0, n_q]; the same broadcasting note as kv_lengths."""
 
 
 Window = Tuple[Optional[int], Optional[int]]
@@ -641,7 +663,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, mask: Optional[ArrayL
               causal: bool = ..., scale: Optional[float] = ..., out: Optional[np.ndarray] = ...,
               return_lse: Literal[False] = ..., num_threads: Optional[int] = ..., enable_gqa: bool = ...,
               window: Optional[Window] = ..., softcap: Optional[float] = ...,
-              alibi_slopes: Optional[ArrayLike] = ..., kv_lengths: Optional[ArrayLike] = ...) -> NDArray[Any]: ...
+              alibi_slopes: Optional[ArrayLike] = ..., kv_lengths: Optional[ArrayLike] = ...,
+              q_lengths: Optional[ArrayLike] = ...) -> NDArray[Any]: ...
 
 
 @overload
@@ -650,7 +673,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, mask: Optional[ArrayL
               return_lse: Literal[True], num_threads: Optional[int] = ..., enable_gqa: bool = ...,
               window: Optional[Window] = ..., softcap: Optional[float] = ...,
               alibi_slopes: Optional[ArrayLike] = ...,
-              kv_lengths: Optional[ArrayLike] = ...) -> tuple[NDArray[Any], NDArray[Any]]: ...
+              kv_lengths: Optional[ArrayLike] = ...,
+              q_lengths: Optional[ArrayLike] = ...) -> tuple[NDArray[Any], NDArray[Any]]: ...
 
 
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, mask: Optional[ArrayLike] = None,
@@ -658,15 +682,17 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, mask: Optional[ArrayL
               return_lse: bool = False, num_threads: Optional[int] = None, enable_gqa: bool = False,
               window: Optional[Window] = None, softcap: Optional[float] = None,
               alibi_slopes: Optional[ArrayLike] = None,
-              kv_lengths: Optional[ArrayLike] = None) -> NDArray[Any] | tuple[NDArray[Any], NDArray[Any]]:
+              kv_lengths: Optional[ArrayLike] = None,
+              q_lengths: Optional[ArrayLike] = None) -> NDArray[Any] | tuple[NDArray[Any], NDArray[Any]]:
     if (not enable_gqa and window is None and softcap is None and alibi_slopes is None
-            and kv_lengths is None and _plain(q, k, v) and (out is None or _plain_out(out, q, k, v))):
+            and kv_lengths is None and q_lengths is None and _plain(q, k, v)
+            and (out is None or _plain_out(out, q, k, v))):
         mask_kind = _core.MASK_NONE if mask is None else _plain_mask(mask, q, k)  # type: ignore[arg-type]
         if mask is None or mask_kind != _core.MASK_NONE:
             return _attention_plain(q, k, v, mask, mask_kind, causal, scale,  # type: ignore[arg-type]
                                     num_threads, out, return_lse)
     p = _prepare(q, k, v, mask, causal, scale, enable_gqa, window, softcap, alibi_slopes, kv_lengths,
-                 num_threads)
+                 num_threads, q_lengths=q_lengths)
     full_shape = p.lead + (p.n_q, p.d_v)
     res_lead = p.lead if p.gqa is None else p.lead[:-2] + (p.gqa[0],)
     res_shape = res_lead + ((p.n_q,) if not p.q1 else ()) + ((p.d_v,) if not p.v1 else ())
@@ -675,7 +701,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, mask: Optional[ArrayL
 
     lse = np.empty(p.lead + (p.n_q,), p.comp) if return_lse else None
     direct = (out is not None and _direct_out(out, p.comp)
-              and not _overlaps(out, *p.inputs, p.slopes, p.kvl))
+              and not _overlaps(out, *p.inputs, p.slopes, p.kvl, p.qln))
     target: np.ndarray = np.empty(0)
     if direct:
         assert out is not None
@@ -761,7 +787,8 @@ attention.__doc__ = """Exact scaled dot-product attention, softmax(q k^T * scale
     Notes
     -----
     A query row that may attend nothing (fully masked, n_k == 0, an empty
-    window or kv length) gives zeros, never NaN, and lse = -inf.  NaN or inf in
+    window or kv length) or is padding (q_lengths) gives zeros, never NaN,
+    and lse = -inf.  NaN or inf in
     an input reaches only the rows that attend it: a key hidden from a query
     (mask, causal, window, kv_lengths) adds nothing to its row, even when its
     value row holds inf or NaN; a key the row sees adds its inf and NaN even
@@ -774,7 +801,7 @@ attention.__doc__ = """Exact scaled dot-product attention, softmax(q k^T * scale
         Shapes that do not fit (d_k of q and k, n_k of k and v, leading dims or
         mask not broadcastable, out of the wrong shape, head counts with
         enable_gqa), num_threads <= 0, a non-finite scale, softcap <= 0,
-        kv_lengths outside [0, n_k].
+        kv_lengths outside [0, n_k], q_lengths outside [0, n_q].
     TypeError
         Complex, object, string inputs; an integer mask; out of the wrong dtype.
 
@@ -795,9 +822,10 @@ attention.__doc__ = """Exact scaled dot-product attention, softmax(q k^T * scale
 def attention_weights(q: ArrayLike, k: ArrayLike, *, mask: Optional[ArrayLike] = None, causal: bool = False,
                       scale: Optional[float] = None, enable_gqa: bool = False, window: Optional[Window] = None,
                       softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
-                      kv_lengths: Optional[ArrayLike] = None, num_threads: Optional[int] = None) -> NDArray[Any]:
+                      kv_lengths: Optional[ArrayLike] = None, num_threads: Optional[int] = None,
+                      q_lengths: Optional[ArrayLike] = None) -> NDArray[Any]:
     p = _prepare(q, k, None, mask, causal, scale, enable_gqa, window, softcap, alibi_slopes, kv_lengths,
-                 num_threads, weights=True)
+                 num_threads, weights=True, q_lengths=q_lengths)
     target = np.zeros(p.lead + (p.n_q, p.n_k), p.comp)
     if target.size:
         _call(p, target, None, weights=True)

@@ -53,6 +53,8 @@ cdef extern from "fastattn.h" nogil:
         int64_t slope_lead[FA_MAX_DIMS]
         const int64_t *kv_len
         int64_t kvl_lead[FA_MAX_DIMS]
+        const int64_t *q_len
+        int64_t qln_lead[FA_MAX_DIMS]
         int num_threads
 
     ctypedef struct fa_softmax_args:
@@ -131,19 +133,19 @@ cdef inline void _lead_strides(cnp.ndarray a, int nl, int core, int64_t *out):
 def attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask_kind,
               cnp.ndarray out, object lse, tuple lead, bint causal, double scale, int num_threads,
               double softcap=0.0, int64_t win_left=-1, int64_t win_right=-1, object slopes=None,
-              object kv_len=None, bint weights=False, int64_t row_group=1):
+              object kv_len=None, bint weights=False, int64_t row_group=1, object q_len=None):
     """Fill `out` (and `lse`) with attention, or with the attention weights
     when `weights` (out is then lead + (nq, nk), zero-filled, v unused).
     q, k, v, mask have shape (..., rows, cols) with leading dims that
     broadcast to `lead`; out has shape lead + (nq, dv) and lse lead + (nq,);
-    slopes (compute dtype) and kv_len (int64) broadcast to `lead`.  q, k, v,
+    slopes (compute dtype), kv_len and q_len (int64) broadcast to `lead`.  q, k, v,
     out have unit stride on the last axis; the mask may have any strides.
     row_group: consecutive rows that share a position (causal, window, ALiBi),
     a divisor of nq (fastattn.h)."""
     cdef fa_attention_args a
     cdef int nl = len(lead)
     cdef int d
-    cdef cnp.ndarray m_arr, l_arr, s_arr, kl_arr
+    cdef cnp.ndarray m_arr, l_arr, s_arr, kl_arr, ql_arr
     if nl > FA_MAX_DIMS:
         raise ValueError(f"at most {FA_MAX_DIMS} leading dims")
     a.n_lead = nl
@@ -153,6 +155,7 @@ def attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask
         a.lse_lead[d] = 0
         a.slope_lead[d] = 0
         a.kvl_lead[d] = 0
+        a.qln_lead[d] = 0
     _lead_strides(q, nl, 2, a.q_lead)
     _lead_strides(k, nl, 2, a.k_lead)
     _lead_strides(v, nl, 2, a.v_lead)
@@ -198,6 +201,11 @@ def attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask
         kl_arr = <cnp.ndarray>kv_len
         _lead_strides(kl_arr, nl, 0, a.kvl_lead)
         a.kv_len = <const int64_t *>cnp.PyArray_DATA(kl_arr)
+    a.q_len = NULL
+    if q_len is not None:
+        ql_arr = <cnp.ndarray>q_len
+        _lead_strides(ql_arr, nl, 0, a.qln_lead)
+        a.q_len = <const int64_t *>cnp.PyArray_DATA(ql_arr)
     a.causal = causal
     a.row_group = row_group
     a.scale = scale

@@ -9,11 +9,13 @@ Semantics shared with the fast path:
 
 * scores = (q @ k^T) * scale, with scale = 1/sqrt(d_k) by default;
 * softcap c > 0: scores -> c * tanh(scores / c);
-* ALiBi: scores -= slope * |p_i - j|, where p_i = i + kv - n_q is query i's
-  bottom-right aligned position and kv the number of keys (kv_lengths or n_k);
+* ALiBi: scores -= slope * |p_i - j|, where p_i = i + kv - qn is query i's
+  bottom-right aligned position, kv the number of keys (kv_lengths or n_k)
+  and qn the number of real queries (q_lengths or n_q);
 * a bool mask keeps the scores where it is True (False -> -inf); a float mask
   is added (-inf allowed);
-* visibility: key j exists iff j < kv; causal: j <= p_i; window (left, right):
+* visibility: key j exists iff j < kv; query i is padding iff i >= qn and
+  sees nothing; causal: j <= p_i; window (left, right):
   p_i - left <= j <= p_i + right (None or negative: unbounded);
 * softmax subtracts the row max (numerically stable); a row whose scores are
   all -inf (nothing visible) gives zeros and lse = -inf, never NaN;
@@ -108,14 +110,14 @@ def _per_lead(x: Any) -> np.ndarray:
 def scores(q: ArrayLike, k: ArrayLike, *, mask: Optional[ArrayLike] = None, causal: bool = False,
            scale: Optional[float] = None, enable_gqa: bool = False, window: Any = None,
            softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
-           kv_lengths: Optional[ArrayLike] = None) -> NDArray[Any]:
+           kv_lengths: Optional[ArrayLike] = None, q_lengths: Optional[ArrayLike] = None) -> NDArray[Any]:
     """Scaled, modified, masked scores (..., n_q, n_k): the logits the softmax sees.
 
     Parameters
     ----------
     q : array_like, (..., n_q, d_k)
     k : array_like, (..., n_k, d_k)
-    mask, causal, scale, enable_gqa, window, softcap, alibi_slopes, kv_lengths
+    mask, causal, scale, enable_gqa, window, softcap, alibi_slopes, kv_lengths, q_lengths
         As for `fastattn.attention` (see the module docstring for the order).
 
     Returns
@@ -141,9 +143,10 @@ def scores(q: ArrayLike, k: ArrayLike, *, mask: Optional[ArrayLike] = None, caus
     if softcap is not None:
         s = softcap * np.tanh(s / softcap)
     kv = n_k if kv_lengths is None else _per_lead(kv_lengths)
+    qn = n_q if q_lengths is None else _per_lead(q_lengths)
     i = np.arange(n_q)[:, None]
     j = np.arange(n_k)[None, :]
-    p = i + kv - n_q                          # query i's bottom-right aligned position
+    p = i + kv - qn                           # query i's bottom-right aligned position
     if alibi_slopes is not None:
         s = s - _per_lead(alibi_slopes).astype(dt) * np.abs(p - j)
     if mask is not None:
@@ -153,7 +156,7 @@ def scores(q: ArrayLike, k: ArrayLike, *, mask: Optional[ArrayLike] = None, caus
         else:
             with np.errstate(invalid="ignore"):  # inf + -inf = NaN, as it should be
                 s = s + mask.astype(dt, copy=False)
-    visible = j < kv
+    visible = (j < kv) & (i < qn)             # padding queries (i >= qn) see nothing
     if causal:
         visible = visible & (j <= p)
     if window is not None:
@@ -226,7 +229,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, mask: Optional[ArrayL
     return_lse : bool
         Also return lse = log(sum(exp(scores))), shape (..., n_q).
     **options
-        enable_gqa, window, softcap, alibi_slopes, kv_lengths (see `scores`).
+        enable_gqa, window, softcap, alibi_slopes, kv_lengths, q_lengths (see `scores`).
 
     Returns
     -------

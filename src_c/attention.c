@@ -260,7 +260,7 @@ static void fill_item(const fa_attention_args *a, const fa_tiles *t, int64_t n_q
                       size_t esz, size_t msz, fa_item *it)
 {
     int64_t lead = w / n_qb, qb = w % n_qb;
-    int64_t oq = 0, ok = 0, ov = 0, oo = 0, om = 0, ol = 0, os = 0, okl = 0;
+    int64_t oq = 0, ok = 0, ov = 0, oo = 0, om = 0, ol = 0, os = 0, okl = 0, oql = 0;
     for (int d = a->n_lead - 1; d >= 0; d--) { /* row-major over lead_shape */
         const int64_t i = lead % a->lead_shape[d];
         lead /= a->lead_shape[d];
@@ -272,16 +272,22 @@ static void fill_item(const fa_attention_args *a, const fa_tiles *t, int64_t n_q
         ol += i * a->lse_lead[d];
         os += i * a->slope_lead[d];
         okl += i * a->kvl_lead[d];
+        oql += i * a->qln_lead[d];
     }
     it->kv = a->kv_len ? a->kv_len[okl] : a->nk;
     if (it->kv > a->nk) it->kv = a->nk;
     if (it->kv < 0) it->kv = 0;
-    it->off = it->kv - a->nq / a->row_group;
+    int64_t qn = a->nq / a->row_group; /* real query positions */
+    if (a->q_len && a->q_len[oql] < qn) qn = a->q_len[oql] < 0 ? 0 : a->q_len[oql];
+    it->off = it->kv - qn;
     it->slope = !a->slopes ? 0.0
               : a->dtype == FA_F32 ? (double)((const float *)a->slopes)[os] : ((const double *)a->slopes)[os];
     const int64_t i0 = qb * t->bq, e = (int64_t)esz;
     it->i0 = i0;
     it->bq = (a->nq - i0 < t->bq) ? a->nq - i0 : t->bq;
+    const int64_t real = qn * a->row_group - i0; /* rows before the padding */
+    it->pad = real >= it->bq ? 0 : real <= 0 ? it->bq : it->bq - real;
+    it->bq -= it->pad;
     it->j_lo = 0;
     it->j_hi = it->kv;
     it->q = (const char *)a->q + (oq + i0 * a->q_rs) * e;
@@ -305,8 +311,26 @@ typedef struct {
     int64_t n_qb, n_items, n_splits, chunk, part_elems;
     void *parts;  /* (n_items, n_splits, part_elems) partial results, or NULL */
     int status;   /* FA_ENOMEM when a thread's scratch could not be allocated */
+    int weights;  /* fa_attention_weights: padding rows are left as they are (zero) */
     int64_t claimed; /* units claimed from the shared counter so far */
 } run_plan;
+
+/* The item's padding rows (q_len), after its bq real ones: out rows zero,
+ * lse -inf, as for a row that sees nothing.
+ *   out  (pad, dv) row stride a->o_rs, from row bq of it->out
+ *   lse  (pad)     stride a->lse_rs, from row bq of it->lse, or NULL */
+static void write_padding(const fa_attention_args *a, const fa_item *it, size_t esz)
+{
+    const int64_t e = (int64_t)esz;
+    for (int64_t i = it->bq; i < it->bq + it->pad; i++) {
+        memset((char *)it->out + i * a->o_rs * e, 0, (size_t)a->dv * esz);
+        if (!it->lse) continue;
+        if (a->dtype == FA_F32)
+            ((float *)it->lse)[i * a->lse_rs] = -INFINITY;
+        else
+            ((double *)it->lse)[i * a->lse_rs] = -INFINITY;
+    }
+}
 
 /* The next unit from the shared counter (n_units or more when none is left):
  * units [0, team) are the threads' first, one each; the rest go in order. */
@@ -361,7 +385,8 @@ static void run_team(void *arg)
             it.next_k = (const char *)nx.k + nx.j_lo * a->k_rs * e;
             it.next_nk = j_end > nx.j_lo ? j_end - nx.j_lo : 0;
         }
-        p->item_fn(a, p->tiles, &it, scratch);
+        if (it.pad && !p->weights && u % p->n_splits == 0) write_padding(a, &it, p->esz);
+        if (it.bq > 0) p->item_fn(a, p->tiles, &it, scratch);
         u = un;
     }
     if (p->parts) { /* after every split is done: merge each item's splits */
@@ -371,6 +396,7 @@ static void run_team(void *arg)
             if (!scratch) continue;
             fa_item it;
             fill_item(a, p->tiles, p->n_qb, w, p->esz, p->msz, &it);
+            if (it.bq == 0) continue; /* all padding */
             p->merge_fn(a, &it, (char *)p->parts + w * p->n_splits * p->part_elems * (int64_t)p->esz,
                         p->n_splits, scratch);
         }
@@ -440,7 +466,8 @@ static int run(const fa_attention_args *a, int weights)
     run_plan plan = {.a = a, .tiles = &tiles, .item_fn = item_fn, .merge_fn = merge_fn,
                      .esz = esz, .msz = msz, .scratch_bytes = (size_t)scratch_elems * esz,
                      .n_qb = n_qb, .n_items = n_items, .n_splits = n_splits, .chunk = chunk,
-                     .part_elems = part_elems, .parts = parts, .status = FA_OK, .claimed = 0};
+                     .part_elems = part_elems, .parts = parts, .status = FA_OK, .weights = weights,
+                     .claimed = 0};
     const int nthreads = team_size(a->num_threads, n_items * n_splits, work);
     run_parallel(run_team, &plan, nthreads);
     free(parts);

@@ -62,17 +62,21 @@ enum {
  *   lse   (lead, nq)        compute dtype, written, or NULL
  *   slopes (lead)           ALiBi slopes, compute dtype, or NULL
  *   kv_len (lead)           int64 key counts (a padded KV cache), or NULL
+ *   q_len  (lead)           int64 query counts, in positions (right-padded
+ *                           queries: nq / row_group at most), or NULL
  * fa_attention_weights writes out (lead, nq, nk) = the probabilities instead
  * (dv and v unused); it expects out to be zero-filled.
  *
  * Which keys a query row sees.  With kv = kv_len[lead] (nk when kv_len is
- * NULL), G = row_group and the bottom-right aligned position
- * p = i / G + kv - nq / G, row i sees keys j < kv with
+ * NULL), qn = q_len[lead] (nq / G when q_len is NULL), G = row_group and the
+ * bottom-right aligned position p = i / G + kv - qn, row i sees keys j < kv with
  * p - win_left <= j <= p + win_right (a negative bound is unbounded); causal
  * caps win_right at 0.  Scores are s = softcap(q.k * scale) - slope * |p - j| + mask.
  * G = 1: every row its own position.  G > 1 (nq a multiple of G): G consecutive
  * rows share a position, as the query heads of a GQA group folded into the rows
- * of one item, position-major (row i: position i / G, head i % G).
+ * of one item, position-major (row i: position i / G, head i % G).  Rows from
+ * qn * G on are padding: not computed, their out rows zero and lse -inf
+ * (fa_attention_weights leaves their rows as they are: zero).
  */
 typedef struct {
     int n_lead;                         /* number of leading dims, 0..FA_MAX_DIMS */
@@ -96,6 +100,8 @@ typedef struct {
     int64_t slope_lead[FA_MAX_DIMS];
     const int64_t *kv_len;              /* keys per leading index, or NULL */
     int64_t kvl_lead[FA_MAX_DIMS];
+    const int64_t *q_len;               /* real query positions per leading index, or NULL */
+    int64_t qln_lead[FA_MAX_DIMS];
     int num_threads;                    /* <= 0: the OpenMP default */
 } fa_attention_args;
 

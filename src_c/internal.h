@@ -44,9 +44,10 @@ typedef struct {
     void *out, *lse;
     void *part;
     int64_t i0, bq;
+    int64_t pad;          /* padding rows after the bq real ones (q_len): the driver's, not the kernel's */
     int64_t j_lo, j_hi;   /* the keys of this item (a split's share); j_hi <= kv */
     int64_t kv;           /* keys that exist for this leading index */
-    int64_t off;          /* kv - nq / row_group: row i's aligned position is i / row_group + off */
+    int64_t off;          /* kv - qn (q_len, or nq / row_group): row i's aligned position is i / row_group + off */
     double slope;         /* ALiBi slope of this leading index (0: none) */
     const void *next_q, *next_k;
     int64_t next_bq, next_nk;

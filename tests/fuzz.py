@@ -7,7 +7,7 @@ Wider than the property tests (test_properties.py), and meant to run for minutes
 not in CI: shapes up to 700 x 2100 (several tiles, split keys, the row kernel),
 B and H with broadcast K and V, GQA, every mask kind and layout (bool, float,
 float masks of only 0 and -inf, causal ones, key padding, column-major and
-reversed), window, softcap, ALiBi, kv_lengths, scale (0 too), float16 to
+reversed), window, softcap, ALiBi, kv_lengths, q_lengths, scale (0 too), float16 to
 float64, NaN and inf planted in q, k and v, transposed (B, N, H, d) views, out=
 and attention_weights; on a random SIMD path and thread count, with the tiles,
 the fused exp, the far prefetch and the row kernel's limit forced at random.
@@ -87,6 +87,8 @@ def problem(rng):
         kw["alibi_slopes"] = rng.random(H) * rng.choice([0.1, 1.0])
     if rng.random() < 0.15:
         kw["kv_lengths"] = rng.integers(0, nk + 1, (lead[0], 1) if len(lead) > 1 and rng.random() < 0.7 else lead)
+    if rng.random() < 0.15:
+        kw["q_lengths"] = rng.integers(0, nq + 1, (lead[0], 1) if len(lead) > 1 and rng.random() < 0.7 else lead)
     if rng.random() < 0.2:
         kw["scale"] = float(rng.choice([0.0, -0.5, 2.0, 0.01]))
     for a in (q, k, v):   # NaN and inf

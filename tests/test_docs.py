@@ -31,6 +31,10 @@ def test_readme_python_blocks_run():
     want = fastattn.reference.attention(*(a.astype(np.float64) for a in (ns["q"], ns["k"], ns["v"])), causal=True)
     assert np.max(np.abs(o - want)) < 1e-5 * max(1, np.max(np.abs(want)))
     assert abs(float(fastattn.attention(ns["fruit"], ns["keys"], ns["values"])) - 7.2718) < 1e-4
+    # the right-padded batch: each sequence as if alone, zeros after its length
+    for b, n_b in enumerate(ns["seq_len"][:, 0]):
+        alone = fastattn.attention(*(ns[name][b, :, :n_b] for name in "qkv"), causal=True)
+        assert np.max(np.abs(ns["o_pad"][b, :, :n_b] - alone)) < 1e-6 and not ns["o_pad"][b, :, n_b:].any()
     full = fastattn.attention(ns["qs"], ns["ks"], ns["vs"])
     assert np.max(np.abs(ns["out"] - full)) < 1e-12        # the merge example
     t = fastattn.attention(ns["qs"], ns["ks"], ns["vs"], return_lse=True)[1]

@@ -1,4 +1,4 @@
-"""Modern attention variants (GQA, windows, softcap, ALiBi, kv_lengths), the
+"""Modern attention variants (GQA, windows, softcap, ALiBi, kv_lengths, q_lengths), the
 weights, merging, and the layers, each against its twin in fastattn.reference."""
 
 import numpy as np
@@ -205,6 +205,93 @@ def test_kv_lengths_errors(rng):
         fastattn.attention(q, k, v, kv_lengths=np.array([2.5, 3.0]))
     with pytest.raises(ValueError, match=r"\(B, 1\)"):
         fastattn.attention(q, k, v, kv_lengths=np.array([2, 3]))     # (B,) aligns with the heads
+
+
+# ---------------------------------------------------------------------------
+# q_lengths
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("path", list(PATHS))
+def test_q_lengths(isa, rng, dtype, path):
+    """Right-padded queries (batched prefill of sequences of different lengths):
+    the rows from q_lengths on are padding (zeros, lse -inf) and causal and
+    window alignment use q_lengths in place of n_q, so that a batch entry gives
+    what its real rows give alone; with kv_lengths, windows, ALiBi, softcap and
+    masks, on every path (the split keys too: one or two rows, lengths 0-2)."""
+    nq, nk, threads = PATHS[path]
+    q, k, v = rand(rng, (3, 2, nq, 16), dtype), rand(rng, (3, 2, nk, 16), dtype), rand(rng, (3, 2, nk, 8), dtype)
+    q_len = np.array([[nq], [nq // 2], [0]])                   # (B, 1): per batch entry
+    kv_len = np.array([[nk], [nq // 2 + nk // 3], [nk // 2]])
+    out, lse = check(q, k, v, dtype, q_lengths=q_len, num_threads=threads)
+    assert np.all(out[1, :, nq // 2:] == 0) and np.all(np.isneginf(lse[1, :, nq // 2:]))
+    assert np.all(out[2] == 0) and np.all(np.isneginf(lse[2]))
+    assert np.all(np.isfinite(lse[0])) and np.all(np.isfinite(lse[1, :, :nq // 2]))
+    for causal in (False, True):
+        out = check(q, k, v, dtype, q_lengths=q_len, kv_lengths=kv_len, causal=causal, num_threads=threads)[0]
+        for b in range(3):   # each entry alone, on its real rows: the same
+            ql = q_len[b, 0]
+            alone = fastattn.attention(q[b, :, :ql], k[b], v[b], kv_lengths=kv_len[b, 0], causal=causal)
+            assert_close(out[b, :, :ql], alone.astype(F64), dtype)
+        # the padding rows are never read: NaN there changes nothing
+        qp = q.copy()
+        qp[1, :, nq // 2:] = np.nan
+        qp[2] = np.nan
+        np.testing.assert_array_equal(fastattn.attention(qp, k, v, q_lengths=q_len, kv_lengths=kv_len,
+                                                         causal=causal, num_threads=threads), out)
+    check(q, k, v, dtype, q_lengths=rng.integers(0, nq + 1, (3, 2)), kv_lengths=rng.integers(0, nk + 1, (3, 2)),
+          causal=True, window=(50, 0), num_threads=threads)
+    check(q, k, v, dtype, q_lengths=q_len, alibi_slopes=np.array([0.5, 0.25]), softcap=3.0, causal=True,
+          num_threads=threads)
+    check(q, k, v, dtype, q_lengths=q_len, mask=rng.random((nq, nk)) < 0.7, num_threads=threads)
+    fmask = np.where(rng.random((3, 1, nq, nk)) < 0.3, -np.inf, rng.standard_normal((3, 1, nq, nk)))
+    check(q, k, v, dtype, q_lengths=q_len, mask=fmask.astype(dtype), causal=True, num_threads=threads)
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("bq,bk", [(0, 0), (16, 32), (40, 72), (7, 5)])
+def test_q_lengths_tiles(isa, fused, tiles, rng, dtype, bq, bk):
+    """Lengths that end inside a query block (an item with some real rows and
+    some padding), at its edges, and at 0 and n_q, for every tile size, fused
+    exp or not, with return_lse, out= of any layout and the weights."""
+    tiles(bq, bk)
+    nq, nk = 150, 300
+    q, k, v = rand(rng, (6, nq, 16), dtype), rand(rng, (6, nk, 16), dtype), rand(rng, (6, nk, 8), dtype)
+    q_len = np.array([0, 1, 39, 40, 61, 150])
+    check(q, k, v, dtype, q_lengths=q_len, causal=True)
+    check(q, k, v, dtype, q_lengths=q_len, kv_lengths=q_len + 100, causal=True, mask=rng.random((nq, nk)) < 0.8)
+    want = ref.attention(q.astype(F64), k.astype(F64), v.astype(F64), q_lengths=q_len, causal=True)
+    out = np.full((6, 8, nq), np.nan, dtype).transpose(0, 2, 1)           # any strides
+    assert fastattn.attention(q, k, v, q_lengths=q_len, causal=True, out=out) is out
+    assert_close(out, want, dtype)
+    w = fastattn.attention_weights(q, k, q_lengths=q_len, causal=True)
+    assert_close(w, ref.attention_weights(q.astype(F64), k.astype(F64), q_lengths=q_len, causal=True), dtype)
+    for b, ql in enumerate(q_len):
+        assert np.all(w[b, ql:] == 0) and np.all(out[b, ql:] == 0)
+
+
+def test_q_lengths_1d_and_scalar(rng):
+    """A 1-D q (one query) takes q_lengths 0 or 1; a scalar broadcasts."""
+    q, k, v = rand(rng, (16,)), rand(rng, (40, 16)), rand(rng, (40, 8))
+    assert np.all(fastattn.attention(q, k, v, q_lengths=0) == 0)
+    assert_close(fastattn.attention(q, k, v, q_lengths=1), ref.attention(q.astype(F64), k.astype(F64),
+                                                                           v.astype(F64)), F32)
+    q2 = rand(rng, (5, 16))
+    check(q2, k, v, F32, q_lengths=3, kv_lengths=3, causal=True)
+    check(q2, k, v, F32, q_lengths=np.int32(5))
+
+
+def test_q_lengths_errors(rng):
+    q, k, v = rand(rng, (2, 3, 4, 8)), rand(rng, (2, 3, 6, 8)), rand(rng, (2, 3, 6, 2))
+    with pytest.raises(ValueError, match=r"q_lengths must lie in \[0, n_q=4\]"):
+        fastattn.attention(q, k, v, q_lengths=np.array([[5], [2]]))
+    with pytest.raises(ValueError, match="q_lengths must lie"):
+        fastattn.attention(q, k, v, q_lengths=-1)
+    with pytest.raises(TypeError, match="q_lengths must be integers"):
+        fastattn.attention(q, k, v, q_lengths=np.array([2.0, 3.0]))
+    with pytest.raises(ValueError, match=r"q_lengths of shape \(2,\) .*\(B, 1\)"):
+        fastattn.attention(q, k, v, q_lengths=np.array([2, 3]))      # (B,) aligns with the heads
+    with pytest.raises(ValueError, match="q_lengths"):
+        fastattn.attention_weights(q, k, q_lengths=np.ones((4, 2, 3), int))   # would grow the leading dims
 
 
 # ---------------------------------------------------------------------------
@@ -428,7 +515,9 @@ def test_gqa_decode_folds_heads(isa, rng, core_calls, dtype, hkv, nq, nk, thread
                   dict(kv_lengths=rng.integers(0, nk + 1, (2, 1)), causal=True),
                   dict(kv_lengths=np.array(nk // 2), causal=True), dict(softcap=2.0, causal=True),
                   dict(window=(100, 0)), dict(window=(2, 1), kv_lengths=rng.integers(0, nk + 1, (2, 1))),
-                  dict(causal=True, window=(50, None), mask=rng.random((2, 1, nq, nk)) < 0.6)):
+                  dict(causal=True, window=(50, None), mask=rng.random((2, 1, nq, nk)) < 0.6),
+                  dict(q_lengths=rng.integers(0, nq + 1, (2, 1)), causal=True),
+                  dict(q_lengths=np.array(nq - 1), kv_lengths=rng.integers(0, nk + 1, (2, 1)), causal=True)):
         core_calls.clear()
         check(q, k, v, dtype, **kw, **extra)
         assert core_calls == [((2, hkv), (2, hkv, nq * g, 16), g)], extra
@@ -466,8 +555,8 @@ def test_gqa_fold_broadcasts(rng, core_calls):
 def test_gqa_decode_fold_many_rows_and_exclusions(rng, core_calls):
     """32 query heads on one K and V fold into 32 rows (the tiled kernel, keys
     split on 2 threads).  What the rows of a group would not share stays one
-    item per head: ALiBi slopes, kv_lengths per head, more than 8 query rows,
-    the weights."""
+    item per head: ALiBi slopes, kv_lengths or q_lengths per head, more than 8
+    query rows, the weights."""
     from fastattn._api import _FOLD_ROWS
     q, k, v = rand(rng, (1, 32, 1, 16)), rand(rng, (1, 1, 2100, 16)), rand(rng, (1, 1, 2100, 16))
     check(q, k, v, F32, enable_gqa=True, num_threads=2)
@@ -475,7 +564,8 @@ def test_gqa_decode_fold_many_rows_and_exclusions(rng, core_calls):
     q, k, v = rand(rng, (2, 8, 2, 16)), rand(rng, (2, 2, 300, 16)), rand(rng, (2, 2, 300, 12))
     q9 = rand(rng, (2, 8, _FOLD_ROWS + 1, 16))
     for qq, extra in ((q, dict(alibi_slopes=rng.random(8))),
-                      (q, dict(kv_lengths=rng.integers(0, 301, (2, 8)))), (q9, dict(causal=True)), (q9, dict())):
+                      (q, dict(kv_lengths=rng.integers(0, 301, (2, 8)))), (q9, dict(causal=True)), (q9, dict()),
+                      (q, dict(q_lengths=np.array([[1, 2, 0, 2, 1, 1, 2, 2], [2] * 8]), causal=True))):
         core_calls.clear()
         check(qq, k, v, F32, enable_gqa=True, **extra)
         assert core_calls == [((2, 2, 4), qq.shape[:1] + (2, 4) + qq.shape[2:], 1)]
