@@ -67,6 +67,9 @@ WORKLOADS = [
     # key padding (the last 128 keys) whose K and V rows hold NaN, as an unwritten cache from np.empty
     _w("B1 H8 N2048 d64 pad, NaN", (1, 8, 2048, 2048, 64), mask="pad"),
     _w("B1 H8 N2048 d64 GQA 8q/2kv", (1, 8, 2048, 2048, 64), gqa=2),
+    # a batch of 4 sequences of 1024, 768, 512 and 256 tokens, right-padded to 1024, causal:
+    # q_lengths and kv_lengths (PyTorch: the equivalent (B, 1, N, N) bool mask)
+    _w("B4 H8 N1024 d64 padded batch", (4, 8, 1024, 1024, 64), causal=True, q_lengths=True),
     _w("B1 H8 N8192 d64 causal", (1, 8, 8192, 8192, 64), causal=True),
     _w("  ...window (256, 0)", (1, 8, 8192, 8192, 64), causal=True, window=(256, 0)),
     _w("decode B8 H8 Nk4096 kv_len", (8, 8, 1, 4096, 128), kv_lengths=True),
@@ -162,7 +165,9 @@ def make_inputs(w, seed=0):
         kw["enable_gqa"] = True
     if "window" in opts:
         kw["window"] = opts["window"]
-    if opts.get("kv_lengths") or w["mask"] == "keys":
+    if opts.get("q_lengths"):
+        kw["q_lengths"] = kw["kv_lengths"] = nq - np.arange(B)[:, None] * (nq // 4)   # (B, 1)
+    elif opts.get("kv_lengths") or w["mask"] == "keys":
         lengths = rng.integers(nk // 4, nk + 1, (B, 1))   # a padded cache: B sequence lengths
         if w["mask"] == "keys":
             mask = np.arange(nk) < lengths[:, :, None, None]
@@ -194,6 +199,9 @@ def _live_keys(w, mask, kw):
 def _flops(w, kw, mask=None):
     """Floating-point operations of a workload (the keys each query really sees)."""
     B, H, nq, nk, d = w["shape"]
+    if "q_lengths" in kw:   # causal over each sequence's own length
+        n = kw["q_lengths"].astype(float)
+        return float(2 * H * (n * (n + 1) / 2).sum() * (d + d))
     if "window" in kw:
         return 2 * B * H * nq * (min(kw["window"][0], nk) + 1) * (d + d)
     live = _live_keys(w, mask, kw)
@@ -235,9 +243,12 @@ def peer_calls(w, inputs, threads=None, torch=None):
         tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
         tm = torch.from_numpy(mask) if mask is not None else None
         sdpa = torch.nn.functional.scaled_dot_product_attention
-        if "kv_lengths" in kw:   # PyTorch takes a padded cache as a key-padding bool mask
-            tm = torch.from_numpy(np.arange(nk)[None, None, None, :] < kw["kv_lengths"][:, :, None, None])
         nq, causal = w["shape"][2], w["causal"]
+        if "q_lengths" in kw:    # ... padded sequences as a causal bool mask within each length
+            n, i, j = kw["q_lengths"][:, :, None, None], np.arange(nq)[:, None], np.arange(nk)
+            tm, causal = torch.from_numpy((i < n) & (j <= i)), False   # (B, 1, N, N); q = kv lengths
+        elif "kv_lengths" in kw:   # PyTorch takes a padded cache as a key-padding bool mask
+            tm = torch.from_numpy(np.arange(nk)[None, None, None, :] < kw["kv_lengths"][:, :, None, None])
         if causal and nq != nk:   # PyTorch's is_causal is top-left aligned: a bottom-right bool mask
             tm, causal = torch.from_numpy(np.arange(nk) <= np.arange(nq)[:, None] + (nk - nq)), False
         tkw = dict(enable_gqa=True) if "enable_gqa" in kw else {}
