@@ -245,6 +245,9 @@ def test_q_lengths(isa, rng, dtype, path):
     check(q, k, v, dtype, q_lengths=q_len, mask=rng.random((nq, nk)) < 0.7, num_threads=threads)
     fmask = np.where(rng.random((3, 1, nq, nk)) < 0.3, -np.inf, rng.standard_normal((3, 1, nq, nk)))
     check(q, k, v, dtype, q_lengths=q_len, mask=fmask.astype(dtype), causal=True, num_threads=threads)
+    for lengths in (q_len, rng.integers(0, nq + 1, (3, 2))):   # GQA: per batch (folded when few rows), per head
+        check(q, k[:, :1], v[:, :1], dtype, enable_gqa=True, q_lengths=lengths, kv_lengths=kv_len, causal=True,
+              num_threads=threads)
 
 
 @pytest.mark.parametrize("dtype", [F32, F64])
