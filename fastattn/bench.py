@@ -244,7 +244,7 @@ def peer_calls(w, inputs, threads=None, torch=None):
         tm = torch.from_numpy(mask) if mask is not None else None
         sdpa = torch.nn.functional.scaled_dot_product_attention
         nq, causal = w["shape"][2], w["causal"]
-        if "q_lengths" in kw:    # ... padded sequences as a causal bool mask within each length
+        if "q_lengths" in kw:    # PyTorch takes right-padded sequences as a causal bool mask per length
             n, i, j = kw["q_lengths"][:, :, None, None], np.arange(nq)[:, None], np.arange(nk)
             tm, causal = torch.from_numpy((i < n) & (j <= i)), False   # (B, 1, N, N); q = kv lengths
         elif "kv_lengths" in kw:   # PyTorch takes a padded cache as a key-padding bool mask

@@ -149,14 +149,15 @@ void fa_set_stream(int mode);
  * that came out inf or NaN) since the last call of this; for tests. */
 int64_t fa_take_redo_count(void);
 
-/* OpenMP: 1 when built with it; the default team size (1 without OpenMP);
- * the team size of the calling thread's last call; the path of the OpenMP
- * runtime library.  fa_build_info: compiler, flags, OpenMP version. */
-int fa_openmp_enabled(void);
 /* keep[i] = (x[i] == 0) for n contiguous float32 or float64 (dtype) x, and
  * *all_ok = whether every x[i] is 0 or -inf (a float mask that acts as the
  * bool mask keep), on num_threads threads (<= 0: the default). */
 int fa_mask_keep(int dtype, const void *x, int64_t n, uint8_t *keep, int num_threads, int *all_ok);
+
+/* OpenMP: 1 when built with it; the default team size (1 without OpenMP);
+ * the team size of the calling thread's last call; the path of the OpenMP
+ * runtime library.  fa_build_info: compiler, flags, OpenMP version. */
+int fa_openmp_enabled(void);
 /* Benchmark helper: a plain streaming read of n bytes (a multiple of 64, 16-byte
  * aligned) on num_threads threads (<= 0: the default); returns a checksum. */
 uint64_t fa_stream_read(const void *x, int64_t n, int num_threads);
