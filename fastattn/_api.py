@@ -328,6 +328,19 @@ def _softcap(softcap):
     return c
 
 
+def _lengths(x, name, axis, n):
+    """kv_lengths or q_lengths as int64 (None stays None), checked to be integers
+    in [0, n] (n = n_k or n_q, named `axis`)."""
+    if x is None:
+        return None
+    a = np.asarray(x)
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be integers, got dtype {a.dtype}")
+    if a.size and (a.min() < 0 or a.max() > n):
+        raise ValueError(f"{name} must lie in [0, {axis}={n}], got values from {a.min()} to {a.max()}")
+    return np.asarray(a, dtype=np.int64, order="C")
+
+
 def _split_heads(a, name, H, Hkv, core):
     """Split the head axis (the one before the `core` trailing axes) of an
     array broadcastable to (..., H, *core) into (..., Hkv, H // Hkv): a view."""
@@ -393,28 +406,14 @@ def _prepare(q, k, v, mask, causal, scale, enable_gqa, window, softcap, alibi_sl
             raise ValueError(f"mask of shape {np.shape(mask)} does not broadcast to the scores "
                              f"(..., n_q={n_q}, n_k={n_k})" + (" (1-D q: (..., n_k))" if p.q1 else ""))
 
-    slopes = kvl = qln = None
+    slopes = None
     if alibi_slopes is not None:
         slopes = np.asarray(alibi_slopes)
         if slopes.dtype.kind not in "fiu" or slopes.dtype.itemsize > 8:
             raise TypeError(f"alibi_slopes must be real numbers, got dtype {slopes.dtype}")
         slopes = np.asarray(slopes, dtype=comp, order="C")  # a scalar stays 0-d (lead may be ())
-    if kv_lengths is not None:
-        kvl = np.asarray(kv_lengths)
-        if kvl.dtype.kind not in "iu":
-            raise TypeError(f"kv_lengths must be integers, got dtype {kvl.dtype}")
-        if kvl.size and (kvl.min() < 0 or kvl.max() > n_k):
-            raise ValueError(f"kv_lengths must lie in [0, n_k={n_k}], got values from "
-                             f"{kvl.min()} to {kvl.max()}")
-        kvl = np.asarray(kvl, dtype=np.int64, order="C")
-    if q_lengths is not None:
-        qln = np.asarray(q_lengths)
-        if qln.dtype.kind not in "iu":
-            raise TypeError(f"q_lengths must be integers, got dtype {qln.dtype}")
-        if qln.size and (qln.min() < 0 or qln.max() > n_q):
-            raise ValueError(f"q_lengths must lie in [0, n_q={n_q}], got values from "
-                             f"{qln.min()} to {qln.max()}")
-        qln = np.asarray(qln, dtype=np.int64, order="C")
+    kvl = _lengths(kv_lengths, "kv_lengths", "n_k", n_k)
+    qln = _lengths(q_lengths, "q_lengths", "n_q", n_q)
 
     # grouped-query attention: query head h uses key/value head h // (H // H_kv)
     p.gqa = None

@@ -195,16 +195,19 @@ def test_scalar_lengths_and_slopes_without_leading_dims(isa, rng):
     assert_close(out, ref.attention(q[0].astype(F64), k.astype(F64), v.astype(F64), kv_lengths=11), F32)
 
 
-def test_kv_lengths_errors(rng):
+@pytest.mark.parametrize("name,axis,n", [("kv_lengths", "n_k", 6), ("q_lengths", "n_q", 4)])
+def test_lengths_errors(rng, name, axis, n):
     q, k, v = rand(rng, (2, 3, 4, 8)), rand(rng, (2, 3, 6, 8)), rand(rng, (2, 3, 6, 2))
-    with pytest.raises(ValueError, match="kv_lengths must lie"):
-        fastattn.attention(q, k, v, kv_lengths=np.array([[7], [2]]))
-    with pytest.raises(ValueError, match="kv_lengths must lie"):
-        fastattn.attention(q, k, v, kv_lengths=-1)
-    with pytest.raises(TypeError, match="kv_lengths must be integers"):
-        fastattn.attention(q, k, v, kv_lengths=np.array([2.5, 3.0]))
-    with pytest.raises(ValueError, match=r"\(B, 1\)"):
-        fastattn.attention(q, k, v, kv_lengths=np.array([2, 3]))     # (B,) aligns with the heads
+    with pytest.raises(ValueError, match=rf"{name} must lie in \[0, {axis}={n}\], got values from 2 to {n + 1}"):
+        fastattn.attention(q, k, v, **{name: np.array([[n + 1], [2]])})
+    with pytest.raises(ValueError, match=f"{name} must lie"):
+        fastattn.attention(q, k, v, **{name: -1})
+    with pytest.raises(TypeError, match=f"{name} must be integers"):
+        fastattn.attention(q, k, v, **{name: np.array([2.5, 3.0])})
+    with pytest.raises(ValueError, match=rf"{name} of shape \(2,\) .*\(B, 1\)"):
+        fastattn.attention(q, k, v, **{name: np.array([2, 3])})     # (B,) aligns with the heads
+    with pytest.raises(ValueError, match=name):
+        fastattn.attention_weights(q, k, **{name: np.ones((4, 2, 3), int)})   # would grow the leading dims
 
 
 # ---------------------------------------------------------------------------
@@ -281,20 +284,6 @@ def test_q_lengths_1d_and_scalar(rng):
     q2 = rand(rng, (5, 16))
     check(q2, k, v, F32, q_lengths=3, kv_lengths=3, causal=True)
     check(q2, k, v, F32, q_lengths=np.int32(5))
-
-
-def test_q_lengths_errors(rng):
-    q, k, v = rand(rng, (2, 3, 4, 8)), rand(rng, (2, 3, 6, 8)), rand(rng, (2, 3, 6, 2))
-    with pytest.raises(ValueError, match=r"q_lengths must lie in \[0, n_q=4\]"):
-        fastattn.attention(q, k, v, q_lengths=np.array([[5], [2]]))
-    with pytest.raises(ValueError, match="q_lengths must lie"):
-        fastattn.attention(q, k, v, q_lengths=-1)
-    with pytest.raises(TypeError, match="q_lengths must be integers"):
-        fastattn.attention(q, k, v, q_lengths=np.array([2.0, 3.0]))
-    with pytest.raises(ValueError, match=r"q_lengths of shape \(2,\) .*\(B, 1\)"):
-        fastattn.attention(q, k, v, q_lengths=np.array([2, 3]))      # (B,) aligns with the heads
-    with pytest.raises(ValueError, match="q_lengths"):
-        fastattn.attention_weights(q, k, q_lengths=np.ones((4, 2, 3), int))   # would grow the leading dims
 
 
 # ---------------------------------------------------------------------------
