@@ -28,11 +28,11 @@ except ImportError as e:  # pragma: no cover - only in an unbuilt source tree
         "package: run from another directory, or build in place with `pip install -e .`."
     ) from e
 from . import reference
-from ._api import attention, attention_weights, merge_attention, softmax
+from ._api import attention, attention_varlen, attention_weights, merge_attention, softmax
 from ._version import __version__
 from .layers import multihead_attention, self_attention
 
-__all__ = ["attention", "attention_weights", "merge_attention", "softmax", "self_attention",
+__all__ = ["attention", "attention_varlen", "attention_weights", "merge_attention", "softmax", "self_attention",
            "multihead_attention", "reference", "show_config", "__version__"]
 
 

@@ -12,7 +12,8 @@ def attention(
     out: np.ndarray, lse: Optional[np.ndarray], lead: tuple[int, ...], causal: bool, scale: float,
     num_threads: int, softcap: float = ..., win_left: int = ..., win_right: int = ...,
     slopes: Optional[np.ndarray] = ..., kv_len: Optional[np.ndarray] = ..., weights: bool = ...,
-    row_group: int = ..., q_len: Optional[np.ndarray] = ...,
+    row_group: int = ..., q_len: Optional[np.ndarray] = ..., q_start: Optional[np.ndarray] = ...,
+    kv_start: Optional[np.ndarray] = ..., nq: int = ..., nk: int = ...,
 ) -> None: ...
 def softmax(x: np.ndarray, out: np.ndarray, num_threads: int) -> None: ...
 def mask_keep(x: np.ndarray, keep: np.ndarray, num_threads: int) -> bool: ...

@@ -55,6 +55,10 @@ cdef extern from "fastattn.h" nogil:
         int64_t kvl_lead[FA_MAX_DIMS]
         const int64_t *q_len
         int64_t qln_lead[FA_MAX_DIMS]
+        const int64_t *q_start
+        int64_t qst_lead[FA_MAX_DIMS]
+        const int64_t *kv_start
+        int64_t kst_lead[FA_MAX_DIMS]
         int num_threads
 
     ctypedef struct fa_softmax_args:
@@ -133,7 +137,8 @@ cdef inline void _lead_strides(cnp.ndarray a, int nl, int core, int64_t *out):
 def attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask_kind,
               cnp.ndarray out, object lse, tuple lead, bint causal, double scale, int num_threads,
               double softcap=0.0, int64_t win_left=-1, int64_t win_right=-1, object slopes=None,
-              object kv_len=None, bint weights=False, int64_t row_group=1, object q_len=None):
+              object kv_len=None, bint weights=False, int64_t row_group=1, object q_len=None,
+              object q_start=None, object kv_start=None, int64_t nq=-1, int64_t nk=-1):
     """Fill `out` (and `lse`) with attention, or with the attention weights
     when `weights` (out is then lead + (nq, nk), zero-filled, v unused).
     q, k, v, mask have shape (..., rows, cols) with leading dims that
@@ -141,11 +146,16 @@ def attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask
     slopes (compute dtype), kv_len and q_len (int64) broadcast to `lead`.  q, k, v,
     out have unit stride on the last axis; the mask may have any strides.
     row_group: consecutive rows that share a position (causal, window, ALiBi),
-    a divisor of nq (fastattn.h)."""
+    a divisor of nq (fastattn.h).
+    Packed sequences (fastattn.h): q_start and kv_start (int64, broadcast to
+    `lead`) are each leading index's first row of q, out, lse and of k, v
+    (no mask then);
+    nq and nk (>= 0) then replace the row counts of the arrays, which hold
+    every sequence's rows (q_start + q_len <= q's rows, kv_start + kv_len <= k's)."""
     cdef fa_attention_args a
     cdef int nl = len(lead)
     cdef int d
-    cdef cnp.ndarray m_arr, l_arr, s_arr, kl_arr, ql_arr
+    cdef cnp.ndarray m_arr, l_arr, s_arr, kl_arr, ql_arr, qs_arr, ks_arr
     if nl > FA_MAX_DIMS:
         raise ValueError(f"at most {FA_MAX_DIMS} leading dims")
     a.n_lead = nl
@@ -156,6 +166,8 @@ def attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask
         a.slope_lead[d] = 0
         a.kvl_lead[d] = 0
         a.qln_lead[d] = 0
+        a.qst_lead[d] = 0
+        a.kst_lead[d] = 0
     _lead_strides(q, nl, 2, a.q_lead)
     _lead_strides(k, nl, 2, a.k_lead)
     _lead_strides(v, nl, 2, a.v_lead)
@@ -164,6 +176,10 @@ def attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask
     a.dk = q.shape[q.ndim - 1]
     a.nk = k.shape[k.ndim - 2]
     a.dv = 0 if weights else v.shape[v.ndim - 1]
+    if nq >= 0:
+        a.nq = nq
+    if nk >= 0:
+        a.nk = nk
     a.q_rs = _estride(q, q.ndim - 2)
     a.k_rs = _estride(k, k.ndim - 2)
     a.v_rs = _estride(v, v.ndim - 2)
@@ -206,6 +222,16 @@ def attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask
         ql_arr = <cnp.ndarray>q_len
         _lead_strides(ql_arr, nl, 0, a.qln_lead)
         a.q_len = <const int64_t *>cnp.PyArray_DATA(ql_arr)
+    a.q_start = NULL
+    if q_start is not None:
+        qs_arr = <cnp.ndarray>q_start
+        _lead_strides(qs_arr, nl, 0, a.qst_lead)
+        a.q_start = <const int64_t *>cnp.PyArray_DATA(qs_arr)
+    a.kv_start = NULL
+    if kv_start is not None:
+        ks_arr = <cnp.ndarray>kv_start
+        _lead_strides(ks_arr, nl, 0, a.kst_lead)
+        a.kv_start = <const int64_t *>cnp.PyArray_DATA(ks_arr)
     a.causal = causal
     a.row_group = row_group
     a.scale = scale

@@ -34,8 +34,8 @@ from typing import Any, Optional, Sequence
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-__all__ = ["softmax", "scores", "causal_mask", "attention", "attention_weights", "merge_attention",
-           "self_attention", "multihead_attention", "default_scale"]
+__all__ = ["softmax", "scores", "causal_mask", "attention", "attention_varlen", "attention_weights",
+           "merge_attention", "self_attention", "multihead_attention", "default_scale"]
 
 
 def default_scale(d_k: int) -> float:
@@ -268,6 +268,53 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, mask: Optional[ArrayL
     if q1:
         out = out[..., 0, :] if not v1 else out[..., 0]
         lse = lse[..., 0]
+    return (out, lse) if return_lse else out
+
+
+def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike, cu_seqlens_k: ArrayLike, *,
+                     causal: bool = False, scale: Optional[float] = None, return_lse: bool = False,
+                     alibi_slopes: Optional[ArrayLike] = None, **options: Any) -> Any:
+    """Packed sequences: sequence b is rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q
+    and cu_seqlens_k[b]:cu_seqlens_k[b + 1] of k and v, attended on its own.
+
+    Parameters
+    ----------
+    q : array_like, (total_q, H, d_k);  k : (total_k, H_kv, d_k);  v : (total_k, H_kv, d_v)
+        H a multiple of H_kv (grouped-query attention when larger).
+    cu_seqlens_q, cu_seqlens_k : array_like of int, (B + 1,)
+        Each sequence's first row, and the total last.
+    causal, scale, return_lse
+        As for `attention`, per sequence (causal aligned at each one's ends).
+    alibi_slopes : array_like, optional
+        Broadcastable to (B, H).
+    **options
+        window, softcap (see `scores`).
+
+    Returns
+    -------
+    out : ndarray (total_q, H, d_v); (out, lse) with return_lse, lse (H, total_q).
+
+    Examples
+    --------
+    >>> q = k = v = np.eye(3)[:, None, :]                  # two sequences: rows 0-1 and 2
+    >>> attention_varlen(q, k, v, [0, 2, 3], [0, 2, 3], causal=True)[:, 0].round(2)
+    array([[1.  , 0.  , 0.  ],
+           [0.36, 0.64, 0.  ],
+           [0.  , 0.  , 1.  ]])
+    """
+    q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
+    dt = _float_dtype(q, k, v)
+    cq, ck = np.asarray(cu_seqlens_q), np.asarray(cu_seqlens_k)
+    H, Hkv = q.shape[1], k.shape[1]
+    out = np.zeros((q.shape[0], H, v.shape[2]), dt)
+    lse = np.full((H, q.shape[0]), -np.inf, dt)
+    for b in range(len(cq) - 1):
+        rows, keys = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        slopes = None if alibi_slopes is None else np.broadcast_to(alibi_slopes, (len(cq) - 1, H))[b]
+        o, x = attention(np.swapaxes(q[rows], 0, 1), np.swapaxes(k[keys], 0, 1), np.swapaxes(v[keys], 0, 1),
+                         causal=causal, scale=scale, return_lse=True, enable_gqa=H != Hkv,
+                         alibi_slopes=slopes, **options)
+        out[rows], lse[:, rows] = np.swapaxes(o, 0, 1), x
     return (out, lse) if return_lse else out
 
 

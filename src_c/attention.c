@@ -260,7 +260,7 @@ static void fill_item(const fa_attention_args *a, const fa_tiles *t, int64_t n_q
                       size_t esz, size_t msz, fa_item *it)
 {
     int64_t lead = w / n_qb, qb = w % n_qb;
-    int64_t oq = 0, ok = 0, ov = 0, oo = 0, om = 0, ol = 0, os = 0, okl = 0, oql = 0;
+    int64_t oq = 0, ok = 0, ov = 0, oo = 0, om = 0, ol = 0, os = 0, okl = 0, oql = 0, oqs = 0, oks = 0;
     for (int d = a->n_lead - 1; d >= 0; d--) { /* row-major over lead_shape */
         const int64_t i = lead % a->lead_shape[d];
         lead /= a->lead_shape[d];
@@ -273,6 +273,19 @@ static void fill_item(const fa_attention_args *a, const fa_tiles *t, int64_t n_q
         os += i * a->slope_lead[d];
         okl += i * a->kvl_lead[d];
         oql += i * a->qln_lead[d];
+        oqs += i * a->qst_lead[d];
+        oks += i * a->kst_lead[d];
+    }
+    if (a->q_start) { /* packed sequences: this one's rows start further on */
+        const int64_t r = a->q_start[oqs];
+        oq += r * a->q_rs;
+        oo += r * a->o_rs;
+        ol += r * a->lse_rs;
+    }
+    if (a->kv_start) {
+        const int64_t r = a->kv_start[oks];
+        ok += r * a->k_rs;
+        ov += r * a->v_rs;
     }
     it->kv = a->kv_len ? a->kv_len[okl] : a->nk;
     if (it->kv > a->nk) it->kv = a->nk;
@@ -316,7 +329,8 @@ typedef struct {
 } run_plan;
 
 /* The item's padding rows (q_len), after its bq real ones: out rows zero,
- * lse -inf, as for a row that sees nothing.
+ * lse -inf, as for a row that sees nothing.  Not with packed sequences
+ * (q_start): those rows are the next sequence's.
  *   out  (pad, dv) row stride a->o_rs, from row bq of it->out
  *   lse  (pad)     stride a->lse_rs, from row bq of it->lse, or NULL */
 static void write_padding(const fa_attention_args *a, const fa_item *it, size_t esz)
@@ -385,7 +399,7 @@ static void run_team(void *arg)
             it.next_k = (const char *)nx.k + nx.j_lo * a->k_rs * e;
             it.next_nk = j_end > nx.j_lo ? j_end - nx.j_lo : 0;
         }
-        if (it.pad && !p->weights && u % p->n_splits == 0) write_padding(a, &it, p->esz);
+        if (it.pad && !p->weights && !a->q_start && u % p->n_splits == 0) write_padding(a, &it, p->esz);
         if (it.bq > 0) p->item_fn(a, p->tiles, &it, scratch);
         u = un;
     }
@@ -411,6 +425,7 @@ static int run(const fa_attention_args *a, int weights)
     if (a->dtype != FA_F32 && a->dtype != FA_F64) return FA_EINVAL;
     if (a->n_lead < 0 || a->n_lead > FA_MAX_DIMS) return FA_EINVAL;
     if (a->row_group < 1 || a->nq % a->row_group) return FA_EINVAL;
+    if ((a->q_start || a->kv_start) && a->mask_kind != FA_MASK_NONE) return FA_EINVAL;
     int64_t n_lead_total = 1;
     for (int d = 0; d < a->n_lead; d++) n_lead_total *= a->lead_shape[d];
     if (n_lead_total == 0 || a->nq == 0 || (weights && a->nk == 0)) return FA_OK;

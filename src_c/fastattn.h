@@ -64,6 +64,7 @@ enum {
  *   kv_len (lead)           int64 key counts (a padded KV cache), or NULL
  *   q_len  (lead)           int64 query counts, in positions (right-padded
  *                           queries: nq / row_group at most), or NULL
+ *   q_start, kv_start (lead) int64 first rows (packed sequences), or NULL
  * fa_attention_weights writes out (lead, nq, nk) = the probabilities instead
  * (dv and v unused); it expects out to be zero-filled.
  *
@@ -77,6 +78,11 @@ enum {
  * of one item, position-major (row i: position i / G, head i % G).  Rows from
  * qn * G on are padding: not computed, their out rows zero and lse -inf
  * (fa_attention_weights leaves their rows as they are: zero).
+ *
+ * Packed sequences (flash-attn's varlen form).  With q_start, the leading index's
+ * query rows begin at row q_start[lead] of q, out and lse; with kv_start, its
+ * keys at row kv_start[lead] of k and v.  Its rows from q_len on then belong to
+ * other sequences: they are not written.  No mask with either (FA_EINVAL).
  */
 typedef struct {
     int n_lead;                         /* number of leading dims, 0..FA_MAX_DIMS */
@@ -102,6 +108,10 @@ typedef struct {
     int64_t kvl_lead[FA_MAX_DIMS];
     const int64_t *q_len;               /* real query positions per leading index, or NULL */
     int64_t qln_lead[FA_MAX_DIMS];
+    const int64_t *q_start;             /* first query row per leading index, or NULL */
+    int64_t qst_lead[FA_MAX_DIMS];
+    const int64_t *kv_start;            /* first key row per leading index, or NULL */
+    int64_t kst_lead[FA_MAX_DIMS];
     int num_threads;                    /* <= 0: the OpenMP default */
 } fa_attention_args;
 

@@ -8,8 +8,9 @@ not in CI: shapes up to 700 x 2100 (several tiles, split keys, the row kernel),
 B and H with broadcast K and V, GQA, every mask kind and layout (bool, float,
 float masks of only 0 and -inf, causal ones, key padding, column-major and
 reversed), window, softcap, ALiBi, kv_lengths, q_lengths, scale (0 too), float16 to
-float64, NaN and inf planted in q, k and v, transposed (B, N, H, d) views, out=
-and attention_weights; on a random SIMD path and thread count, with the tiles,
+float64, NaN and inf planted in q, k and v, transposed (B, N, H, d) views, out=,
+attention_weights, and the batch again as packed sequences of random lengths
+(attention_varlen); on a random SIMD path and thread count, with the tiles,
 the fused exp, the far prefetch and the row kernel's limit forced at random.
 Each failure prints its seed; a seed reproduces its case exactly.  Three bugs
 were found this way (in 443c525 and f48d0b1).  The suite runs seeds 0-149
@@ -110,7 +111,34 @@ def settings(rng):
     return dict(isa=str(rng.choice(ISAS)), threads=int(rng.choice([1, 2, 3])), tiles=tiles,
                 fused=int(rng.choice([-1, 0, 1])), stream=int(rng.choice([-1, -1, 0, 1])),
                 rows_max=int(rng.choice([0, 0, 1, 8, 24])), float_masks_as_bool=bool(rng.random() < 0.7),
-                out=bool(rng.random() < 0.2), weights=bool(rng.random() < 0.1))
+                out=bool(rng.random() < 0.2), weights=bool(rng.random() < 0.1),
+                varlen=bool(rng.random() < 0.25))
+
+
+def packed_problem(rng, q, k, v, kw):
+    """The case's batch as packed sequences (attention_varlen) of random lengths:
+    q, k, v (total, heads, d), cu_seqlens_q and _k, and the options that carry over."""
+    H, nq, nk = q.shape[-3], q.shape[-2], k.shape[-2]
+    B = q.shape[0] if q.ndim == 4 else 1
+    hkv = k.shape[-3] if kw.get("enable_gqa") else H
+
+    def rows(a, h, n, lengths):   # (B, h, n, d) -> the first lengths[b] rows of each b, (total, h, d)
+        a = np.broadcast_to(a, (B, h, n, a.shape[-1]))
+        return np.concatenate([a[b, :, :m].transpose(1, 0, 2) for b, m in enumerate(lengths)])
+
+    lq = rng.integers(0, nq + 1, B) if rng.random() < 0.8 else np.full(B, nq)
+    lk = rng.integers(0, nk + 1, B) if rng.random() < 0.8 else np.full(B, nk)
+    options = {n: kw[n] for n in ("causal", "window", "softcap", "alibi_slopes", "scale") if n in kw}
+    return (rows(q, H, nq, lq), rows(k, hkv, nk, lk), rows(v, hkv, nk, lk),
+            np.cumsum(np.r_[0, lq]), np.cumsum(np.r_[0, lk]), options)
+
+
+def tolerance(scores, dtype):
+    """The relative tolerance of a case whose largest finite score is in `scores`:
+    float32 rounds a score s to about |s| * 6e-8, which exp carries into the weights."""
+    big = np.abs(scores[np.isfinite(scores)])
+    rtol = RTOL[np.dtype(np.float32) if dtype == np.float16 else dtype] * max(1.0, float(big.max(initial=0)) / 16)
+    return max(rtol, RTOL[np.dtype(np.float16)]) if dtype == np.float16 else rtol
 
 
 def run_case(seed, verbose=False):
@@ -135,6 +163,10 @@ def run_case(seed, verbose=False):
             np.testing.assert_array_equal(o, out)
         if s["weights"]:
             w = fastattn.attention_weights(q, k, num_threads=s["threads"], **kw)
+        if s["varlen"]:
+            pq, pk, pv, cq, ck, options = packed_problem(rng, q, k, v, kw)
+            p_out, p_lse = fastattn.attention_varlen(pq, pk, pv, cq, ck, return_lse=True,
+                                                     num_threads=s["threads"], **options)
     finally:
         _core.set_isa(before)
         _core._set_tiles(0, 0)
@@ -150,18 +182,24 @@ def run_case(seed, verbose=False):
         if mask is not None and mask.dtype != bool:
             mask = mask.astype(np.float64)
         scores = ref.scores(q.astype(np.float64), k.astype(np.float64), mask=mask, **score_kw)
-    # float32 rounds a score s to about |s| * 6e-8, which exp carries into the weights
-    big = np.abs(scores[np.isfinite(scores)])
     dtype = np.result_type(q, k, v)
-    rtol = RTOL[np.dtype(np.float32) if dtype == np.float16 else dtype] * max(1.0, float(big.max(initial=0)) / 16)
-    if dtype == np.float16:
-        rtol = max(rtol, RTOL[np.dtype(np.float16)])
+    rtol = tolerance(scores, dtype)
     assert_close(out, want, dtype, rtol=rtol)
     assert_close(lse, want_lse, dtype, "lse", rtol=rtol)
     if s["weights"]:
         with np.errstate(all="ignore"):
             want_w = ref.attention_weights(q.astype(np.float64), k.astype(np.float64), mask=mask, **score_kw)
         assert_close(w, want_w, dtype, "weights", rtol=rtol)
+    if s["varlen"]:
+        c = lambda a: a.astype(np.float64)  # noqa: E731
+        with warnings.catch_warnings(), np.errstate(all="ignore"):
+            warnings.simplefilter("ignore")
+            want, want_lse = ref.attention_varlen(c(pq), c(pk), c(pv), cq, ck, return_lse=True, **options)
+            seqs = [ref.scores(c(pq[cq[b]:cq[b + 1]]).transpose(1, 0, 2), c(pk[ck[b]:ck[b + 1]]).transpose(1, 0, 2),
+                               enable_gqa=True, **options).ravel() for b in range(len(cq) - 1)]
+        rtol = tolerance(np.concatenate(seqs), dtype)
+        assert_close(p_out, want, dtype, "varlen", rtol=rtol)
+        assert_close(p_lse, want_lse, dtype, "varlen lse", rtol=rtol)
 
 
 def main(argv=None):

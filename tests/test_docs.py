@@ -14,7 +14,7 @@ README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 
 def test_docstring_examples():
     from fastattn import layers, reference
-    for mod, least in ((_api, 6), (layers, 2), (reference, 9)):
+    for mod, least in ((_api, 7), (layers, 2), (reference, 9)):
         result = doctest.testmod(mod, optionflags=doctest.NORMALIZE_WHITESPACE)
         assert result.attempted >= least and result.failed == 0, mod.__name__
 
@@ -35,6 +35,11 @@ def test_readme_python_blocks_run():
     for b, n_b in enumerate(ns["seq_len"][:, 0]):
         alone = fastattn.attention(*(ns[name][b, :, :n_b] for name in "qkv"), causal=True)
         assert np.max(np.abs(ns["o_pad"][b, :, :n_b] - alone)) < 1e-6 and not ns["o_pad"][b, :, n_b:].any()
+    # ... and packed (attention_varlen): the same rows
+    cu = ns["cu"]
+    for b, n_b in enumerate(ns["seq_len"][:, 0]):
+        got = ns["o_packed"][cu[b]:cu[b + 1]].transpose(1, 0, 2)
+        assert np.max(np.abs(got - ns["o_pad"][b, :, :n_b])) < 1e-5
     full = fastattn.attention(ns["qs"], ns["ks"], ns["vs"])
     assert np.max(np.abs(ns["out"] - full)) < 1e-12        # the merge example
     t = fastattn.attention(ns["qs"], ns["ks"], ns["vs"], return_lse=True)[1]

@@ -1,11 +1,12 @@
-"""Modern attention variants (GQA, windows, softcap, ALiBi, kv_lengths, q_lengths), the
-weights, merging, and the layers, each against its twin in fastattn.reference."""
+"""Modern attention variants (GQA, windows, softcap, ALiBi, kv_lengths, q_lengths, packed
+sequences), the weights, merging, and the layers, each against its twin in fastattn.reference."""
 
 import numpy as np
 import pytest
 from conftest import assert_close, rand
 
 import fastattn
+from fastattn import _core
 from fastattn import reference as ref
 
 F32, F64 = np.float32, np.float64
@@ -284,6 +285,154 @@ def test_q_lengths_1d_and_scalar(rng):
     q2 = rand(rng, (5, 16))
     check(q2, k, v, F32, q_lengths=3, kv_lengths=3, causal=True)
     check(q2, k, v, F32, q_lengths=np.int32(5))
+
+
+# ---------------------------------------------------------------------------
+# attention_varlen: packed sequences
+# ---------------------------------------------------------------------------
+def packed(rng, lq, lk, H, Hkv, dtype, d=16, dv=8):
+    cq, ck = np.cumsum([0] + list(lq)), np.cumsum([0] + list(lk))
+    return (rand(rng, (cq[-1], H, d), dtype), rand(rng, (ck[-1], Hkv, d), dtype), rand(rng, (ck[-1], Hkv, dv), dtype),
+            cq, ck)
+
+
+def check_varlen(q, k, v, cq, ck, dtype, **kw):
+    threads = kw.pop("num_threads", None)
+    out, lse = fastattn.attention_varlen(q, k, v, cq, ck, return_lse=True, num_threads=threads, **kw)
+    c = lambda a: np.asarray(a).astype(F64)  # noqa: E731
+    want, want_lse = ref.attention_varlen(c(q), c(k), c(v), cq, ck, return_lse=True, **kw)
+    assert_close(out, want, dtype)
+    assert_close(lse, want_lse, dtype, "lse")
+    return out, lse
+
+
+# sequence lengths (queries, keys) that take the tiled kernel, the few-rows kernel and
+# the split-key merge (one sequence, one head: fewer items than threads), with threads
+VARLEN_PATHS = {"tiled": ([150, 0, 97, 1, 64], [300, 5, 97, 0, 64], 4, 2),
+                "rows": ([3, 1, 0, 2], [300, 40, 7, 0], 4, 1),
+                "split": ([2], [2100], 1, 2)}
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("path", list(VARLEN_PATHS))
+def test_varlen(isa, rng, dtype, path):
+    """Each sequence attends within itself, as if alone: against the reference (a
+    loop of attention over the slices) and against attention on each slice, with
+    GQA, empty query and key sequences, causal (aligned at each sequence's own
+    ends), windows, softcap and ALiBi, on every kernel path."""
+    lq, lk, H, threads = VARLEN_PATHS[path]
+    for Hkv in sorted({H, 1}):
+        q, k, v, cq, ck = packed(rng, lq, lk, H, Hkv, dtype)
+        for causal in (False, True):
+            out, lse = check_varlen(q, k, v, cq, ck, dtype, causal=causal, num_threads=threads)
+            for b in range(len(lq)):
+                rows, keys = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+                alone, alone_lse = fastattn.attention(q[rows].transpose(1, 0, 2), k[keys].transpose(1, 0, 2),
+                                                      v[keys].transpose(1, 0, 2), causal=causal, return_lse=True,
+                                                      enable_gqa=True)
+                np.testing.assert_array_equal(np.isneginf(lse[:, rows]), np.isneginf(alone_lse))
+                assert_close(out[rows], alone.transpose(1, 0, 2).astype(F64), dtype)
+            if lk[-1] == 0:
+                assert np.all(out[cq[-2]:] == 0) and np.all(np.isneginf(lse[:, cq[-2]:]))
+        check_varlen(q, k, v, cq, ck, dtype, causal=True, window=(20, 3), num_threads=threads)
+        check_varlen(q, k, v, cq, ck, dtype, softcap=2.0, alibi_slopes=rng.random(H), num_threads=threads)
+        check_varlen(q, k, v, cq, ck, dtype, causal=True, alibi_slopes=rng.random((len(lq), H)),
+                     num_threads=threads)
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("bq,bk", [(0, 0), (16, 32), (40, 72), (7, 5)])
+def test_varlen_tiles(isa, fused, tiles, rng, dtype, bq, bk):
+    """Sequences that end inside a query block, at its edges, or hold one row,
+    for every tile size, fused exp or not: no item reads or writes another
+    sequence's rows (out= starts as NaN, and every row must come out right)."""
+    tiles(bq, bk)
+    lq = [39, 1, 40, 61, 0, 150, 7]
+    lk = [39, 300, 41, 5, 3, 150, 7]
+    q, k, v, cq, ck = packed(rng, lq, lk, 2, 2, dtype)
+    check_varlen(q, k, v, cq, ck, dtype, causal=True)
+    check_varlen(q, k, v, cq, ck, dtype)
+    buf = np.full((8, 2, cq[-1] + 150), np.nan, dtype)
+    out = buf[..., :cq[-1]].transpose(2, 1, 0)                               # any strides
+    assert fastattn.attention_varlen(q, k, v, cq, ck, causal=True, out=out) is out
+    assert_close(out, ref.attention_varlen(q.astype(F64), k.astype(F64), v.astype(F64), cq, ck, causal=True), dtype)
+    assert np.isnan(buf[..., cq[-1]:]).all()          # nothing written past the last sequence's rows
+
+
+def test_varlen_core_refuses_a_mask(rng):
+    """The C core takes no mask with packed sequences: an error, not a misread mask."""
+    q, k, v = rand(rng, (1, 4, 8)), rand(rng, (1, 4, 8)), rand(rng, (1, 4, 8))
+    out, starts = np.empty((1, 4, 8), F32), np.zeros(1, np.int64)
+    with pytest.raises(ValueError, match="rejected its arguments"):
+        _core.attention(q, k, v, np.ones((4, 4), np.uint8), _core.MASK_BOOL, out, None, (1,), False, 1.0, 1,
+                        q_start=starts, kv_start=starts)
+    _core.attention(q, k, v, None, _core.MASK_NONE, out, None, (1,), False, 1.0, 1, q_start=starts, kv_start=starts)
+    assert_close(out, ref.attention(q.astype(F64), k.astype(F64), v.astype(F64), scale=1.0), F32)
+
+
+def test_varlen_layouts_and_dtypes(rng):
+    """Views of one packed qkv buffer (strided rows, read in place), a
+    non-contiguous last axis (copied), float16 and integer inputs (computed in
+    float32 and float64), out= through a temporary (float16, or overlapping q),
+    and empty batches."""
+    lq = [5, 9, 2]
+    cq = np.cumsum([0] + lq)
+    qkv = rand(rng, (cq[-1], 3, 4, 16))                                   # (T, 3, H, d)
+    q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
+    out = check_varlen(q, k, v, cq, cq, F32, causal=True)[0]
+    check_varlen(np.asfortranarray(q), k, v, cq, cq, F32, causal=True)
+    q16, k16, v16 = q.astype(np.float16), k.astype(np.float16), v.astype(np.float16)
+    half = fastattn.attention_varlen(q16, k16, v16, cq, cq)
+    assert half.dtype == np.float16
+    assert_close(half, ref.attention_varlen(q16.astype(F64), k16.astype(F64), v16.astype(F64), cq, cq), np.float16)
+    out16 = np.empty(half.shape, np.float16)                              # written through a float32 temporary
+    assert fastattn.attention_varlen(q16, k16, v16, cq, cq, out=out16) is out16
+    np.testing.assert_array_equal(out16, half)
+    ints = fastattn.attention_varlen(np.ones((3, 2, 4), int), np.ones((3, 1, 4), int), np.arange(3)[:, None, None] *
+                                     np.ones((3, 1, 2), int), [0, 1, 3], [0, 2, 3])
+    assert ints.dtype == F64 and np.allclose(ints[:, 0, 0], [0.5, 2, 2])
+    inplace = qkv[:, 0].copy()                                            # out= overlapping q: a temporary
+    assert fastattn.attention_varlen(inplace, k, v, cq, cq, causal=True, out=inplace) is inplace
+    np.testing.assert_array_equal(inplace, out)
+    empty, lse = fastattn.attention_varlen(np.ones((0, 2, 4)), np.ones((0, 1, 4)), np.ones((0, 1, 3)), [0], [0],
+                                           return_lse=True)
+    assert empty.shape == (0, 2, 3) and lse.shape == (2, 0)
+    out, lse = fastattn.attention_varlen(np.ones((4, 2, 4)), np.ones((0, 1, 4)), np.ones((0, 1, 3)), [0, 4],
+                                         [0, 0], return_lse=True)
+    assert np.all(out == 0) and np.all(np.isneginf(lse))
+
+
+@pytest.mark.parametrize("change,exc,msg", [
+    (dict(q=np.ones((5, 16))), ValueError, r"q must have shape \(total_q, H, d_k\)"),
+    (dict(v=np.ones((7, 2, 8, 1))), ValueError, r"v must have shape"),
+    (dict(k=np.ones((7, 2, 8))), ValueError, "d_k differs"),
+    (dict(v=np.ones((6, 2, 8))), ValueError, "same rows and heads"),
+    (dict(k=np.ones((7, 3, 16)), v=np.ones((7, 3, 8))), ValueError, r"query heads \(4\) must be a multiple"),
+    (dict(cq=[0, 2.0, 5]), TypeError, "cu_seqlens_q must be integers"),
+    (dict(cq=None), TypeError, "cu_seqlens_q must be an array"),
+    (dict(cq=[[0, 2, 5]]), ValueError, "cu_seqlens_q must be 1-D"),
+    (dict(cq=[]), ValueError, "cu_seqlens_q must be 1-D"),
+    (dict(cq=[1, 2, 5]), ValueError, "must start at 0, got 1"),
+    (dict(cq=[0, 3, 2, 5]), ValueError, "non-decreasing, got 3 then 2 at index 1"),
+    (dict(cq=[0, 2, 6]), ValueError, r"end at the number of packed rows of q \(5\), got 6"),
+    (dict(ck=[0, 7]), ValueError, "different numbers of sequences: 2 and 1"),
+    (dict(ck=[0, 3, 8]), ValueError, r"rows of k and v \(7\)"),
+    (dict(alibi_slopes=np.ones(3)), ValueError, r"does not broadcast to \(B, H\) = \(2, 4\)"),
+    (dict(alibi_slopes=np.ones(4, complex)), TypeError, "alibi_slopes must be real"),
+    (dict(out=np.ones((5, 4, 7), F32)), ValueError, "out has shape"),
+    (dict(out=np.ones((5, 4, 8), F64)), TypeError, "out has dtype"),
+    (dict(q=np.ones((5, 4, 16), complex)), TypeError, "q has dtype complex128"),
+    (dict(num_threads=0), ValueError, "num_threads"),
+    (dict(softcap=-1.0), ValueError, "softcap"),
+    (dict(window=(1, 2, 3)), ValueError, "window"),
+])
+def test_varlen_errors(change, exc, msg):
+    args = dict(q=np.ones((5, 4, 16), F32), k=np.ones((7, 2, 16), F32), v=np.ones((7, 2, 8), F32),
+                cq=[0, 2, 5], ck=[0, 3, 7])
+    args.update(change)
+    q, k, v, cq, ck = (args.pop(n) for n in ("q", "k", "v", "cq", "ck"))
+    with pytest.raises(exc, match=msg):
+        fastattn.attention_varlen(q, k, v, cq, ck, **args)
 
 
 # ---------------------------------------------------------------------------
