@@ -16,7 +16,7 @@ from typing import Any, Optional
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from ._api import _as_array, attention
+from ._api import _as_array, _lengths, attention
 
 __all__ = ["self_attention", "multihead_attention"]
 
@@ -39,9 +39,25 @@ def _tokens(x: Any) -> np.ndarray:
     return x
 
 
+def _seq_lengths(seq_lengths: Any, x: np.ndarray) -> Optional[np.ndarray]:
+    """seq_lengths as int64 (None stays None), checked: integers in [0, n] that
+    broadcast to x's leading dims."""
+    a = _lengths(seq_lengths, "seq_lengths", "n", x.shape[-2])
+    if a is None:
+        return None
+    lead = x.shape[:-2]
+    try:
+        ok = np.broadcast_shapes(a.shape, lead) == lead
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"seq_lengths of shape {a.shape} does not broadcast to x's leading dims {lead}")
+    return a
+
+
 def self_attention(x: ArrayLike, w_q: ArrayLike, w_k: ArrayLike, w_v: ArrayLike, *,
                    mask: Optional[ArrayLike] = None, causal: bool = False,
-                   scale: Optional[float] = None) -> NDArray[Any]:
+                   scale: Optional[float] = None, seq_lengths: Optional[ArrayLike] = None) -> NDArray[Any]:
     """Single-head self-attention: attention(x W_Q, x W_K, x W_V).
 
     Parameters
@@ -52,6 +68,11 @@ def self_attention(x: ArrayLike, w_q: ArrayLike, w_k: ArrayLike, w_v: ArrayLike,
     w_v : array_like, shape (d_model, d_v)
     mask, causal, scale
         As for `fastattn.attention` (causal: a token sees itself and earlier ones).
+    seq_lengths : array_like of int, optional
+        Broadcastable to x's leading dims (...), in [0, n]: a right-padded
+        batch, only the first seq_lengths[...] tokens of each sequence real.
+        Tokens attend only to real ones, and padding tokens give zeros
+        (fastattn.attention's q_lengths and kv_lengths).
 
     Returns
     -------
@@ -70,12 +91,15 @@ def self_attention(x: ArrayLike, w_q: ArrayLike, w_k: ArrayLike, w_v: ArrayLike,
     w_q = _weight(w_q, "w_q", d_model)
     w_k = _weight(w_k, "w_k", d_model, w_q.shape[1])
     w_v = _weight(w_v, "w_v", d_model)
-    return attention(x @ w_q, x @ w_k, x @ w_v, mask=mask, causal=causal, scale=scale)
+    lengths = _seq_lengths(seq_lengths, x)
+    return attention(x @ w_q, x @ w_k, x @ w_v, mask=mask, causal=causal, scale=scale,
+                     q_lengths=lengths, kv_lengths=lengths)
 
 
 def multihead_attention(x: ArrayLike, w_q: ArrayLike, w_k: ArrayLike, w_v: ArrayLike, w_o: ArrayLike, *,
                         num_heads: int, num_kv_heads: Optional[int] = None, mask: Optional[ArrayLike] = None,
-                        causal: bool = False, scale: Optional[float] = None) -> NDArray[Any]:
+                        causal: bool = False, scale: Optional[float] = None,
+                        seq_lengths: Optional[ArrayLike] = None) -> NDArray[Any]:
     """Multi-head self-attention with an output projection.
 
     Parameters
@@ -93,6 +117,9 @@ def multihead_attention(x: ArrayLike, w_q: ArrayLike, w_k: ArrayLike, w_v: Array
         bool or float, broadcastable to (..., num_heads, n, n).
     causal, scale
         As for `fastattn.attention`; scale defaults to 1/sqrt(d_head).
+    seq_lengths : array_like of int, optional
+        Broadcastable to x's leading dims (...), in [0, n]: as for
+        `self_attention`; padding tokens give zeros.
 
     Returns
     -------
@@ -135,7 +162,10 @@ def multihead_attention(x: ArrayLike, w_q: ArrayLike, w_k: ArrayLike, w_v: Array
     q, k, v = heads(x @ w_q, H), heads(x @ w_k, Hkv), heads(x @ w_v, Hkv)
     dtype = np.result_type(q, k, v)
     dtype = dtype if dtype.kind == "f" else np.dtype(np.float64)
+    lengths = _seq_lengths(seq_lengths, x)
+    if lengths is not None:
+        lengths = lengths[..., None]                                 # (..., 1): the same for every head
     concat = np.empty(lead + (n, H * d_head), dtype)                 # (..., n, H * d_head)
     attention(q, k, v, mask=mask, causal=causal, scale=scale, enable_gqa=Hkv < H,
-              out=heads(concat, H))                                   # written through strides
+              q_lengths=lengths, kv_lengths=lengths, out=heads(concat, H))   # written through strides
     return concat @ w_o

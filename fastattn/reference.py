@@ -348,7 +348,7 @@ def merge_attention(outs: Sequence[ArrayLike], lses: Sequence[ArrayLike]) -> tup
 
 
 def self_attention(x: ArrayLike, w_q: Any, w_k: Any, w_v: Any, *, mask: Optional[ArrayLike] = None,
-                   causal: bool = False, scale: Optional[float] = None) -> Any:
+                   causal: bool = False, scale: Optional[float] = None, seq_lengths: Optional[ArrayLike] = None) -> Any:
     """attention(x W_Q, x W_K, x W_V).
 
     Parameters
@@ -357,6 +357,8 @@ def self_attention(x: ArrayLike, w_q: Any, w_k: Any, w_v: Any, *, mask: Optional
     w_q, w_k : (d_model, d_k);  w_v : (d_model, d_v)
     mask, causal, scale
         As for `fastattn.attention`.
+    seq_lengths : array_like of int, optional
+        Per leading index: q_lengths = kv_lengths (a right-padded batch).
 
     Returns
     -------
@@ -368,12 +370,14 @@ def self_attention(x: ArrayLike, w_q: Any, w_k: Any, w_v: Any, *, mask: Optional
     array([1., 0., 0.])
     """
     x = np.asarray(x)
-    return attention(x @ w_q, x @ w_k, x @ w_v, mask=mask, causal=causal, scale=scale)
+    return attention(x @ w_q, x @ w_k, x @ w_v, mask=mask, causal=causal, scale=scale,
+                     q_lengths=seq_lengths, kv_lengths=seq_lengths)
 
 
 def multihead_attention(x: ArrayLike, w_q: Any, w_k: Any, w_v: Any, w_o: Any, *, num_heads: int,
                         num_kv_heads: Optional[int] = None, mask: Optional[ArrayLike] = None,
-                        causal: bool = False, scale: Optional[float] = None) -> Any:
+                        causal: bool = False, scale: Optional[float] = None,
+                        seq_lengths: Optional[ArrayLike] = None) -> Any:
     """concat over heads h of attention(x W_Q[:, h], x W_K[:, g(h)], x W_V[:, g(h)]) @ W_O.
 
     Head h takes columns h*d_head:(h+1)*d_head and g(h) = h // (H // H_kv).
@@ -385,6 +389,8 @@ def multihead_attention(x: ArrayLike, w_q: Any, w_k: Any, w_v: Any, w_o: Any, *,
     num_heads, num_kv_heads : int
     mask, causal, scale
         As for `fastattn.attention`; the mask broadcasts to (..., H, n, n).
+    seq_lengths : array_like of int, optional
+        As for `self_attention`, the same for every head.
 
     Returns
     -------
@@ -410,5 +416,5 @@ def multihead_attention(x: ArrayLike, w_q: Any, w_k: Any, w_v: Any, w_o: Any, *,
             if m.ndim >= 3:
                 m = m[..., h if m.shape[-3] > 1 else 0, :, :]
         heads.append(attention(x @ w_q[:, cols_q], x @ w_k[:, cols_kv], x @ w_v[:, cols_kv],
-                               mask=m, causal=causal, scale=scale))
+                               mask=m, causal=causal, scale=scale, q_lengths=seq_lengths, kv_lengths=seq_lengths))
     return np.concatenate(heads, axis=-1) @ w_o

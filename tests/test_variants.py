@@ -574,6 +574,49 @@ def test_multihead_attention(rng, dtype, H, Hkv):
         assert_close(got, want, dtype)
 
 
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_layers_seq_lengths(rng, dtype):
+    """A right-padded batch through the layers: each sequence's real tokens as if it
+    were alone (the padding neither seen nor changing anything), padding tokens zero;
+    against the reference, with GQA, causal or not, per-batch and scalar lengths."""
+    n, d_model, H, d_head = 40, 24, 4, 6
+    x = rand(rng, (3, n, d_model), dtype)
+    lengths = np.array([40, 17, 0])
+    wq, wo = rand(rng, (d_model, H * d_head), dtype, 0.3), rand(rng, (H * d_head, d_model), dtype, 0.3)
+    wk, wv = rand(rng, (d_model, 2 * d_head), dtype, 0.3), rand(rng, (d_model, 2 * d_head), dtype, 0.3)
+    c = lambda a: np.asarray(a).astype(F64)  # noqa: E731
+    xp = x.copy()
+    for b, m in enumerate(lengths):
+        xp[b, m:] = np.nan                                 # padding tokens are never read
+    for causal in (False, True):
+        got = fastattn.multihead_attention(xp, wq, wk, wv, wo, num_heads=H, num_kv_heads=2, causal=causal,
+                                           seq_lengths=lengths)
+        want = ref.multihead_attention(c(x), c(wq), c(wk), c(wv), c(wo), num_heads=H, num_kv_heads=2,
+                                       causal=causal, seq_lengths=lengths)
+        assert_close(got, want, dtype)
+        one = fastattn.self_attention(xp, wq, wo.T, wv, causal=causal, seq_lengths=lengths)
+        assert_close(one, ref.self_attention(c(x), c(wq), c(wo.T), c(wv), causal=causal, seq_lengths=lengths), dtype)
+        for b, m in enumerate(lengths):
+            alone = fastattn.multihead_attention(x[b, :m], wq, wk, wv, wo, num_heads=H, num_kv_heads=2, causal=causal)
+            assert_close(got[b, :m], alone.astype(F64), dtype)
+            assert np.all(got[b, m:] == 0) and np.all(one[b, m:] == 0)
+    got = fastattn.self_attention(x, wq, wo.T, wv, seq_lengths=9)          # a scalar: every sequence
+    assert_close(got, ref.self_attention(c(x), c(wq), c(wo.T), c(wv), seq_lengths=9), dtype)
+
+
+@pytest.mark.parametrize("lengths,exc,msg", [
+    (np.array([3, 4]), ValueError, r"seq_lengths of shape \(2,\) does not broadcast to x's leading dims \(3,\)"),
+    (np.array([3, 4, 9]), ValueError, r"seq_lengths must lie in \[0, n=8\]"),
+    (np.array([3.0, 4, 5]), TypeError, "seq_lengths must be integers"),
+])
+def test_layers_seq_lengths_errors(lengths, exc, msg):
+    x, w = np.ones((3, 8, 4)), np.ones((4, 4))
+    with pytest.raises(exc, match=msg):
+        fastattn.self_attention(x, w, w, w, seq_lengths=lengths)
+    with pytest.raises(exc, match=msg):
+        fastattn.multihead_attention(x, w, w, w, w, num_heads=2, seq_lengths=lengths)
+
+
 @pytest.mark.parametrize("change,exc,msg", [
     (dict(x=np.ones(20)), ValueError, "x must have shape"),
     (dict(w_q=np.ones((19, 24))), ValueError, "w_q has 19 rows"),
