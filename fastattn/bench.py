@@ -33,7 +33,7 @@ import time
 
 import numpy as np
 
-from . import _core, attention, reference
+from . import _core, attention, attention_varlen, reference
 
 __all__ = ["WORKLOADS", "QUICK", "has_reference", "has_torch", "main", "make_inputs", "peer_calls", "run"]
 
@@ -70,6 +70,8 @@ WORKLOADS = [
     # a batch of 4 sequences of 1024, 768, 512 and 256 tokens, right-padded to 1024, causal:
     # q_lengths and kv_lengths (PyTorch: the equivalent (B, 1, N, N) bool mask)
     _w("B4 H8 N1024 d64 padded batch", (4, 8, 1024, 1024, 64), causal=True, q_lengths=True),
+    # ... the same sequences packed, no padding (attention_varlen; peers: as above, padded)
+    _w("  ...packed (varlen)", (4, 8, 1024, 1024, 64), causal=True, q_lengths=True, packed=True),
     _w("B1 H8 N8192 d64 causal", (1, 8, 8192, 8192, 64), causal=True),
     _w("  ...window (256, 0)", (1, 8, 8192, 8192, 64), causal=True, window=(256, 0)),
     _w("decode B8 H8 Nk4096 kv_len", (8, 8, 1, 4096, 128), kv_lengths=True),
@@ -237,6 +239,11 @@ def peer_calls(w, inputs, threads=None, torch=None):
     nk = w["shape"][3]
     calls = {
         "fastattn": lambda: attention(q, k, v, mask=mask, causal=w["causal"], num_threads=threads, **kw)}
+    if w["options"].get("packed"):   # the padded batch packed: each sequence's real rows, one after another
+        n = kw["q_lengths"][:, 0]
+        pq, pk, pv = (np.concatenate([a[b, :, :m].transpose(1, 0, 2) for b, m in enumerate(n)]) for a in (q, k, v))
+        cu = np.cumsum(np.r_[0, n])
+        calls["fastattn"] = lambda: attention_varlen(pq, pk, pv, cu, cu, causal=w["causal"], num_threads=threads)
     if has_reference(w):
         calls["reference"] = lambda: reference.attention(q, k, v, mask=mask, causal=w["causal"], **kw)
     if torch is not None and has_torch(w):
