@@ -307,10 +307,11 @@ def check_varlen(q, k, v, cq, ck, dtype, **kw):
 
 
 # sequence lengths (queries, keys) that take the tiled kernel, the few-rows kernel and
-# the split-key merge (one sequence, one head: fewer items than threads), with threads
+# the split-key merge (one head, one sequence with queries: fewer items than threads),
+# with threads
 VARLEN_PATHS = {"tiled": ([150, 0, 97, 1, 64], [300, 5, 97, 0, 64], 4, 2),
                 "rows": ([3, 1, 0, 2], [300, 40, 7, 0], 4, 1),
-                "split": ([2], [2100], 1, 2)}
+                "split": ([0, 2, 0], [5, 2100, 0], 1, 2)}
 
 
 @pytest.mark.parametrize("dtype", [F32, F64])
