@@ -134,6 +134,16 @@ cdef inline void _lead_strides(cnp.ndarray a, int nl, int core, int64_t *out):
             out[d] = _estride(a, od)
 
 
+cdef const void *_per_lead(object x, int nl, int64_t *strides):
+    """The data of x, an array with one value per leading index (slopes, lengths,
+    starts), its strides over the nl leading dims in `strides`; None: NULL."""
+    if x is None:
+        return NULL
+    cdef cnp.ndarray arr = <cnp.ndarray>x
+    _lead_strides(arr, nl, 0, strides)
+    return cnp.PyArray_DATA(arr)
+
+
 def attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask_kind,
               cnp.ndarray out, object lse, tuple lead, bint causal, double scale, int num_threads,
               double softcap=0.0, int64_t win_left=-1, int64_t win_right=-1, object slopes=None,
@@ -155,7 +165,7 @@ def attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask
     cdef fa_attention_args a
     cdef int nl = len(lead)
     cdef int d
-    cdef cnp.ndarray m_arr, l_arr, s_arr, kl_arr, ql_arr, qs_arr, ks_arr
+    cdef cnp.ndarray m_arr, l_arr
     if nl > FA_MAX_DIMS:
         raise ValueError(f"at most {FA_MAX_DIMS} leading dims")
     a.n_lead = nl
@@ -207,31 +217,11 @@ def attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask
             a.lse_lead[d] = _estride(l_arr, d)
         a.lse_rs = _estride(l_arr, nl)
         a.lse = cnp.PyArray_DATA(l_arr)
-    a.slopes = NULL
-    if slopes is not None:
-        s_arr = <cnp.ndarray>slopes
-        _lead_strides(s_arr, nl, 0, a.slope_lead)
-        a.slopes = cnp.PyArray_DATA(s_arr)
-    a.kv_len = NULL
-    if kv_len is not None:
-        kl_arr = <cnp.ndarray>kv_len
-        _lead_strides(kl_arr, nl, 0, a.kvl_lead)
-        a.kv_len = <const int64_t *>cnp.PyArray_DATA(kl_arr)
-    a.q_len = NULL
-    if q_len is not None:
-        ql_arr = <cnp.ndarray>q_len
-        _lead_strides(ql_arr, nl, 0, a.qln_lead)
-        a.q_len = <const int64_t *>cnp.PyArray_DATA(ql_arr)
-    a.q_start = NULL
-    if q_start is not None:
-        qs_arr = <cnp.ndarray>q_start
-        _lead_strides(qs_arr, nl, 0, a.qst_lead)
-        a.q_start = <const int64_t *>cnp.PyArray_DATA(qs_arr)
-    a.kv_start = NULL
-    if kv_start is not None:
-        ks_arr = <cnp.ndarray>kv_start
-        _lead_strides(ks_arr, nl, 0, a.kst_lead)
-        a.kv_start = <const int64_t *>cnp.PyArray_DATA(ks_arr)
+    a.slopes = _per_lead(slopes, nl, a.slope_lead)
+    a.kv_len = <const int64_t *>_per_lead(kv_len, nl, a.kvl_lead)
+    a.q_len = <const int64_t *>_per_lead(q_len, nl, a.qln_lead)
+    a.q_start = <const int64_t *>_per_lead(q_start, nl, a.qst_lead)
+    a.kv_start = <const int64_t *>_per_lead(kv_start, nl, a.kst_lead)
     a.causal = causal
     a.row_group = row_group
     a.scale = scale
