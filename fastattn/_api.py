@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Any, Literal, Optional, Sequence, Tuple, overload
+from typing import Any, Literal, Optional, Sequence, Tuple, Union, overload
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
@@ -169,6 +169,21 @@ def _num_threads(n):
     if n <= 0:
         raise ValueError(f"num_threads must be None or a positive int, got {n}")
     return min(n, 1 << 16)
+
+
+def _causal(causal):
+    """causal as (on, top_left): False (None too), True or "lower_right" (aligned
+    bottom-right), "upper_left" (aligned top-left, PyTorch's is_causal)."""
+    if isinstance(causal, str):
+        if causal in ("lower_right", "upper_left"):
+            return True, causal == "upper_left"
+        raise ValueError(f'causal must be False, True, "lower_right" or "upper_left", got {causal!r}')
+    if causal is None:
+        return False, False
+    if isinstance(causal, (bool, np.bool_)) or (isinstance(causal, (int, np.integer)) and causal in (0, 1)):
+        return bool(causal), False
+    raise TypeError(f'causal must be False, True, "lower_right" or "upper_left", got {type(causal).__name__} '
+                    f"{causal!r}")
 
 
 def _scale(scale, d_k):
@@ -466,7 +481,7 @@ def _prepare(q, k, v, mask, causal, scale, enable_gqa, window, softcap, alibi_sl
 
     p.scale = _scale(scale, d_k)
     p.nthreads = _num_threads(num_threads)
-    p.causal = bool(causal)
+    p.causal, p.top_left = _causal(causal)
     # a side wider than any query-key distance (< n_q + n_k) is unbounded: also keeps
     # the C core's p - left and p + right within int64
     p.win_left, p.win_right = (-1 if w >= n_q + n_k else w for w in _window(window))
@@ -614,7 +629,7 @@ def _call(p, target, lse, weights=False):
         if qln is not None and qln.ndim:  # (..., Hkv|1, 1): in positions, as the C core takes it
             qln = qln[..., 0]
     _core.attention(q, k, v, mask, p.mask_kind, rows, rows_lse, lead, p.causal, p.scale, p.nthreads,
-                    p.softcap, p.win_left, p.win_right, p.slopes, kvl, weights, g, qln)
+                    p.softcap, p.win_left, p.win_right, p.slopes, kvl, weights, g, qln, top_left=p.top_left)
     if rows is not target and not np.may_share_memory(rows, target):
         _unrows(target, rows, 1)  # rows written as a copy (no view of them): back in place
     if rows_lse is not lse and not np.may_share_memory(rows_lse, lse):
@@ -630,7 +645,7 @@ _SHARED_DOC = """
         (or 1) heads there.
     window : (left, right), optional
         Sliding window: with p = i + n_k - n_q (query i's bottom-right aligned
-        position; kv_lengths replaces n_k), query i sees keys j with
+        position; kv_lengths replaces n_k; p = i with causal="upper_left"), query i sees keys j with
         p - left <= j <= p + right.  None or a negative number leaves that side
         unbounded.  Key tiles outside every window are skipped, so the cost
         grows with n * window, not n^2.
@@ -656,11 +671,12 @@ _SHARED_DOC = """
 
 
 Window = Tuple[Optional[int], Optional[int]]
+Causal = Union[bool, Literal["lower_right", "upper_left"]]
 
 
 @overload
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, mask: Optional[ArrayLike] = ...,
-              causal: bool = ..., scale: Optional[float] = ..., out: Optional[np.ndarray] = ...,
+              causal: Causal = ..., scale: Optional[float] = ..., out: Optional[np.ndarray] = ...,
               return_lse: Literal[False] = ..., num_threads: Optional[int] = ..., enable_gqa: bool = ...,
               window: Optional[Window] = ..., softcap: Optional[float] = ...,
               alibi_slopes: Optional[ArrayLike] = ..., kv_lengths: Optional[ArrayLike] = ...,
@@ -669,7 +685,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, mask: Optional[ArrayL
 
 @overload
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, mask: Optional[ArrayLike] = ...,
-              causal: bool = ..., scale: Optional[float] = ..., out: Optional[np.ndarray] = ...,
+              causal: Causal = ..., scale: Optional[float] = ..., out: Optional[np.ndarray] = ...,
               return_lse: Literal[True], num_threads: Optional[int] = ..., enable_gqa: bool = ...,
               window: Optional[Window] = ..., softcap: Optional[float] = ...,
               alibi_slopes: Optional[ArrayLike] = ...,
@@ -678,13 +694,13 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, mask: Optional[ArrayL
 
 
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, mask: Optional[ArrayLike] = None,
-              causal: bool = False, scale: Optional[float] = None, out: Optional[np.ndarray] = None,
+              causal: Causal = False, scale: Optional[float] = None, out: Optional[np.ndarray] = None,
               return_lse: bool = False, num_threads: Optional[int] = None, enable_gqa: bool = False,
               window: Optional[Window] = None, softcap: Optional[float] = None,
               alibi_slopes: Optional[ArrayLike] = None,
               kv_lengths: Optional[ArrayLike] = None,
               q_lengths: Optional[ArrayLike] = None) -> NDArray[Any] | tuple[NDArray[Any], NDArray[Any]]:
-    if (not enable_gqa and window is None and softcap is None and alibi_slopes is None
+    if (type(causal) is bool and not enable_gqa and window is None and softcap is None and alibi_slopes is None
             and kv_lengths is None and q_lengths is None and _plain(q, k, v)
             and (out is None or _plain_out(out, q, k, v))):
         mask_kind = _core.MASK_NONE if mask is None else _plain_mask(mask, q, k)  # type: ignore[arg-type]
@@ -757,10 +773,13 @@ attention.__doc__ = """Exact scaled dot-product attention, softmax(q k^T * scale
         Broadcastable to (..., n_q, n_k).  bool: True = may attend.  float:
         added to the scaled scores (-inf forbids).  With a 1-D q, broadcastable
         to (..., n_k).
-    causal : bool, default False
-        Query i may attend key j iff j <= i + (n_k - n_q): aligned
-        bottom-right, as in FlashAttention >= 2.1 and KV-cache decoding (the
-        same as PyTorch's `is_causal` when n_q == n_k).  Combines with `mask`.
+    causal : bool or str, default False
+        True (or "lower_right"): query i may attend key j iff
+        j <= i + (n_k - n_q), aligned bottom-right, as in FlashAttention
+        >= 2.1 and KV-cache decoding (the same as PyTorch's `is_causal` when
+        n_q == n_k).  "upper_left": j <= i, aligned top-left, as PyTorch's
+        `is_causal` for any n_q and n_k; window and alibi_slopes then use the
+        position i too.  Combines with `mask`.
     scale : float, optional
         Multiplies q k^T; default 1/sqrt(d_k).  0 gives the plain mean of the
         visible values.
@@ -801,9 +820,11 @@ attention.__doc__ = """Exact scaled dot-product attention, softmax(q k^T * scale
         Shapes that do not fit (d_k of q and k, n_k of k and v, leading dims or
         mask not broadcastable, out of the wrong shape, head counts with
         enable_gqa), num_threads <= 0, a non-finite scale, softcap <= 0,
-        kv_lengths outside [0, n_k], q_lengths outside [0, n_q].
+        kv_lengths outside [0, n_k], q_lengths outside [0, n_q], a causal
+        string other than "lower_right" and "upper_left".
     TypeError
-        Complex, object, string inputs; an integer mask; out of the wrong dtype.
+        Complex, object, string inputs; an integer mask; out of the wrong dtype;
+        a causal that is neither a bool nor a string.
 
     Examples
     --------
@@ -819,7 +840,7 @@ attention.__doc__ = """Exact scaled dot-product attention, softmax(q k^T * scale
     """
 
 
-def attention_weights(q: ArrayLike, k: ArrayLike, *, mask: Optional[ArrayLike] = None, causal: bool = False,
+def attention_weights(q: ArrayLike, k: ArrayLike, *, mask: Optional[ArrayLike] = None, causal: Causal = False,
                       scale: Optional[float] = None, enable_gqa: bool = False, window: Optional[Window] = None,
                       softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
                       kv_lengths: Optional[ArrayLike] = None, num_threads: Optional[int] = None,
@@ -884,7 +905,7 @@ def _cu_seqlens(cu, name, total, rows):
 
 
 def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike, cu_seqlens_k: ArrayLike,
-                     *, causal: bool = False, scale: Optional[float] = None, out: Optional[np.ndarray] = None,
+                     *, causal: Causal = False, scale: Optional[float] = None, out: Optional[np.ndarray] = None,
                      return_lse: bool = False, num_threads: Optional[int] = None,
                      window: Optional[Window] = None, softcap: Optional[float] = None,
                      alibi_slopes: Optional[ArrayLike] = None) -> Any:
@@ -926,6 +947,7 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
         slopes = np.ascontiguousarray(s, dtype=comp).reshape(B, Hkv, G)
     scale_ = _scale(scale, d_k)
     nthreads = _num_threads(num_threads)
+    causal_, top_left = _causal(causal)
     win_left, win_right = (-1 if w >= max_q + max_k else w for w in _window(window))
     cap = _softcap(softcap)
     if out is not None:
@@ -947,9 +969,9 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
             lse_v = np.lib.stride_tricks.as_strided(l3, (B,) + l3.shape, (0,) + l3.strides)
         per_seq = (lambda x: np.ascontiguousarray(x, dtype=np.int64).reshape(B, 1, 1))
         _core.attention(heads(qc), heads(kc), heads(vc), None, _core.MASK_NONE, heads(target), lse_v,
-                        (B, Hkv, G), bool(causal), scale_, nthreads, cap, win_left, win_right, slopes,
+                        (B, Hkv, G), causal_, scale_, nthreads, cap, win_left, win_right, slopes,
                         per_seq(len_k), False, 1, per_seq(len_q), per_seq(cq[:-1]), per_seq(ck[:-1]),
-                        max_q, max_k)
+                        max_q, max_k, top_left)
     result: np.ndarray
     if direct:
         assert out is not None
@@ -979,9 +1001,10 @@ attention_varlen.__doc__ = """Attention over packed sequences of different lengt
     cu_seqlens_q, cu_seqlens_k : array_like of int, shape (B + 1,)
         Cumulative lengths: 0, then each sequence's end; the last is total_q
         (total_k).  Empty sequences are allowed.
-    causal : bool, default False
+    causal : bool or str, default False
         Per sequence, aligned bottom-right: query i of a sequence with n_q
-        queries and n_k keys sees key j iff j <= i + n_k - n_q.
+        queries and n_k keys sees key j iff j <= i + n_k - n_q; "upper_left":
+        iff j <= i (as for `attention`).
     scale : float, optional
         Default 1/sqrt(d_k).
     out : ndarray, optional

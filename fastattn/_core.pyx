@@ -45,6 +45,7 @@ cdef extern from "fastattn.h" nogil:
         int dtype
         int mask_kind
         int causal
+        int top_left
         int64_t row_group
         double scale
         double softcap
@@ -148,7 +149,8 @@ def attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask
               cnp.ndarray out, object lse, tuple lead, bint causal, double scale, int num_threads,
               double softcap=0.0, int64_t win_left=-1, int64_t win_right=-1, object slopes=None,
               object kv_len=None, bint weights=False, int64_t row_group=1, object q_len=None,
-              object q_start=None, object kv_start=None, int64_t nq=-1, int64_t nk=-1):
+              object q_start=None, object kv_start=None, int64_t nq=-1, int64_t nk=-1,
+              bint top_left=False):
     """Fill `out` (and `lse`) with attention, or with the attention weights
     when `weights` (out is then lead + (nq, nk), zero-filled, v unused).
     q, k, v, mask have shape (..., rows, cols) with leading dims that
@@ -156,7 +158,8 @@ def attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask
     slopes (compute dtype), kv_len and q_len (int64) broadcast to `lead`.  q, k, v,
     out have unit stride on the last axis; the mask may have any strides.
     row_group: consecutive rows that share a position (causal, window, ALiBi),
-    a divisor of nq (fastattn.h).
+    a divisor of nq (fastattn.h); top_left: positions aligned top-left, not
+    bottom-right.
     Packed sequences (fastattn.h): q_start and kv_start (int64, broadcast to
     `lead`) are each leading index's first row of q, out, lse and of k, v
     (no mask then);
@@ -223,6 +226,7 @@ def attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask
     a.q_start = <const int64_t *>_per_lead(q_start, nl, a.qst_lead)
     a.kv_start = <const int64_t *>_per_lead(kv_start, nl, a.kst_lead)
     a.causal = causal
+    a.top_left = top_left
     a.row_group = row_group
     a.scale = scale
     a.softcap = softcap

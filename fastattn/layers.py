@@ -16,7 +16,7 @@ from typing import Any, Optional
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from ._api import _as_array, _lengths, attention
+from ._api import Causal, _as_array, _lengths, attention
 
 __all__ = ["self_attention", "multihead_attention"]
 
@@ -56,7 +56,7 @@ def _seq_lengths(seq_lengths: Any, x: np.ndarray) -> Optional[np.ndarray]:
 
 
 def self_attention(x: ArrayLike, w_q: ArrayLike, w_k: ArrayLike, w_v: ArrayLike, *,
-                   mask: Optional[ArrayLike] = None, causal: bool = False,
+                   mask: Optional[ArrayLike] = None, causal: Causal = False,
                    scale: Optional[float] = None, seq_lengths: Optional[ArrayLike] = None) -> NDArray[Any]:
     """Single-head self-attention: attention(x W_Q, x W_K, x W_V).
 
@@ -98,7 +98,7 @@ def self_attention(x: ArrayLike, w_q: ArrayLike, w_k: ArrayLike, w_v: ArrayLike,
 
 def multihead_attention(x: ArrayLike, w_q: ArrayLike, w_k: ArrayLike, w_v: ArrayLike, w_o: ArrayLike, *,
                         num_heads: int, num_kv_heads: Optional[int] = None, mask: Optional[ArrayLike] = None,
-                        causal: bool = False, scale: Optional[float] = None,
+                        causal: Causal = False, scale: Optional[float] = None,
                         seq_lengths: Optional[ArrayLike] = None) -> NDArray[Any]:
     """Multi-head self-attention with an output projection.
 

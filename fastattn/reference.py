@@ -11,7 +11,8 @@ Semantics shared with the fast path:
 * softcap c > 0: scores -> c * tanh(scores / c);
 * ALiBi: scores -= slope * |p_i - j|, where p_i = i + kv - qn is query i's
   bottom-right aligned position, kv the number of keys (kv_lengths or n_k)
-  and qn the number of real queries (q_lengths or n_q);
+  and qn the number of real queries (q_lengths or n_q); with
+  causal="upper_left", p_i = i (aligned top-left, PyTorch's is_causal);
 * a bool mask keeps the scores where it is True (False -> -inf); a float mask
   is added (-inf allowed);
 * visibility: key j exists iff j < kv; query i is padding iff i >= qn and
@@ -107,7 +108,7 @@ def _per_lead(x: Any) -> np.ndarray:
     return np.asarray(x)[..., None, None]
 
 
-def scores(q: ArrayLike, k: ArrayLike, *, mask: Optional[ArrayLike] = None, causal: bool = False,
+def scores(q: ArrayLike, k: ArrayLike, *, mask: Optional[ArrayLike] = None, causal: Any = False,
            scale: Optional[float] = None, enable_gqa: bool = False, window: Any = None,
            softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
            kv_lengths: Optional[ArrayLike] = None, q_lengths: Optional[ArrayLike] = None) -> NDArray[Any]:
@@ -146,7 +147,8 @@ def scores(q: ArrayLike, k: ArrayLike, *, mask: Optional[ArrayLike] = None, caus
     qn = n_q if q_lengths is None else _per_lead(q_lengths)
     i = np.arange(n_q)[:, None]
     j = np.arange(n_k)[None, :]
-    p = i + kv - qn                           # query i's bottom-right aligned position
+    top_left = isinstance(causal, str) and causal == "upper_left"
+    p = i if top_left else i + kv - qn        # query i's position: aligned bottom-right, or top-left
     if alibi_slopes is not None:
         s = s - _per_lead(alibi_slopes).astype(dt) * np.abs(p - j)
     if mask is not None:
@@ -213,7 +215,7 @@ def _weighted_values(w: NDArray[Any], v: NDArray[Any], seen: NDArray[Any]) -> ND
     return np.where(nan | (pos & neg), np.nan, np.where(pos, np.inf, np.where(neg, -np.inf, out)))
 
 
-def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, mask: Optional[ArrayLike] = None, causal: bool = False,
+def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, mask: Optional[ArrayLike] = None, causal: Any = False,
               scale: Optional[float] = None, return_lse: bool = False, **options: Any) -> Any:
     """softmax(q k^T * scale + mask) v.
 
@@ -272,7 +274,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, mask: Optional[ArrayL
 
 
 def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike, cu_seqlens_k: ArrayLike, *,
-                     causal: bool = False, scale: Optional[float] = None, return_lse: bool = False,
+                     causal: Any = False, scale: Optional[float] = None, return_lse: bool = False,
                      alibi_slopes: Optional[ArrayLike] = None, **options: Any) -> Any:
     """Packed sequences: sequence b is rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q
     and cu_seqlens_k[b]:cu_seqlens_k[b + 1] of k and v, attended on its own.
@@ -348,7 +350,7 @@ def merge_attention(outs: Sequence[ArrayLike], lses: Sequence[ArrayLike]) -> tup
 
 
 def self_attention(x: ArrayLike, w_q: Any, w_k: Any, w_v: Any, *, mask: Optional[ArrayLike] = None,
-                   causal: bool = False, scale: Optional[float] = None, seq_lengths: Optional[ArrayLike] = None) -> Any:
+                   causal: Any = False, scale: Optional[float] = None, seq_lengths: Optional[ArrayLike] = None) -> Any:
     """attention(x W_Q, x W_K, x W_V).
 
     Parameters
@@ -376,7 +378,7 @@ def self_attention(x: ArrayLike, w_q: Any, w_k: Any, w_v: Any, *, mask: Optional
 
 def multihead_attention(x: ArrayLike, w_q: Any, w_k: Any, w_v: Any, w_o: Any, *, num_heads: int,
                         num_kv_heads: Optional[int] = None, mask: Optional[ArrayLike] = None,
-                        causal: bool = False, scale: Optional[float] = None,
+                        causal: Any = False, scale: Optional[float] = None,
                         seq_lengths: Optional[ArrayLike] = None) -> Any:
     """concat over heads h of attention(x W_Q[:, h], x W_K[:, g(h)], x W_V[:, g(h)]) @ W_O.
 

@@ -300,7 +300,7 @@ static void fill_item(const fa_attention_args *a, const fa_tiles *t, int64_t n_q
     if (it->kv > a->nk) it->kv = a->nk;
     if (it->kv < 0) it->kv = 0;
     const int64_t qn = real_positions(a, oql);
-    it->off = it->kv - qn;
+    it->off = a->top_left ? 0 : it->kv - qn;
     it->slope = !a->slopes ? 0.0
               : a->dtype == FA_F32 ? (double)((const float *)a->slopes)[os] : ((const double *)a->slopes)[os];
     const int64_t i0 = qb * t->bq, e = (int64_t)esz;

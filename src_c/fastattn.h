@@ -70,9 +70,9 @@ enum {
  *
  * Which keys a query row sees.  With kv = kv_len[lead] (nk when kv_len is
  * NULL), qn = q_len[lead] (nq / G when q_len is NULL), G = row_group and the
- * bottom-right aligned position p = i / G + kv - qn, row i sees keys j < kv with
- * p - win_left <= j <= p + win_right (a negative bound is unbounded); causal
- * caps win_right at 0.  Scores are s = softcap(q.k * scale) - slope * |p - j| + mask.
+ * bottom-right aligned position p = i / G + kv - qn (top_left: p = i / G), row i
+ * sees keys j < kv with p - win_left <= j <= p + win_right (a negative bound is
+ * unbounded); causal caps win_right at 0.  Scores are s = softcap(q.k * scale) - slope * |p - j| + mask.
  * G = 1: every row its own position.  G > 1 (nq a multiple of G): G consecutive
  * rows share a position, as the query heads of a GQA group folded into the rows
  * of one item, position-major (row i: position i / G, head i % G).  Rows from
@@ -98,6 +98,7 @@ typedef struct {
     int dtype;                          /* FA_F32 or FA_F64 */
     int mask_kind;                      /* FA_MASK_* */
     int causal;                         /* key j visible to query i iff j <= p (above) */
+    int top_left;                       /* positions aligned top-left: p = i / G (above) */
     int64_t row_group;                  /* G >= 1: rows per position (above) */
     double scale;
     double softcap;                     /* > 0: s -> softcap * tanh(s / softcap); 0: off */

@@ -288,6 +288,58 @@ def test_q_lengths_1d_and_scalar(rng):
 
 
 # ---------------------------------------------------------------------------
+# causal="upper_left": top-left alignment
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("path", list(PATHS))
+def test_causal_upper_left(isa, rng, dtype, path):
+    """causal="upper_left" (PyTorch's is_causal): query i sees keys j <= i for any
+    n_q and n_k, as the explicit lower-triangular mask gives; window, ALiBi,
+    kv_lengths, q_lengths and GQA (folded when few rows) follow the position i;
+    on every kernel path (the split keys too, where most parts see nothing)."""
+    nq, nk, threads = PATHS[path]
+    shapes = [(nq, nk)] + ([(nk, nq)] if path == "tiled" else [])       # fewer and more queries than keys
+    for n_q, n_k in shapes:
+        q, k, v = rand(rng, (3, 2, n_q, 16), dtype), rand(rng, (3, 2, n_k, 16), dtype), rand(rng, (3, 2, n_k, 8), dtype)
+        out = check(q, k, v, dtype, causal="upper_left", num_threads=threads)[0]
+        tril = np.tril(np.ones((n_q, n_k), bool))
+        want = ref.attention(q.astype(F64), k.astype(F64), v.astype(F64), mask=tril)    # an independent oracle
+        assert_close(out, want, dtype)
+        assert_close(fastattn.attention(q, k, v, mask=tril, num_threads=threads), want, dtype)
+        if n_q != n_k:   # not the bottom-right rule
+            assert not np.allclose(out, fastattn.attention(q, k, v, causal=True))
+        kv_len = np.array([[n_k], [n_k // 3], [0]])
+        check(q, k, v, dtype, causal="upper_left", window=(40, 2), num_threads=threads)
+        check(q, k, v, dtype, causal="upper_left", alibi_slopes=np.array([0.5, 0.25]), kv_lengths=kv_len,
+              num_threads=threads)
+        check(q, k, v, dtype, causal="upper_left", q_lengths=np.array([[n_q], [n_q // 2], [1]]), kv_lengths=kv_len,
+              mask=rng.random((n_q, n_k)) < 0.8, num_threads=threads)
+        check(q, k[:, :1], v[:, :1], dtype, causal="upper_left", enable_gqa=True, kv_lengths=kv_len,
+              num_threads=threads)
+        w = fastattn.attention_weights(q, k, causal="upper_left", window=(40, 2))
+        assert_close(w, ref.attention_weights(q.astype(F64), k.astype(F64), causal="upper_left", window=(40, 2)),
+                     dtype)
+
+
+def test_causal_values():
+    """causal: False, True, "lower_right" (= True), "upper_left", NumPy bools and
+    0/1 and None (False); anything else is an error naming the choices."""
+    q, k, v = np.ones((2, 4)), np.ones((5, 4)), np.arange(5.0)[:, None]
+    bottom = fastattn.attention(q, k, v, causal=True)
+    assert np.array_equal(fastattn.attention(q, k, v, causal="lower_right"), bottom)
+    assert np.array_equal(fastattn.attention(q, k, v, causal=np.True_), bottom)
+    assert np.array_equal(fastattn.attention(q, k, v, causal=1), bottom)
+    assert np.array_equal(fastattn.attention(q, k, v, causal=None), fastattn.attention(q, k, v))
+    np.testing.assert_allclose(fastattn.attention(q, k, v, causal="upper_left")[:, 0], [0.0, 0.5])
+    for bad, exc in (("top_left", ValueError), ("", ValueError), (2, TypeError), ([True], TypeError),
+                     (0.5, TypeError)):
+        with pytest.raises(exc, match='causal must be False, True, "lower_right" or "upper_left"'):
+            fastattn.attention(q, k, v, causal=bad)
+        with pytest.raises(exc, match="causal must be"):
+            fastattn.attention_varlen(q[:, None], k[:, None], v[:, None], [0, 2], [0, 5], causal=bad)
+
+
+# ---------------------------------------------------------------------------
 # attention_varlen: packed sequences
 # ---------------------------------------------------------------------------
 def packed(rng, lq, lk, H, Hkv, dtype, d=16, dv=8):
@@ -336,6 +388,7 @@ def test_varlen(isa, rng, dtype, path):
             if lk[-1] == 0:
                 assert np.all(out[cq[-2]:] == 0) and np.all(np.isneginf(lse[:, cq[-2]:]))
         check_varlen(q, k, v, cq, ck, dtype, causal=True, window=(20, 3), num_threads=threads)
+        check_varlen(q, k, v, cq, ck, dtype, causal="upper_left", window=(20, 3), num_threads=threads)
         check_varlen(q, k, v, cq, ck, dtype, softcap=2.0, alibi_slopes=rng.random(H), num_threads=threads)
         check_varlen(q, k, v, cq, ck, dtype, causal=True, alibi_slopes=rng.random((len(lq), H)),
                      num_threads=threads)
