@@ -716,9 +716,9 @@ def core_calls(monkeypatch):
     calls = []
     real = _api._core.attention
 
-    def spy(q, k, v, mask, mask_kind, out, lse, lead, causal, *rest):
+    def spy(q, k, v, mask, mask_kind, out, lse, lead, causal, *rest, **kw):
         calls.append((lead, q.shape, rest[8] if len(rest) > 8 else 1))
-        return real(q, k, v, mask, mask_kind, out, lse, lead, causal, *rest)
+        return real(q, k, v, mask, mask_kind, out, lse, lead, causal, *rest, **kw)
 
     monkeypatch.setattr(_api._core, "attention", spy)
     return calls
