@@ -363,7 +363,10 @@ def check_varlen(q, k, v, cq, ck, dtype, **kw):
 # with threads
 VARLEN_PATHS = {"tiled": ([150, 0, 97, 1, 64], [300, 5, 97, 0, 64], 4, 2),
                 "rows": ([3, 1, 0, 2], [300, 40, 7, 0], 4, 1),
-                "split": ([0, 2, 0], [5, 2100, 0], 1, 2)}
+                "split": ([0, 2, 0], [5, 2100, 0], 1, 2),
+                # decoding (one query a sequence): with H_kv < H, a group's heads folded into rows
+                "decode": ([1, 1, 1, 1], [300, 0, 2100, 7], 4, 2),
+                "decode split": ([1], [2100], 4, 2)}
 
 
 @pytest.mark.parametrize("dtype", [F32, F64])
@@ -454,6 +457,20 @@ def test_varlen_layouts_and_dtypes(rng):
     out, lse = fastattn.attention_varlen(np.ones((4, 2, 4)), np.ones((0, 1, 4)), np.ones((0, 1, 3)), [0, 4],
                                          [0, 0], return_lse=True)
     assert np.all(out == 0) and np.all(np.isneginf(lse))
+
+
+def test_varlen_decode_folds_heads(rng, core_calls):
+    """Decoding with GQA (one query a sequence): one C call with leading dims
+    (B, H_kv), each item the G query heads of a group as rows (row_group G); with
+    ALiBi (slopes per head) or more queries, one item per head."""
+    q, k, v, cq, ck = packed(rng, [1, 1, 1], [40, 0, 300], 8, 2, F32)
+    check_varlen(q, k, v, cq, ck, F32, causal=True)
+    assert core_calls[-1][0] == (3, 2) and core_calls[-1][2] == 4
+    check_varlen(q, k, v, cq, ck, F32, alibi_slopes=rng.random(8))
+    assert core_calls[-1][0] == (3, 2, 4) and core_calls[-1][2] == 1
+    q, k, v, cq, ck = packed(rng, [1, 2, 1], [40, 9, 300], 8, 2, F32)
+    check_varlen(q, k, v, cq, ck, F32, causal=True)
+    assert core_calls[-1][0] == (3, 2, 4) and core_calls[-1][2] == 1
 
 
 @pytest.mark.parametrize("change,exc,msg", [
