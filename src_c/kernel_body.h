@@ -1132,7 +1132,9 @@ INLINE void tile_softmax(const int NV, T *St, const IT *W, int bits, int64_t ld,
 void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_item *it,
                       void *scratch)
 {
-    const int64_t bqp = tl->bqp, ld = tl->ld, bk = tl->bk, dk = a->dk, dv = a->dv;
+    /* the item's rows in whole vectors: fewer than the tile's (tl->bqp) in a last
+     * query block, a sequence's last (q_len) or a short packed sequence */
+    const int64_t bqp = (it->bq + L - 1) / L * L, ld = tl->ld, bk = tl->bk, dk = a->dk, dv = a->dv;
     T *Qt = scratch, *St = Qt + dk * ld, *Ot = St + bk * ld, *m = Ot + dv * ld, *l = m + ld;
     IT *W = (IT *)(l + ld);
     fuse_t fz = {.m = m, .l = l, .Ot = Ot, .St = St, .ld = ld, .dv = dv, .regrows = 0, .mask = 0};
@@ -1202,7 +1204,7 @@ void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_i
 void FN(fa_weights_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_item *it,
                          void *scratch)
 {
-    const int64_t bq = it->bq, bqp = tl->bqp, ld = tl->ld, bk = tl->bk, dk = a->dk;
+    const int64_t bq = it->bq, bqp = (bq + L - 1) / L * L, ld = tl->ld, bk = tl->bk, dk = a->dk;
     T *Qt = scratch, *St = Qt + dk * ld, *m = St + bk * ld, *l = m + ld;
     IT *W = (IT *)(l + ld);
     T *out = it->out;
