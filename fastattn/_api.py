@@ -645,8 +645,9 @@ _SHARED_DOC = """
         (or 1) heads there.
     window : (left, right), optional
         Sliding window: with p = i + n_k - n_q (query i's bottom-right aligned
-        position; kv_lengths replaces n_k; p = i with causal="upper_left"), query i sees keys j with
-        p - left <= j <= p + right.  None or a negative number leaves that side
+        position; kv_lengths replaces n_k; p = i with causal="upper_left"),
+        query i sees keys j with p - left <= j <= p + right.  None or a
+        negative number leaves that side
         unbounded.  Key tiles outside every window are skipped, so the cost
         grows with n * window, not n^2.
     softcap : float, optional

@@ -161,10 +161,10 @@ def attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask
     a divisor of nq (fastattn.h); top_left: positions aligned top-left, not
     bottom-right.
     Packed sequences (fastattn.h): q_start and kv_start (int64, broadcast to
-    `lead`) are each leading index's first row of q, out, lse and of k, v
-    (no mask then);
-    nq and nk (>= 0) then replace the row counts of the arrays, which hold
-    every sequence's rows (q_start + q_len <= q's rows, kv_start + kv_len <= k's)."""
+    `lead`) are each leading index's first row of q, out, lse and of k, v (no
+    mask then); nq and nk (>= 0) replace the row counts of the arrays, which
+    hold every sequence's rows (q_start + q_len <= q's rows, kv_start + kv_len
+    <= k's)."""
     cdef fa_attention_args a
     cdef int nl = len(lead)
     cdef int d

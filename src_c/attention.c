@@ -485,8 +485,8 @@ static int run(const fa_attention_args *a, int weights)
     int64_t n_items = n_lead_total * n_qb;
     double q_rows = (double)n_lead_total * (double)a->nq;
     /* Packed sequences: only the items with real rows.  One long sequence among
-     * many short ones gives most (lead, block) pairs no row: B4 H8, 4096 and
-     * 500 x 8 tokens, these took 11 of 110 ms. */
+     * many short ones gives most (lead, block) pairs no row: H8 d64 causal, 4096
+     * + 5000 x 8 tokens 265 -> 212 ms, 8192 + 1000 x 32 543 -> 456 ms. */
     int64_t *live = NULL;
     if (a->q_start) {
         live = malloc((size_t)n_items * sizeof *live);

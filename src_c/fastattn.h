@@ -72,7 +72,8 @@ enum {
  * NULL), qn = q_len[lead] (nq / G when q_len is NULL), G = row_group and the
  * bottom-right aligned position p = i / G + kv - qn (top_left: p = i / G), row i
  * sees keys j < kv with p - win_left <= j <= p + win_right (a negative bound is
- * unbounded); causal caps win_right at 0.  Scores are s = softcap(q.k * scale) - slope * |p - j| + mask.
+ * unbounded); causal caps win_right at 0.  Scores are
+ * s = softcap(q.k * scale) - slope * |p - j| + mask.
  * G = 1: every row its own position.  G > 1 (nq a multiple of G): G consecutive
  * rows share a position, as the query heads of a GQA group folded into the rows
  * of one item, position-major (row i: position i / G, head i % G).  Rows from

@@ -11,7 +11,8 @@
 typedef struct {
     int64_t bq;   /* query rows per work item */
     int64_t bk;   /* key rows per tile */
-    int64_t bqp;  /* bq rounded up to whole vectors of the kernel */
+    int64_t bqp;  /* bq rounded up to whole vectors of the kernel (a full item's; an
+                   * item of fewer rows uses its own bq so rounded) */
     int64_t ld;   /* row stride of the tiled kernel's transposed tiles, >= bqp */
     int fuse;     /* the tiled kernel takes the fused exp (kernel_body.h, FUSE_LAG) */
     int stream;   /* K and V come from memory (FA_KV_MEM_BYTES): the row kernel
