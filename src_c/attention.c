@@ -428,9 +428,9 @@ static void run_team(void *arg)
 }
 
 /* Packed sequences (q_start): the items that hold real rows, as indices
- * w = lead * n_qb + qb, in order, into live (room for n_lead_total * n_qb);
- * the others have nothing to do (their rows are other sequences').  Returns
- * their number; *rows is the real rows in all. */
+ * w = lead * n_qb + qb, in order, into live (NULL: only count them); the
+ * others have nothing to do (their rows are other sequences').  Returns their
+ * number; *rows is the real rows in all. */
 static int64_t live_items(const fa_attention_args *a, int64_t n_lead_total, int64_t n_qb, int64_t bq,
                           int64_t *live, double *rows)
 {
@@ -442,8 +442,10 @@ static int64_t live_items(const fa_attention_args *a, int64_t n_lead_total, int6
             oql += rest % a->lead_shape[d] * a->qln_lead[d];
             rest /= a->lead_shape[d];
         }
-        const int64_t real = real_positions(a, oql) * a->row_group;
-        for (int64_t qb = 0; qb * bq < real; qb++) live[n++] = l * n_qb + qb;
+        const int64_t real = real_positions(a, oql) * a->row_group, blocks = (real + bq - 1) / bq;
+        if (live)
+            for (int64_t qb = 0; qb < blocks; qb++) live[n + qb] = l * n_qb + qb;
+        n += blocks;
         *rows += (double)real;
     }
     return n;
@@ -488,14 +490,12 @@ static int run(const fa_attention_args *a, int weights)
      * many short ones gives most (lead, block) pairs no row: H8 d64 causal, 4096
      * + 5000 x 8 tokens 265 -> 212 ms, 8192 + 1000 x 32 543 -> 456 ms. */
     int64_t *live = NULL;
-    if (a->q_start) {
+    if (a->q_start) { /* counted first: the list has the live items' size, not n_items' */
+        n_items = live_items(a, n_lead_total, n_qb, tiles.bq, NULL, &q_rows);
+        if (n_items == 0) return FA_OK;
         live = malloc((size_t)n_items * sizeof *live);
         if (!live) return FA_ENOMEM;
-        n_items = live_items(a, n_lead_total, n_qb, tiles.bq, live, &q_rows);
-        if (n_items == 0) {
-            free(live);
-            return FA_OK;
-        }
+        live_items(a, n_lead_total, n_qb, tiles.bq, live, &q_rows);
     }
 
     /* Split the keys (flash-decoding) when there are fewer items than threads:
