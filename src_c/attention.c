@@ -327,6 +327,8 @@ typedef struct {
     const fa_attention_args *a;
     const fa_tiles *tiles;
     fa_attn_item_fn item_fn;
+    fa_attn_item_fn few_fn;  /* items of at most few_max rows, when not NULL (packed sequences) */
+    int64_t few_max;
     fa_attn_merge_fn merge_fn;
     size_t esz, msz, scratch_bytes;
     int64_t n_qb, n_items, n_splits, chunk, part_elems;
@@ -409,7 +411,7 @@ static void run_team(void *arg)
             it.next_nk = j_end > nx.j_lo ? j_end - nx.j_lo : 0;
         }
         if (it.pad && !p->weights && !a->q_start && u % p->n_splits == 0) write_padding(a, &it, p->esz);
-        if (it.bq > 0) p->item_fn(a, p->tiles, &it, scratch);
+        if (it.bq > 0) (p->few_fn && it.bq <= p->few_max ? p->few_fn : p->item_fn)(a, p->tiles, &it, scratch);
         u = un;
     }
     if (p->parts) { /* after every split is done: merge each item's splits */
@@ -516,8 +518,14 @@ static int run(const fa_attention_args *a, int weights)
         }
     }
 
+    /* Packed sequences under the tiled kernel (the longest has more rows than
+     * rows_max): the items of a short one, as few rows as a call of its own
+     * would give the row kernel, take the row kernel too. */
+    const fa_attn_item_fn few_fn = a->q_start && !weights && !rows_kernel ? isa->attn_item_rows[a->dtype] : NULL;
     int64_t scratch_elems = rows_kernel ? fa_rows_scratch_elems(&tiles, a->dk, a->dv)
                                         : fa_attn_scratch_elems(&tiles, a->dk, weights ? 0 : a->dv);
+    if (few_fn && scratch_elems < fa_rows_scratch_elems(&tiles, a->dk, a->dv))
+        scratch_elems = fa_rows_scratch_elems(&tiles, a->dk, a->dv);
     if (scratch_elems < a->dv + 2) scratch_elems = a->dv + 2;
     { /* the row kernel for one row: redo_nonfinite_rows (kernel_body.h) */
         const fa_tiles one = {.bq = 1, .bk = tiles.bk, .bqp = 1, .ld = 1, .fuse = 0};
@@ -525,7 +533,8 @@ static int run(const fa_attention_args *a, int weights)
         if (!weights && scratch_elems < row_elems) scratch_elems = row_elems;
     }
     const double work = q_rows * (double)(a->nk + 1) * (double)(a->dk + a->dv + 8);
-    run_plan plan = {.a = a, .tiles = &tiles, .item_fn = item_fn, .merge_fn = merge_fn,
+    run_plan plan = {.a = a, .tiles = &tiles, .item_fn = item_fn, .few_fn = few_fn, .few_max = rows_max,
+                     .merge_fn = merge_fn,
                      .esz = esz, .msz = msz, .scratch_bytes = (size_t)scratch_elems * esz,
                      .n_qb = n_qb, .n_items = n_items, .n_splits = n_splits, .chunk = chunk,
                      .part_elems = part_elems, .live = live, .parts = parts, .status = FA_OK, .weights = weights,

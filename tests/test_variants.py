@@ -459,6 +459,22 @@ def test_varlen_layouts_and_dtypes(rng):
     assert np.all(out == 0) and np.all(np.isneginf(lse))
 
 
+@pytest.mark.parametrize("rows_max", [0, 1, 24])
+def test_varlen_mixed_prefill_and_decode(isa, rng, rows_max):
+    """A serving batch: one prefill chunk beside decoding sequences with long caches.
+    The longest sequence takes the tiled kernel; the short ones' items the row
+    kernel (up to rows_max rows: forced to 1 and 24, and the default)."""
+    _core._set_rows_max(rows_max)
+    try:
+        for H, Hkv in ((4, 4), (4, 2)):
+            q, k, v, cq, ck = packed(rng, [200, 1, 3, 1, 0, 30], [200, 1500, 700, 0, 9, 30], H, Hkv, F32)
+            for causal in (True, "upper_left"):
+                check_varlen(q, k, v, cq, ck, F32, causal=causal)
+            check_varlen(q, k, v, cq, ck, F32, window=(100, 0), softcap=4.0, num_threads=1)
+    finally:
+        _core._set_rows_max(0)
+
+
 def test_varlen_decode_folds_heads(rng, core_calls):
     """Decoding with GQA (one query a sequence): one C call with leading dims
     (B, H_kv), each item the G query heads of a group as rows (row_group G); with
