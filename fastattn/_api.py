@@ -186,6 +186,17 @@ def _causal(causal):
                     f"{causal!r}")
 
 
+def _slopes(alibi_slopes, comp):
+    """alibi_slopes as a C-contiguous array of the compute dtype (None stays None;
+    a scalar stays 0-d), checked to be real numbers."""
+    if alibi_slopes is None:
+        return None
+    s = np.asarray(alibi_slopes)
+    if s.dtype.kind not in "fiu" or s.dtype.itemsize > 8:
+        raise TypeError(f"alibi_slopes must be real numbers, got dtype {s.dtype}")
+    return np.asarray(s, dtype=comp, order="C")
+
+
 def _scale(scale, d_k):
     if scale is None:
         return default_scale(d_k)
@@ -309,8 +320,10 @@ def _as_array(a: Any, name: str) -> np.ndarray:
     return a
 
 
-def _window(window):
-    """(left, right) with -1 for an unbounded side."""
+def _window(window, reach):
+    """(left, right) with -1 for an unbounded side.  A side of `reach` or more
+    (wider than any query-key distance, which is below n_q + n_k) is unbounded:
+    that also keeps the C core's p - left and p + right within int64."""
     if window is None:
         return -1, -1
     try:
@@ -327,7 +340,7 @@ def _window(window):
             x = operator.index(x)
         except TypeError:
             raise TypeError(f"window {name} must be None or an int, got {type(x).__name__}") from None
-        return x if x >= 0 else -1
+        return x if 0 <= x < reach else -1
 
     return side(left, "left"), side(right, "right")
 
@@ -422,12 +435,7 @@ def _prepare(q, k, v, mask, causal, scale, enable_gqa, window, softcap, alibi_sl
             raise ValueError(f"mask of shape {np.shape(mask)} does not broadcast to the scores "
                              f"(..., n_q={n_q}, n_k={n_k})" + (" (1-D q: (..., n_k))" if p.q1 else ""))
 
-    slopes = None
-    if alibi_slopes is not None:
-        slopes = np.asarray(alibi_slopes)
-        if slopes.dtype.kind not in "fiu" or slopes.dtype.itemsize > 8:
-            raise TypeError(f"alibi_slopes must be real numbers, got dtype {slopes.dtype}")
-        slopes = np.asarray(slopes, dtype=comp, order="C")  # a scalar stays 0-d (lead may be ())
+    slopes = _slopes(alibi_slopes, comp)
     kvl = _lengths(kv_lengths, "kv_lengths", "n_k", n_k)
     qln = _lengths(q_lengths, "q_lengths", "n_q", n_q)
 
@@ -482,9 +490,7 @@ def _prepare(q, k, v, mask, causal, scale, enable_gqa, window, softcap, alibi_sl
     p.scale = _scale(scale, d_k)
     p.nthreads = _num_threads(num_threads)
     p.causal, p.top_left = _causal(causal)
-    # a side wider than any query-key distance (< n_q + n_k) is unbounded: also keeps
-    # the C core's p - left and p + right within int64
-    p.win_left, p.win_right = (-1 if w >= n_q + n_k else w for w in _window(window))
+    p.win_left, p.win_right = _window(window, n_q + n_k)
     p.softcap = _softcap(softcap)
     p.res, p.comp, p.lead = res, comp, lead
     p.n_q, p.n_k, p.d_v = n_q, n_k, d_v
@@ -936,20 +942,18 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
     B, G, d_v = cq.size - 1, H // Hkv, v.shape[2]
     len_q, len_k = cq[1:] - cq[:-1], ck[1:] - ck[:-1]
     max_q, max_k = (int(x.max()) if B else 0 for x in (len_q, len_k))
-    slopes = None
-    if alibi_slopes is not None:
-        s = np.asarray(alibi_slopes)
-        if s.dtype.kind not in "fiu" or s.dtype.itemsize > 8:
-            raise TypeError(f"alibi_slopes must be real numbers, got dtype {s.dtype}")
+    slopes = _slopes(alibi_slopes, comp)
+    if slopes is not None:
         try:
-            s = np.broadcast_to(s, (B, H))
+            slopes = np.broadcast_to(slopes, (B, H))
         except ValueError:
-            raise ValueError(f"alibi_slopes of shape {s.shape} does not broadcast to (B, H) = ({B}, {H})") from None
-        slopes = np.ascontiguousarray(s, dtype=comp).reshape(B, Hkv, G)
+            raise ValueError(f"alibi_slopes of shape {slopes.shape} does not broadcast to (B, H) = ({B}, {H})") \
+                from None
+        slopes = np.ascontiguousarray(slopes).reshape(B, Hkv, G)
     scale_ = _scale(scale, d_k)
     nthreads = _num_threads(num_threads)
     causal_, top_left = _causal(causal)
-    win_left, win_right = (-1 if w >= max_q + max_k else w for w in _window(window))
+    win_left, win_right = _window(window, max_q + max_k)
     cap = _softcap(softcap)
     if out is not None:
         _check_out(out, (T_q, H, d_v), res)
