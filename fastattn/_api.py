@@ -158,16 +158,22 @@ def _mask_as_bool(mm: np.ndarray, p: Any, slopes: Optional[np.ndarray]) -> Optio
 # scalar arguments
 # ---------------------------------------------------------------------------
 def _num_threads(n):
+    """num_threads as the C core takes it (0: the OpenMP default), with
+    scikit-learn's meaning: None the default, n > 0 that many, n < 0 the
+    default team size plus n + 1 (-1 all of it, -2 one fewer; at least 1)."""
+    what = "num_threads must be None or a nonzero int (-1: the default team size)"
     if n is None:
         return 0
     if isinstance(n, (bool, np.bool_)):
-        raise TypeError("num_threads must be None or a positive int, got a bool")
+        raise TypeError(f"{what}, got a bool")
     try:
         n = operator.index(n)
     except TypeError:
-        raise TypeError(f"num_threads must be None or a positive int, got {type(n).__name__}") from None
-    if n <= 0:
-        raise ValueError(f"num_threads must be None or a positive int, got {n}")
+        raise TypeError(f"{what}, got {type(n).__name__}") from None
+    if n == 0:
+        raise ValueError(f"{what}, got 0")
+    if n < 0:
+        n = max(1, _core.max_threads() + n + 1)  # read per call: OMP_NUM_THREADS, threadpoolctl
     return min(n, 1 << 16)
 
 
@@ -798,7 +804,8 @@ attention.__doc__ = """Exact scaled dot-product attention, softmax(q k^T * scale
         (..., n_q), in the compute dtype (float32 or float64).
     num_threads : int, optional
         Threads for this call.  None uses the OpenMP default (OMP_NUM_THREADS,
-        threadpoolctl).  Must be positive.""" + _SHARED_DOC + """
+        threadpoolctl); a negative n uses that default plus n + 1 (-1 all of
+        it, -2 one fewer; at least 1), as in scikit-learn.  Not 0.""" + _SHARED_DOC + """
 
     Returns
     -------
@@ -826,7 +833,7 @@ attention.__doc__ = """Exact scaled dot-product attention, softmax(q k^T * scale
     ValueError
         Shapes that do not fit (d_k of q and k, n_k of k and v, leading dims or
         mask not broadcastable, out of the wrong shape, head counts with
-        enable_gqa), num_threads <= 0, a non-finite scale, softcap <= 0,
+        enable_gqa), num_threads == 0, a non-finite scale, softcap <= 0,
         kv_lengths outside [0, n_k], q_lengths outside [0, n_q], a causal
         string other than "lower_right" and "upper_left".
     TypeError

@@ -1039,7 +1039,7 @@ def _qkv(rng):
     (dict(v=np.full((2, 6, 4), "a")), TypeError, "not supported"),
     (dict(q=None), TypeError, "q must be an array"),
     (dict(num_threads=0), ValueError, "num_threads"),
-    (dict(num_threads=-2), ValueError, "num_threads"),
+    (dict(num_threads=np.int64(0)), ValueError, "num_threads"),
     (dict(num_threads=1.5), TypeError, "num_threads"),
     (dict(num_threads=True), TypeError, "num_threads"),
     (dict(scale=np.inf), ValueError, "scale must be finite"),

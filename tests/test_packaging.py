@@ -99,6 +99,19 @@ def test_threadpool_limits_limits_our_threads():
         assert _team() == 2
 
 
+@pytest.mark.skipif(not _core.openmp_enabled(), reason="single-threaded build")
+def test_negative_num_threads_count_back_from_the_default():
+    """scikit-learn's rule: -1 is the default team size, -2 one fewer, never below 1;
+    the default is read at the call (threadpoolctl)."""
+    for limit in (1, 2, 3):
+        with threadpool_limits(limits=limit, user_api="openmp"):
+            assert _team(num_threads=-1) == limit
+            assert _team(num_threads=-2) == max(1, limit - 1)
+            assert _team(num_threads=-1000) == 1
+    q, k, v = (np.random.default_rng(0).standard_normal((8, 256, 32)).astype(np.float32) for _ in range(3))
+    np.testing.assert_array_equal(fastattn.attention(q, k, v, num_threads=-1), fastattn.attention(q, k, v))
+
+
 def test_tiny_problems_run_serial():
     q = np.ones((1, 4, 8), np.float32)
     fastattn.attention(q, q, q, num_threads=2)
