@@ -240,7 +240,8 @@ def _direct_out(out, comp, unit_last=True):
 # ---------------------------------------------------------------------------
 # softmax
 # ---------------------------------------------------------------------------
-def softmax(x: ArrayLike, axis: int = -1, *, out: Optional[np.ndarray] = None) -> NDArray[Any]:
+def softmax(x: ArrayLike, axis: Union[int, Tuple[int, ...], None] = -1, *,
+            out: Optional[np.ndarray] = None) -> NDArray[Any]:
     """Numerically stable softmax along `axis`, computed by the C core.
 
     Parameters
@@ -248,8 +249,10 @@ def softmax(x: ArrayLike, axis: int = -1, *, out: Optional[np.ndarray] = None) -
     x : array_like
         Real floating, integer or bool.  float16 is computed in float32 and
         returned as float16; integers and bool give float64.
-    axis : int, default -1
-        The axis along which the entries sum to 1.
+    axis : int, tuple of ints or None, default -1
+        The axis along which the entries sum to 1; with a tuple, the entries
+        of those axes together sum to 1 (None: all axes, as in
+        scipy.special.softmax; (): each entry alone).
     out : ndarray, optional
         Array of the result's exact shape and dtype (any strides) to fill.
 
@@ -267,7 +270,8 @@ def softmax(x: ArrayLike, axis: int = -1, *, out: Optional[np.ndarray] = None) -
     numpy.exceptions.AxisError
         For an axis out of range (a ValueError and an IndexError).
     ValueError
-        For an `out` of the wrong shape or a read-only `out`.
+        For an `out` of the wrong shape or a read-only `out`, a repeated axis,
+        or an int axis of a 0-d x.
 
     Examples
     --------
@@ -278,6 +282,13 @@ def softmax(x: ArrayLike, axis: int = -1, *, out: Optional[np.ndarray] = None) -
     x = np.asarray(x)
     _check_input_dtype(x, "x")
     res, comp = _dtypes(x)
+    if isinstance(axis, tuple) or axis is None:
+        axes = tuple(range(x.ndim)) if axis is None else tuple(_normalize_axis(a, x.ndim) for a in axis)
+        if len(set(axes)) < len(axes):
+            raise ValueError(f"duplicate value in axis {axis}")
+        if len(axes) != 1:
+            return _softmax_axes(x, axes, res, out)
+        axis = axes[0]
     if x.ndim == 0:
         raise ValueError("softmax needs at least one axis; x is a scalar")
     axis = _normalize_axis(axis, x.ndim)
@@ -296,6 +307,22 @@ def softmax(x: ArrayLike, axis: int = -1, *, out: Optional[np.ndarray] = None) -
         np.copyto(out, result, casting="same_kind")
         return out
     return result.astype(res, copy=False)
+
+
+def _softmax_axes(x: np.ndarray, axes: Tuple[int, ...], res: np.dtype, out: Optional[np.ndarray]) -> NDArray[Any]:
+    """softmax over several axes (or none) of x: those axes moved last and
+    flattened into one (a copy where the layout needs it), then put back."""
+    if out is not None:
+        _check_out(out, x.shape, res)
+    rest = [i for i in range(x.ndim) if i not in axes]
+    perm = rest + sorted(axes)
+    xt = np.transpose(x, perm)
+    rows = xt.reshape(xt.shape[:len(rest)] + (math.prod(xt.shape[len(rest):]),))
+    result = np.transpose(softmax(rows).reshape(xt.shape), np.argsort(perm))
+    if out is None:
+        return result
+    np.copyto(out, result, casting="same_kind")
+    return out
 
 
 def _normalize_axis(axis: Any, ndim: int) -> int:

@@ -30,7 +30,7 @@ Semantics shared with the fast path:
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Tuple, Union
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
@@ -55,13 +55,14 @@ def _float_dtype(*arrays: Any) -> np.dtype[Any]:
     return dt if dt.kind == "f" else np.dtype(np.float64)
 
 
-def softmax(x: ArrayLike, axis: int = -1) -> NDArray[Any]:
+def softmax(x: ArrayLike, axis: Union[int, Tuple[int, ...], None] = -1) -> NDArray[Any]:
     """exp(x - max) / sum(exp(x - max)) along `axis`.
 
     Parameters
     ----------
     x : array_like
-    axis : int, default -1
+    axis : int, tuple of ints or None, default -1
+        As in np.sum: the entries of these axes together sum to 1.
 
     Returns
     -------

@@ -88,6 +88,42 @@ def test_softmax_errors(rng):
         fastattn.softmax(np.ones((2, 3)), out=np.empty((2, 3), F32))
 
 
+@pytest.mark.parametrize("axis", [None, (), (0, 2), (2, 0), (1, 0), (-1, 1), (0, 1, 2), (1,)])
+def test_softmax_several_axes(rng, axis):
+    """A tuple of axes (None: all, as scipy.special.softmax) softmaxes their entries
+    together, like the reference (np.max and np.sum over the axes)."""
+    x = (rng.standard_normal((3, 4, 5)) * 4).astype(F32)
+    x[1, :, 2] = -np.inf                                  # a slice that is -inf only in part
+    got = fastattn.softmax(x, axis=axis)
+    want = ref.softmax(x.astype(F64), axis=axis)
+    assert got.dtype == F32 and got.shape == x.shape
+    assert_close(got, want, F32)
+    seen = np.isfinite(x).any(axis=axis)                 # slices with a finite entry sum to 1, the rest 0
+    assert_close(got.sum(axis=axis), seen.astype(F64), F32)
+    out = np.full((5, 4, 3), np.nan, F32).transpose(2, 1, 0)
+    assert fastattn.softmax(x, axis=axis, out=out) is out
+    assert_close(out, want, F32)
+    assert fastattn.softmax(x.transpose(2, 0, 1)[::-1], axis=axis).shape == (5, 3, 4)
+
+
+def test_softmax_several_axes_edges():
+    np.testing.assert_array_equal(fastattn.softmax(np.float64(3.0), axis=None), 1.0)
+    np.testing.assert_array_equal(fastattn.softmax(np.full((2, 3), -np.inf), axis=None), 0.0)
+    assert fastattn.softmax(np.ones((2, 0, 3), F32), axis=(1, 2)).shape == (2, 0, 3)
+    h = np.arange(6, dtype=np.float16).reshape(2, 3)
+    assert fastattn.softmax(h, axis=None).dtype == np.float16
+    e = np.exp(np.arange(6.0))
+    assert_close(fastattn.softmax(np.arange(6).reshape(2, 3), axis=(0, 1)), (e / e.sum()).reshape(2, 3), F64)
+    with pytest.raises(ValueError, match="duplicate value in axis"):
+        fastattn.softmax(np.ones((2, 3)), axis=(1, -1))
+    with pytest.raises(np.exceptions.AxisError):
+        fastattn.softmax(np.ones((2, 3)), axis=(0, 2))
+    with pytest.raises(TypeError, match="axis must be an int"):
+        fastattn.softmax(np.ones((2, 3)), axis=(0, 1.0))
+    with pytest.raises(ValueError, match="out has shape"):
+        fastattn.softmax(np.ones((2, 3)), axis=None, out=np.empty((3, 2)))
+
+
 def test_softmax_empty():
     assert fastattn.softmax(np.ones((0, 4))).shape == (0, 4)
     assert fastattn.softmax(np.ones((4, 0))).shape == (4, 0)
