@@ -116,11 +116,18 @@ def _abs_max(x: np.ndarray) -> float:
     return math.inf if math.isnan(hi) or math.isnan(lo) else max(hi, -lo)
 
 
+def _pays(n_scores: int, mask_entries: int, qk_size: int) -> bool:
+    """Does reading a mask of mask_entries as bool pay in a call of n_scores scores
+    with q.size + k.size == qk_size?  The gain (score reads of the mask) against the
+    cost (passes over the mask, q and k): see above."""
+    return 2 * n_scores >= 3 * mask_entries + 2 * qk_size
+
+
 def _may_pay(mask_shape: Tuple[int, ...], n_scores: int, n_q: int, n_k: int, qk_size: int) -> bool:
     """Could the conversion of a float mask of this shape pay in a call of n_scores
     scores over n_q x n_k and q.size + k.size == qk_size?  The two tests of
     _mask_as_bool below, first with the fewest entries the mask can have."""
-    return mask_shape[-2] > 1 and mask_shape[-1] > 1 and 2 * n_scores >= 3 * n_q * n_k + 2 * qk_size
+    return mask_shape[-2] > 1 and mask_shape[-1] > 1 and _pays(n_scores, n_q * n_k, qk_size)
 
 
 def _mask_as_bool(mm: np.ndarray, p: Any, slopes: Optional[np.ndarray]) -> Optional[np.ndarray]:
@@ -133,8 +140,8 @@ def _mask_as_bool(mm: np.ndarray, p: Any, slopes: Optional[np.ndarray]) -> Optio
     core = _broadcast_core(mm)
     if core.shape[-2] < 2 or core.shape[-1] < 2:
         return None  # a key-padding (or per-row) mask: the float path reads it as cheaply
-    if 2 * n_scores < 3 * core.size + 2 * qk_size:
-        return None  # gain (score reads of the mask) below cost (passes over mask, q and k)
+    if not _pays(n_scores, core.size, qk_size):
+        return None
 
     def zero_or_neginf(x):
         if x.flags.c_contiguous and (x.dtype == _F32 or x.dtype == _F64):
