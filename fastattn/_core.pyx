@@ -83,6 +83,7 @@ cdef extern from "fastattn.h" nogil:
     void fa_set_rows_max(int64_t n)
     void fa_set_fused(int mode)
     void fa_set_stream(int mode)
+    void fa_set_mask_pack(int mode)
     int64_t fa_take_redo_count()
     int fa_openmp_enabled()
     int fa_max_threads()
@@ -333,6 +334,13 @@ def _set_stream(int mode=-1):
     (for K and V streamed from memory) on (1) or off (0); -1: on when K and V
     exceed 48 MiB and 16 MiB.  Tuning and tests only; not thread-safe."""
     fa_set_stream(mode)
+
+
+def _set_mask_pack(int mode=-1):
+    """Force the tiled kernel's packing of a bool mask into bits once per call on
+    (1) or off (0: each tile reads the mask's bytes); -1: the default.  Tuning and
+    tests only; not thread-safe."""
+    fa_set_mask_pack(mode)
 
 
 def _take_redo_count():

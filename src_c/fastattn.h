@@ -157,6 +157,10 @@ void fa_set_fused(int mode);
  * the default (on when K and V exceed FA_KV_MEM_BYTES, FA_KV_FAR_BYTES).  Not
  * thread-safe: for tuning and tests only. */
 void fa_set_stream(int mode);
+/* Force the tiled kernel's packing of a bool mask into bits (mask_pack in
+ * attention.c) on (1) or off (0: it reads the mask's bytes); -1 restores the
+ * default.  Not thread-safe: for tuning and tests only. */
+void fa_set_mask_pack(int mode);
 /* The number of rows the kernels recomputed in their careful mode (a result
  * that came out inf or NaN) since the last call of this; for tests. */
 int64_t fa_take_redo_count(void);

@@ -31,6 +31,7 @@ typedef struct {
  *   mask  (bq, nk)  strides a->m_rs, a->m_cs, or NULL
  *   out   (bq, dv)  row stride a->o_rs
  *   lse   (bq)      stride a->lse_rs, or NULL
+ *   mbits (bq, ceil(nk / 32) + 1)  the bool mask as bits, row stride mb_rs, or NULL
  * With part != NULL the item writes its partial result instead of out and
  * lse, for a split-key merge:
  *   part  (bq, dv + 2): acc[0..dv) / sum (the mean over its keys), running
@@ -52,6 +53,9 @@ typedef struct {
     double slope;         /* ALiBi slope of this leading index (0: none) */
     const void *next_q, *next_k;
     int64_t next_bq, next_nk;
+    const uint32_t *mbits; /* a bool mask packed to bits (mask_pack in attention.c), or NULL:
+                            * (bq, ceil(nk / 32) + 1) words, row stride mb_rs (0: rows broadcast) */
+    int64_t mb_rs;
 } fa_item;
 
 typedef void (*fa_attn_item_fn)(const fa_attention_args *a, const fa_tiles *t,

@@ -711,6 +711,34 @@ static int mask_bits(IT *restrict W, int64_t ld, const uint8_t *restrict mk, int
     return any == 0 ? 0 : (all == 0xffffffffu ? 2 : 1);
 }
 
+/* mask_bits from the mask packed to bits once per call (mask_pack in
+ * attention.c), for the keys [j0, j0 + nb):
+ *   mb  (bq, ceil(nk / 32) + 1) words, row stride mbrs (0: every row the same);
+ *       key j of a row is bit j % 32 of its word j / 32
+ *   W   (ceil(nb / 32), ld) words in IT lanes, and the result, as mask_bits.
+ * A tile that starts inside a word takes each of its words from two. */
+static int mask_bits_packed(IT *restrict W, int64_t ld, const uint32_t *restrict mb, int64_t mbrs, int64_t j0,
+                            int64_t bq, int64_t nb)
+{
+    const int64_t nw = (nb + 31) / 32;
+    const int sh = (int)(j0 % 32);
+    uint32_t any = 0, all = 0xffffffffu;
+    for (int64_t w = 0; w < nw; w++) {
+        const int64_t len = (nb - 32 * w < 32) ? nb - 32 * w : 32;
+        const uint32_t full = len == 32 ? 0xffffffffu : ((1u << len) - 1);
+        const uint32_t *src = mb + j0 / 32 + w;
+        for (int64_t i = 0; i < bq; i++) {
+            const uint32_t *x = src + i * mbrs;
+            const uint32_t bits = sh ? (uint32_t)((((uint64_t)x[1] << 32) | x[0]) >> sh) & full : x[0] & full;
+            W[w * ld + i] = (IT)bits;
+            any |= bits;
+            all &= bits | ~full;
+        }
+        for (int64_t i = bq; i < ld; i++) W[w * ld + i] = (IT)0xffffffffu;
+    }
+    return any == 0 ? 0 : (all == 0xffffffffu ? 2 : 1);
+}
+
 /* ---------------------------------------------------------------------------
  * Which keys the rows of an item see (fastattn.h): row i (local) sees key j iff
  *   j >= p(i) - left   (when has_left)   and   j <= p(i) + right  (when has_right)
@@ -965,7 +993,8 @@ static int tile_scores(const fa_attention_args *a, const fa_item *it, const band
     const int64_t bq = it->bq;
     int bits = 0;
     if (a->mask_kind == FA_MASK_BOOL) {
-        const int kind = mask_bits(W, ld, (const uint8_t *)it->mask + j0 * a->m_cs, a->m_rs, a->m_cs, bq, nb);
+        const int kind = it->mbits ? mask_bits_packed(W, ld, it->mbits, it->mb_rs, j0, bq, nb)
+                                   : mask_bits(W, ld, (const uint8_t *)it->mask + j0 * a->m_cs, a->m_rs, a->m_cs, bq, nb);
         if (kind == 0) return -1;
         bits = kind == 1;
     }
@@ -2071,6 +2100,7 @@ static void redo_nonfinite_rows(const fa_attention_args *a, const fa_tiles *tl, 
         row.i0 = it->i0 + i;
         row.q = (const T *)it->q + i * a->q_rs;
         row.mask = it->mask ? (const char *)it->mask + i * a->m_rs * (int64_t)msz : NULL;
+        row.mbits = it->mbits ? it->mbits + i * it->mb_rs : NULL; /* (the row kernel reads the bytes) */
         row.out = (T *)it->out + i * a->o_rs;
         row.lse = it->lse ? (T *)it->lse + i * a->lse_rs : NULL;
         row.part = it->part ? (T *)it->part + i * (dv + 2) : NULL;

@@ -91,6 +91,16 @@ def fused(request):
     _core._set_fused(-1)
 
 
+@pytest.fixture(params=[1, 0], ids=["packed", "bytes"])
+def mask_pack(request):
+    """Run with the tiled kernel's packing of a bool mask into bits forced on, then
+    off (the tiles read the mask's bytes; by default only a mask of its own per
+    head is read so); restore the default after."""
+    _core._set_mask_pack(request.param)
+    yield request.param
+    _core._set_mask_pack(-1)
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)

@@ -12,7 +12,8 @@ q_lengths, scale (0 too), float16 to float64, NaN and inf planted in q, k and
 v, transposed (B, N, H, d) views, out=,
 attention_weights, and the batch again as packed sequences of random lengths
 (attention_varlen); on a random SIMD path and thread count, with the tiles,
-the fused exp, the far prefetch and the row kernel's limit forced at random.
+the fused exp, the far prefetch, the row kernel's limit and the bool mask's
+packing forced at random.
 Each failure prints its seed; a seed reproduces its case exactly.  Three bugs
 were found this way (in 443c525 and f48d0b1).  The suite runs seeds 0-149
 (test_properties.py: test_fuzz_cases).
@@ -113,7 +114,7 @@ def settings(rng):
                 fused=int(rng.choice([-1, 0, 1])), stream=int(rng.choice([-1, -1, 0, 1])),
                 rows_max=int(rng.choice([0, 0, 1, 8, 24])), float_masks_as_bool=bool(rng.random() < 0.7),
                 out=bool(rng.random() < 0.2), weights=bool(rng.random() < 0.1),
-                varlen=bool(rng.random() < 0.25))
+                varlen=bool(rng.random() < 0.25), mask_pack=int(rng.choice([-1, 0, 1])))
 
 
 def packed_problem(rng, q, k, v, kw):
@@ -157,6 +158,7 @@ def run_case(seed, verbose=False):
     _core._set_fused(s["fused"])
     _core._set_stream(s["stream"])
     _core._set_rows_max(s["rows_max"])
+    _core._set_mask_pack(s["mask_pack"])
     _api._FLOAT_MASKS_AS_BOOL = s["float_masks_as_bool"]
     try:
         out, lse = fastattn.attention(q, k, v, return_lse=True, num_threads=s["threads"], **kw)
@@ -176,6 +178,7 @@ def run_case(seed, verbose=False):
         _core._set_fused(-1)
         _core._set_stream(-1)
         _core._set_rows_max(0)
+        _core._set_mask_pack(-1)
         _api._FLOAT_MASKS_AS_BOOL = True
     with warnings.catch_warnings(), np.errstate(all="ignore"):
         warnings.simplefilter("ignore")

@@ -105,7 +105,7 @@ MASK_SHAPES = [(), (37,), (1, 37), (23, 1), (23, 37), (3, 1, 37), (2, 1, 23, 37)
 @pytest.mark.parametrize("mshape", MASK_SHAPES)
 @pytest.mark.parametrize("kind", ["bool", "float"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_mask_broadcast(isa, rng, mshape, kind, causal):
+def test_mask_broadcast(isa, mask_pack, rng, mshape, kind, causal):
     q, k, v = rand(rng, (2, 3, 23, 16)), rand(rng, (2, 3, 37, 16)), rand(rng, (2, 3, 37, 8))
     if kind == "bool":
         mask = rng.random(mshape) < 0.7
@@ -141,14 +141,14 @@ def test_converted_broadcast_not_expanded(rng):
     check(q.astype(np.float64), k64, v)
 
 
-def test_mask_strided_views(rng):
+def test_mask_strided_views(mask_pack, rng):
     q, k, v = rand(rng, (2, 40, 8)), rand(rng, (2, 50, 8)), rand(rng, (2, 50, 8))
     big = rng.random((2, 100, 150)) < 0.6
     check(q, k, v, mask=big[:, ::-2][:, :40, 1::3][:, :, :50])
     check(q, k, v, mask=np.swapaxes(rng.random((2, 50, 40)) < 0.6, -1, -2))
 
 
-def test_large_mask_every_tile(isa, rng):
+def test_large_mask_every_tile(isa, mask_pack, rng):
     """A random N x N bool mask over several query blocks and key tiles."""
     q, k, v = (rand(rng, (1, 300, 32)) for _ in range(3))
     check(q, k, v, mask=rng.random((300, 300)) < 0.5)
@@ -265,7 +265,7 @@ def test_nan_reaches_only_its_rows(isa, rng, dtype):
 @pytest.mark.parametrize("dtype", [F32, F64])
 @pytest.mark.parametrize("nq", [1, 5, 12, 40, 200])
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
-def test_hidden_nonfinite_values_add_nothing(isa, fused, rng, dtype, nq, bad):
+def test_hidden_nonfinite_values_add_nothing(isa, fused, mask_pack, rng, dtype, nq, bad):
     """A value row whose key a query may not see adds nothing to that query's
     row, even inf or NaN, also inside a key tile the kernel visits for other
     rows (0 * NaN would be NaN): mask, causal, window, split keys, both kernels."""
@@ -1263,7 +1263,7 @@ def test_split_keys_tiled_short_tiles(isa, rng, tiles, dtype, bk, nq, threads):
 
 
 @pytest.mark.parametrize("threads", [2, 3])
-def test_split_with_masks_and_empty_splits(isa, rng, threads):
+def test_split_with_masks_and_empty_splits(isa, mask_pack, rng, threads):
     nk = 3000
     q, k, v = rand(rng, (2, 16)), rand(rng, (nk, 16)), rand(rng, (nk, 8))
     mask = rng.random((2, nk)) < 0.3
@@ -1321,7 +1321,7 @@ def test_decode_batched_heads_with_mask(isa, rng):
 
 
 @pytest.mark.parametrize("dtype", [F32, F64])
-def test_bool_mask_tiles(isa, rng, dtype):
+def test_bool_mask_tiles(isa, mask_pack, rng, dtype):
     """Bool masks are packed per key tile into bit words: tiles that forbid
     everything are skipped, tiles that allow everything need no masking, and
     the last word of a tile is partial."""
@@ -1342,6 +1342,30 @@ def test_bool_mask_tiles(isa, rng, dtype):
     kn[:, 10] = np.nan                        # NaN keys inside a skipped tile stay out
     out = fastattn.attention(q, kn, v, mask=mask)
     assert np.isfinite(out).all()
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("bq,bk", [(0, 0), (40, 72), (17, 37)])
+def test_bool_mask_packed_bits(isa, mask_pack, tiles, rng, dtype, bq, bk):
+    """The bool mask packed into bits once per call (mask_pack in attention.c) and
+    read back per key tile: tiles that start inside a 32-key word (odd tile sizes,
+    the band of a window or of causal rows, split keys), the last partial word,
+    mask rows and leading dims broadcast in every combination, and the weights."""
+    tiles(bq, bk)
+    nq, nk = 70, 203                                        # 203 keys: six words and 11 bits
+    q, k, v = rand(rng, (2, 3, nq, 16), dtype), rand(rng, (2, 3, nk, 16), dtype), rand(rng, (2, 3, nk, 8), dtype)
+    for mshape in [(nq, nk), (1, nk), (2, 1, nq, nk), (1, 3, nq, nk), (2, 3, nq, nk), (2, 1, 1, nk), (3, 1, nk)]:
+        mask = rng.random(mshape) < 0.6
+        mask[..., 40:75] = False                            # a hidden stretch across a word boundary
+        check(q, k, v, mask=mask)
+        check(q, k, v, mask=mask, causal=True)
+        check(q, k, v, mask=mask, window=(45, 3))
+    mask = rng.random((nq, nk)) < 0.6
+    check(q, k, v, mask=np.asfortranarray(mask)[::-1], causal="upper_left")   # strided rows and columns
+    w = fastattn.attention_weights(q, k, mask=mask, window=(33, 0))
+    assert_close(w, ref.attention_weights(q.astype(F64), k.astype(F64), mask=mask, window=(33, 0)), dtype)
+    qd, kd, vd = rand(rng, (1, 2, 20, 16), dtype), rand(rng, (1, 2, 3000, 16), dtype), rand(rng, (1, 2, 3000, 8), dtype)
+    check(qd, kd, vd, mask=rng.random((20, 3000)) < 0.5, num_threads=3)   # keys split across threads
 
 
 @pytest.mark.parametrize("dtype", [F32, F64])
