@@ -306,6 +306,10 @@ static void pack_mask_row(const fa_attention_args *a, const mask_pack *mp, int64
     for (int64_t w = 0; w < mp->nw; w++) {
         const int64_t j0 = 32 * w, len = a->nk - j0 >= 32 ? 32 : a->nk - j0 > 0 ? a->nk - j0 : 0;
         uint32_t bits = 0;
+        if (mcs == 0) { /* the row's one value, broadcast over the keys */
+            dst[w] = row[0] && len > 0 ? 0xffffffffu >> (32 - len) : 0;
+            continue;
+        }
 #if defined(__SSE2__)
         if (mcs == 1 && len == 32) {
             const __m128i z = _mm_setzero_si128();
