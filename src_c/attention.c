@@ -11,9 +11,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__SSE2__)
-#include <emmintrin.h> /* x86-64's baseline: the mask packing's byte compares */
-#endif
 
 #include "internal.h"
 
@@ -274,7 +271,7 @@ static int64_t real_positions(const fa_attention_args *a, int64_t oql)
 
 /* ---------------------------------------------------------------------------
  * A bool mask as bits, packed once per call for the tiled kernel
- * (mask_bits_packed in kernel_body.h reads them), in place of each key tile
+ * (mask_bits in kernel_body.h reads them), in place of each key tile
  * turning the mask's bytes into bit words itself: the heads (or batch entries)
  * that share a mask then read an eighth of its bytes, and a tile's words come
  * from a few cache lines, not one line per query row.
@@ -302,25 +299,9 @@ static void pack_mask_row(const fa_attention_args *a, const mask_pack *mp, int64
         }
     const uint8_t *row = (const uint8_t *)a->mask + om + r * a->m_rs;
     uint32_t *dst = mp->bits + (s * mp->rows + r) * mp->nw;
-    const int64_t mcs = a->m_cs;
-    for (int64_t w = 0; w < mp->nw; w++) {
-        const int64_t j0 = 32 * w, len = a->nk - j0 >= 32 ? 32 : a->nk - j0 > 0 ? a->nk - j0 : 0;
-        uint32_t bits = 0;
-        if (mcs == 0) { /* the row's one value, broadcast over the keys */
-            dst[w] = row[0] && len > 0 ? 0xffffffffu >> (32 - len) : 0;
-            continue;
-        }
-#if defined(__SSE2__)
-        if (mcs == 1 && len == 32) {
-            const __m128i z = _mm_setzero_si128();
-            const uint32_t lo = (uint32_t)_mm_movemask_epi8(_mm_cmpeq_epi8(_mm_loadu_si128((const __m128i *)(row + j0)), z));
-            const uint32_t hi = (uint32_t)_mm_movemask_epi8(_mm_cmpeq_epi8(_mm_loadu_si128((const __m128i *)(row + j0 + 16)), z));
-            dst[w] = ~(lo | (hi << 16));
-            continue;
-        }
-#endif
-        for (int64_t j = 0; j < len; j++) bits |= (uint32_t)(row[(j0 + j) * mcs] != 0) << j;
-        dst[w] = bits;
+    for (int64_t w = 0; w < mp->nw; w++) { /* the last word's keys past nk (and the spare word): 0 */
+        const int64_t len = a->nk - 32 * w < 32 ? a->nk - 32 * w : 32;
+        dst[w] = len > 0 ? fa_byte_bits(row + 32 * w * a->m_cs, a->m_cs, len) : 0;
     }
 }
 

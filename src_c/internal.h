@@ -7,6 +7,41 @@
 
 #include "fastattn.h"
 
+#include <string.h>
+#if defined(__x86_64__) || defined(_M_X64)
+#include <emmintrin.h> /* SSE2, x86-64's baseline: fa_byte_bits */
+#endif
+
+/* Up to 32 bool-mask bytes as bits: bit j is row[j * cs] != 0, j < len <= 32
+ * (a tile's bit words in kernel_body.h, the packed mask in attention.c).  32
+ * contiguous bytes by SSE2 compares on x86-64, elsewhere 8 at a time by a
+ * multiply; a broadcast byte (cs == 0) as its one value. */
+static inline uint32_t fa_byte_bits(const uint8_t *row, int64_t cs, int64_t len)
+{
+    if (len <= 0) return 0;
+    if (cs == 0) return row[0] ? 0xffffffffu >> (32 - len) : 0;
+    uint32_t bits = 0;
+    if (cs == 1 && len == 32) {
+#if defined(__x86_64__) || defined(_M_X64)
+        const __m128i z = _mm_setzero_si128();
+        const uint32_t lo = (uint32_t)_mm_movemask_epi8(_mm_cmpeq_epi8(_mm_loadu_si128((const __m128i *)row), z));
+        const uint32_t hi = (uint32_t)_mm_movemask_epi8(_mm_cmpeq_epi8(_mm_loadu_si128((const __m128i *)(row + 16)), z));
+        bits = ~(lo | (hi << 16));
+#else
+        for (int b = 0; b < 4; b++) {
+            uint64_t x;
+            memcpy(&x, row + 8 * b, 8);
+            /* nonzero bytes -> 0x01, then gather the 8 low bits with one multiply */
+            x = ((((x & 0x7f7f7f7f7f7f7f7fULL) + 0x7f7f7f7f7f7f7f7fULL) | x) >> 7) & 0x0101010101010101ULL;
+            bits |= (uint32_t)((x * 0x0102040810204080ULL) >> 56) << (8 * b);
+        }
+#endif
+        return bits;
+    }
+    for (int64_t j = 0; j < len; j++) bits |= (uint32_t)(row[j * cs] != 0) << j;
+    return bits;
+}
+
 /* Tile geometry of one attention call (chosen in attention.c). */
 typedef struct {
     int64_t bq;   /* query rows per work item */

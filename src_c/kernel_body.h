@@ -666,59 +666,25 @@ static void pv_block(T *restrict Ot, const T *restrict Pt, const T *restrict V, 
 
 /* Bool mask of one tile as bit words: bit (j % 32) of W[j / 32][i] is
  * mask[i][j0 + j] != 0, for the real rows i < bq; padded rows are all ones.
+ * From the mask packed to bits once per call (mb, mask_pack in attention.c)
+ * when the item has them, else from its bytes:
  *   mk  (bq, nb) bytes, strides mrs, mcs (already at key j0)
+ *   mb  (bq, ceil(nk / 32) + 1) words, row stride mbrs (0: every row the same),
+ *       key j of a row at bit j % 32 of its word j / 32 (from key 0, not j0:
+ *       a tile that starts inside a word takes each of its words from two)
  *   W   (ceil(nb / 32), ld) words in IT lanes
  * Returns 0 when every entry of the tile is False, 2 when every one is True,
  * 1 otherwise. */
-static int mask_bits(IT *restrict W, int64_t ld, const uint8_t *restrict mk, int64_t mrs,
-                     int64_t mcs, int64_t bq, int64_t nb)
+/* A row's bit word of a tile into W, and into whether any and all of the tile's are set. */
+INLINE void put_bits(IT *w, uint32_t bits, uint32_t full, uint32_t *any, uint32_t *all)
 {
-    const int64_t nw = (nb + 31) / 32;
-    uint32_t any = 0, all = 0xffffffffu;
-    for (int64_t w = 0; w < nw; w++) {
-        const int64_t len = (nb - 32 * w < 32) ? nb - 32 * w : 32;
-        const uint32_t full = len == 32 ? 0xffffffffu : ((1u << len) - 1);
-        for (int64_t i = 0; i < bq; i++) {
-            const uint8_t *row = mk + i * mrs + 32 * w * mcs;
-            uint32_t bits = 0;
-            if (mcs == 1 && len == 32) {
-#if (defined(__x86_64__) || defined(_M_X64)) && FA_VB >= 32
-                const __m256i x = _mm256_loadu_si256((const __m256i *)row);
-                bits = ~(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(x, _mm256_setzero_si256()));
-#elif defined(__x86_64__) || defined(_M_X64)
-                const __m128i z = _mm_setzero_si128();
-                const uint32_t lo = (uint32_t)_mm_movemask_epi8(_mm_cmpeq_epi8(_mm_loadu_si128((const __m128i *)row), z));
-                const uint32_t hi = (uint32_t)_mm_movemask_epi8(_mm_cmpeq_epi8(_mm_loadu_si128((const __m128i *)(row + 16)), z));
-                bits = ~(lo | (hi << 16));
-#else
-                for (int b = 0; b < 4; b++) {
-                    uint64_t x;
-                    memcpy(&x, row + 8 * b, 8);
-                    /* nonzero bytes -> 0x01, then gather the 8 low bits with one multiply */
-                    x = ((((x & 0x7f7f7f7f7f7f7f7fULL) + 0x7f7f7f7f7f7f7f7fULL) | x) >> 7) & 0x0101010101010101ULL;
-                    bits |= (uint32_t)((x * 0x0102040810204080ULL) >> 56) << (8 * b);
-                }
-#endif
-            } else {
-                for (int64_t j = 0; j < len; j++) bits |= (uint32_t)(row[j * mcs] != 0) << j;
-            }
-            W[w * ld + i] = (IT)bits;
-            any |= bits;
-            all &= bits | ~full;
-        }
-        for (int64_t i = bq; i < ld; i++) W[w * ld + i] = (IT)0xffffffffu;
-    }
-    return any == 0 ? 0 : (all == 0xffffffffu ? 2 : 1);
+    *w = (IT)bits;
+    *any |= bits;
+    *all &= bits | ~full;
 }
 
-/* mask_bits from the mask packed to bits once per call (mask_pack in
- * attention.c), for the keys [j0, j0 + nb):
- *   mb  (bq, ceil(nk / 32) + 1) words, row stride mbrs (0: every row the same);
- *       key j of a row is bit j % 32 of its word j / 32
- *   W   (ceil(nb / 32), ld) words in IT lanes, and the result, as mask_bits.
- * A tile that starts inside a word takes each of its words from two. */
-static int mask_bits_packed(IT *restrict W, int64_t ld, const uint32_t *restrict mb, int64_t mbrs, int64_t j0,
-                            int64_t bq, int64_t nb)
+static int mask_bits(IT *restrict W, int64_t ld, const uint8_t *restrict mk, int64_t mrs, int64_t mcs,
+                     const uint32_t *restrict mb, int64_t mbrs, int64_t j0, int64_t bq, int64_t nb)
 {
     const int64_t nw = (nb + 31) / 32;
     const int sh = (int)(j0 % 32);
@@ -726,13 +692,26 @@ static int mask_bits_packed(IT *restrict W, int64_t ld, const uint32_t *restrict
     for (int64_t w = 0; w < nw; w++) {
         const int64_t len = (nb - 32 * w < 32) ? nb - 32 * w : 32;
         const uint32_t full = len == 32 ? 0xffffffffu : ((1u << len) - 1);
-        const uint32_t *src = mb + j0 / 32 + w;
-        for (int64_t i = 0; i < bq; i++) {
-            const uint32_t *x = src + i * mbrs;
-            const uint32_t bits = sh ? (uint32_t)((((uint64_t)x[1] << 32) | x[0]) >> sh) & full : x[0] & full;
-            W[w * ld + i] = (IT)bits;
-            any |= bits;
-            all &= bits | ~full;
+        if (mb) {
+            const uint32_t *src = mb + j0 / 32 + w;
+            for (int64_t i = 0; i < bq; i++) {
+                const uint32_t *x = src + i * mbrs;
+                put_bits(W + w * ld + i, (sh ? (uint32_t)((((uint64_t)x[1] << 32) | x[0]) >> sh) : x[0]) & full,
+                         full, &any, &all);
+            }
+        } else {
+            for (int64_t i = 0; i < bq; i++) {
+                const uint8_t *row = mk + i * mrs + 32 * w * mcs;
+                uint32_t bits;
+#if (defined(__x86_64__) || defined(_M_X64)) && FA_VB >= 32
+                if (mcs == 1 && len == 32) {
+                    const __m256i x = _mm256_loadu_si256((const __m256i *)row);
+                    bits = ~(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(x, _mm256_setzero_si256()));
+                } else
+#endif
+                    bits = fa_byte_bits(row, mcs, len);
+                put_bits(W + w * ld + i, bits, full, &any, &all);
+            }
         }
         for (int64_t i = bq; i < ld; i++) W[w * ld + i] = (IT)0xffffffffu;
     }
@@ -993,8 +972,8 @@ static int tile_scores(const fa_attention_args *a, const fa_item *it, const band
     const int64_t bq = it->bq;
     int bits = 0;
     if (a->mask_kind == FA_MASK_BOOL) {
-        const int kind = it->mbits ? mask_bits_packed(W, ld, it->mbits, it->mb_rs, j0, bq, nb)
-                                   : mask_bits(W, ld, (const uint8_t *)it->mask + j0 * a->m_cs, a->m_rs, a->m_cs, bq, nb);
+        const int kind = mask_bits(W, ld, (const uint8_t *)it->mask + j0 * a->m_cs, a->m_rs, a->m_cs, it->mbits,
+                                   it->mb_rs, j0, bq, nb);
         if (kind == 0) return -1;
         bits = kind == 1;
     }
