@@ -88,7 +88,8 @@ cdef extern from "fastattn.h" nogil:
     int fa_openmp_enabled()
     int fa_max_threads()
     uint64_t fa_stream_read(const void *x, int64_t n, int num_threads)
-    int fa_mask_keep(int dtype, const void *x, int64_t n, unsigned char *keep, int num_threads, int *all_ok)
+    int fa_mask_keep(int dtype, const void *x, int64_t rows, int64_t len, double floor, unsigned char *keep,
+                     int num_threads, int *all_ok)
     int fa_last_threads()
     const char *fa_openmp_library()
     const char *fa_build_info()
@@ -268,18 +269,25 @@ def softmax(cnp.ndarray x, cnp.ndarray out, int num_threads):
     _check(status)
 
 
-def mask_keep(cnp.ndarray x, cnp.ndarray keep, int num_threads):
-    """keep[...] = (x == 0) for a C-contiguous float32 or float64 x and a
-    C-contiguous bool keep of x's size; returns whether every entry of x is 0
-    or -inf (see _mask_as_bool in _api.py)."""
+def mask_keep(cnp.ndarray x, cnp.ndarray keep, double floor, int num_threads):
+    """keep[...] = (x == 0) for a C-contiguous float32 or float64 x (at least
+    1-D) and a C-contiguous bool keep of x's shape; returns whether every entry
+    of x is 0 or at most floor (<= 0; -inf: 0 and -inf only), with a 0 in each
+    row (last axis) that holds a finite entry <= floor (see _mask_as_bool in
+    _api.py)."""
+    if (x.ndim == 0 or keep.size != x.size or keep.itemsize != 1 or not x.flags.c_contiguous
+            or not keep.flags.c_contiguous or not keep.flags.writeable):
+        raise ValueError("internal: mask_keep takes a C-contiguous x of at least one axis and a "
+                         "C-contiguous, writeable bool keep of its size")
     cdef int dt = _dtype_code(x)
-    cdef int64_t n = x.size
+    cdef int64_t length = x.shape[x.ndim - 1]
+    cdef int64_t rows = x.size // length if length else 0
     cdef const void *px = cnp.PyArray_DATA(x)
     cdef unsigned char *pk = <unsigned char *>cnp.PyArray_DATA(keep)
     cdef int ok = 0
     cdef int status
     with nogil:
-        status = fa_mask_keep(dt, px, n, pk, num_threads, &ok)
+        status = fa_mask_keep(dt, px, rows, length, floor, pk, num_threads, &ok)
     _check(status)
     return ok != 0
 

@@ -165,10 +165,13 @@ void fa_set_mask_pack(int mode);
  * that came out inf or NaN) since the last call of this; for tests. */
 int64_t fa_take_redo_count(void);
 
-/* keep[i] = (x[i] == 0) for n contiguous float32 or float64 (dtype) x, and
- * *all_ok = whether every x[i] is 0 or -inf (a float mask that acts as the
- * bool mask keep), on num_threads threads (<= 0: the default). */
-int fa_mask_keep(int dtype, const void *x, int64_t n, uint8_t *keep, int num_threads, int *all_ok);
+/* keep[i] = (x[i] == 0) for a contiguous (rows, len) float32 or float64
+ * (dtype) x, and *all_ok = whether every x[i] is 0 or at most floor (<= 0;
+ * -inf: 0 and -inf only) with a 0 in each row that holds a finite x[i] <=
+ * floor (a float mask that acts as the bool mask keep: _mask_as_bool in
+ * fastattn/_api.py), on num_threads threads (<= 0: the default). */
+int fa_mask_keep(int dtype, const void *x, int64_t rows, int64_t len, double floor, uint8_t *keep,
+                 int num_threads, int *all_ok);
 
 /* OpenMP: 1 when built with it; the default team size (1 without OpenMP);
  * the team size of the calling thread's last call; the path of the OpenMP

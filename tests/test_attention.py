@@ -1462,19 +1462,54 @@ def test_mask_keep(rng, dtype, threads):
         x = np.where(rng.random(n) < 0.5, -np.inf, 0.0).astype(dtype)
         x[rng.random(n) < 0.1] = -0.0
         keep = np.empty(n, bool)
-        assert _core.mask_keep(x, keep, threads)
+        assert _core.mask_keep(x, keep, -np.inf, threads)
         np.testing.assert_array_equal(keep, x == 0)
         for pos in sorted({0, n // 2, n - 1}) if n else []:
             for other in others:
                 y = x.copy()
                 y[pos] = other
                 keep = np.ones(n, bool)
-                assert not _core.mask_keep(y, keep, threads), (n, pos, other)
+                assert not _core.mask_keep(y, keep, -np.inf, threads), (n, pos, other)
                 np.testing.assert_array_equal(keep, y == 0)
     x2 = np.triu(np.full((70, 90), -np.inf, dtype), 1)
     keep2 = np.empty(x2.shape, bool)
-    assert _core.mask_keep(x2, keep2, threads)
+    assert _core.mask_keep(x2, keep2, -np.inf, threads)
     np.testing.assert_array_equal(keep2, x2 == 0)
+    with pytest.raises(ValueError, match="mask_keep"):
+        _core.mask_keep(x2, np.empty(5, bool), -np.inf, threads)
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_mask_keep_floor(rng, dtype, threads):
+    """_core.mask_keep with a finite floor: an entry at most floor (finite or
+    -inf) hides its key, anything between floor and 0 (or above 0, or NaN) makes
+    the mask another one, and a row holding a finite entry <= floor needs a 0
+    (a row of only -inf and 0s may hold no 0).  Rows of every length: the
+    vectorised loops' tails, many rows to a work unit, a row longer than one."""
+    floor = -1000.0
+    lows = [floor, np.nextafter(dtype(floor), dtype(-np.inf)), -1e9, np.finfo(dtype).min]
+    for rows, n in ((1, 1), (3, 2), (7, 3), (5, 33), (2000, 17), (40, 1000), (3, (1 << 15) + 3)):
+        x = np.where(rng.random((rows, n)) < 0.5, np.asarray(lows, dtype)[rng.integers(0, 4, (rows, n))], 0.0)
+        x = x.astype(dtype)
+        x[rng.random((rows, n)) < 0.2] = -np.inf
+        x[:, rng.integers(0, n, rows)[0]] = -0.0             # a 0 in each row
+        keep = np.empty(x.shape, bool)
+        assert _core.mask_keep(x, keep, floor, threads), (rows, n)
+        np.testing.assert_array_equal(keep, x == 0)
+        r = rows // 2
+        for other in (np.nextafter(dtype(floor), dtype(0)), -1.0, 1.0, np.inf, np.nan):
+            y = x.copy()
+            y[r, n - 1] = other
+            assert not _core.mask_keep(y, np.empty(x.shape, bool), floor, threads), (rows, n, other)
+        y = x.copy()
+        y[r] = floor                                          # a row without a 0: c + s, not hidden
+        y[r, n // 2:] = -np.inf if n > 1 else floor
+        assert not _core.mask_keep(y, keep, floor, threads), (rows, n)
+        np.testing.assert_array_equal(keep, y == 0)
+        y[r] = -np.inf                                        # all -inf: a row of zeros either way
+        assert _core.mask_keep(y, keep, floor, threads), (rows, n)
+        assert not _core.mask_keep(x, keep, -np.inf, threads) or (x != 0).sum() == np.isneginf(x).sum()
 
 
 @pytest.mark.parametrize("dtype", [F32, F64])
@@ -1548,3 +1583,74 @@ def test_zero_or_neginf_float_mask_runs_as_bool(isa, rng, monkeypatch, dtype):
     out = fastattn.attention(qs, kb, v, mask=causal)
     assert np.isnan(out[5, :80]).all() and np.isfinite(np.delete(out, 5, axis=0)).all()
     assert_close(out, ref.attention(qs, kb, v, mask=causal.astype(dtype)), dtype)
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_large_negative_float_mask_runs_as_bool(isa, rng, monkeypatch, dtype):
+    """A float mask that hides keys with a large finite negative number (Hugging
+    Face's np.finfo(dtype).min, -1e9, -1e4) and that the heads share reaches the
+    C core as the bool mask `mask == 0` where that gives the same result: each
+    hidden weight underflows to exactly 0 (the number below -(2 * max|score| +
+    1024)) and each row with such a number has a 0.  A row without a 0, a number
+    too close to 0 for the scores, causal, a window, kv_lengths, q_lengths or a
+    non-finite v keep it float (a key it hides still adds its weight or its NaN
+    there).  Every case against the reference, and with the conversion off."""
+    from fastattn import _api
+    h, n, d = 8, 100, 16
+    q, k, v = rand(rng, (h, n, d), dtype), rand(rng, (h, n, d), dtype), rand(rng, (h, n, 12), dtype)
+    tril = np.tril(np.ones((n, n), bool))
+
+    def kind(q, k, v, mask, **kw):
+        return _api._prepare(q, k, v, mask, kw.get("causal", False), kw.get("scale"), False, kw.get("window"),
+                             kw.get("softcap"), kw.get("alibi_slopes"), kw.get("kv_lengths"), None,
+                             q_lengths=kw.get("q_lengths")).mask_kind
+
+    def both(q, k, v, mask, want_kind, **kw):
+        """The kind, check() with the conversion on, then off: the same result."""
+        assert kind(q, k, v, mask, **kw) == want_kind
+        out = check(q, k, v, dtype, mask=mask, **kw)[0]
+        monkeypatch.setattr(_api, "_FLOAT_MASKS_AS_BOOL", False)
+        assert kind(q, k, v, mask, **kw) == _core.MASK_ADD
+        assert_close(fastattn.attention(q, k, v, mask=mask, **kw), out, dtype)
+        monkeypatch.setattr(_api, "_FLOAT_MASKS_AS_BOOL", True)
+        return out
+
+    for c in (np.finfo(dtype).min, np.finfo(F32).min, -1e9, -1e4):
+        mask = np.where(tril, 0.0, c).astype(dtype)
+        out = both(q, k, v, mask, _core.MASK_BOOL)
+        assert_close(out, fastattn.attention(q, k, v, causal="upper_left"), dtype)
+        m2 = np.where(~tril & (rng.random((n, n)) < 0.5), -np.inf, mask)
+        m2[5] = -np.inf                                                  # -inf as well, and a row of only -inf
+        out = both(q, k, v, m2, _core.MASK_BOOL)
+        assert (out[:, 5] == 0).all()
+        both(q, k, v, np.asfortranarray(mask), _core.MASK_BOOL)         # NumPy's passes, not mask_keep
+        both(q, k, v, mask, _core.MASK_BOOL, alibi_slopes=np.linspace(0.1, 1, h), softcap=5.0)
+        w = fastattn.attention_weights(q, k, mask=mask)
+        assert_close(w, ref.attention_weights(q.astype(F64), k.astype(F64), mask=mask.astype(F64)), dtype, "weights")
+        assert (w[:, ~tril] == 0).all()
+    mask = np.where(tril, 0.0, -1e4).astype(dtype)
+    big = q * 80                                           # max|score| bound ~ 5000: -1e4 may not hide
+    out = both(big, k, v, mask, _core.MASK_ADD)
+    both(q, k, v, mask, _core.MASK_ADD, alibi_slopes=np.full(h, 60.0))   # ALiBi adds up to 60 * 200
+    both(q, k, v, mask, _core.MASK_BOOL, alibi_slopes=np.full(h, 3.0))
+    mixed = mask.copy()
+    mixed[n // 2, -1] = -1000.0                             # above the floor: not a hidden entry
+    both(q, k, v, mixed, _core.MASK_ADD)
+    both(q, k, v, np.asfortranarray(mixed), _core.MASK_ADD)
+    for kw in ({"causal": True}, {"window": (10, None)}, {"kv_lengths": n - 5}, {"q_lengths": n - 5}):
+        both(q, k, v, np.where(tril, 0.0, -1e9).astype(dtype), _core.MASK_ADD, **kw)
+    both(q, k, v, np.where(tril, 0.0, -np.inf).astype(dtype), _core.MASK_BOOL, causal=True)   # -inf: still bool
+
+    pad = np.where(tril, 0.0, np.finfo(dtype).min).astype(dtype)
+    pad[:3] = np.finfo(dtype).min                           # padding query rows: all hidden, as Hugging Face's
+    out = both(q, k, v, pad, _core.MASK_ADD)
+    assert_close(both(q, k, v, np.asfortranarray(pad), _core.MASK_ADD), out, dtype)
+    assert_close(out[:, :3], np.broadcast_to(v.astype(F64).mean(axis=1, keepdims=True), out[:, :3].shape),
+                 dtype)                                     # a uniform average, not zeros
+    vn = v.copy()
+    vn[2, n - 1, 0] = np.nan                                # seen by every row (at weight 0) of head 2
+    out = both(q, k, vn, np.where(tril, 0.0, -1e9).astype(dtype), _core.MASK_ADD)
+    assert np.isnan(out[2, :, 0]).all() and np.isfinite(np.delete(out, 2, axis=0)).all()
+    monkeypatch.setattr(_api, "_hidden_floor", lambda p, slopes, bound: -1e4)
+    for m in (mask, np.asfortranarray(mask)):   # an entry at the floor hides, in C and in NumPy's passes alike
+        assert kind(q, k, v, m) == _core.MASK_BOOL
