@@ -993,7 +993,23 @@ def _cu_seqlens(cu, name, total, rows):
     return a.astype(np.int64)
 
 
+def _max_seqlen(m, name, longest, rows):
+    """flash-attn's max_seqlen_q / max_seqlen_k: None, or an int at least the
+    longest sequence (flash-attn sizes its launch by it; here it is only checked)."""
+    if m is None:
+        return
+    if isinstance(m, (bool, np.bool_)):
+        raise TypeError(f"{name} must be None or an int, got a bool")
+    try:
+        m = operator.index(m)
+    except TypeError:
+        raise TypeError(f"{name} must be None or an int, got {type(m).__name__}") from None
+    if m < longest:
+        raise ValueError(f"{name}={m} is shorter than the longest sequence of {rows} ({longest} rows)")
+
+
 def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike, cu_seqlens_k: ArrayLike,
+                     max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
                      *, causal: Causal = False, scale: Optional[float] = None, out: Optional[np.ndarray] = None,
                      return_lse: bool = False, num_threads: Optional[int] = None,
                      window: Optional[Window] = None, softcap: Optional[float] = None,
@@ -1024,6 +1040,8 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
     B, G, d_v = cq.size - 1, H // Hkv, v.shape[2]
     len_q, len_k = cq[1:] - cq[:-1], ck[1:] - ck[:-1]
     max_q, max_k = (int(x.max()) if B else 0 for x in (len_q, len_k))
+    _max_seqlen(max_seqlen_q, "max_seqlen_q", max_q, "q")
+    _max_seqlen(max_seqlen_k, "max_seqlen_k", max_k, "k and v")
     slopes = _slopes(alibi_slopes, comp)
     if slopes is not None:
         try:
@@ -1104,6 +1122,10 @@ attention_varlen.__doc__ = """Attention over packed sequences of different lengt
     cu_seqlens_q, cu_seqlens_k : array_like of int, shape (B + 1,)
         Cumulative lengths: 0, then each sequence's end; the last is total_q
         (total_k).  Empty sequences are allowed.
+    max_seqlen_q, max_seqlen_k : int, optional
+        flash-attn's arguments of these places, so that its calls carry over:
+        the longest query (key) sequence or more.  Only checked: fastattn
+        finds the lengths itself.
     causal : bool or str, default False
         Per sequence, aligned bottom-right: query i of a sequence with n_q
         queries and n_k keys sees key j iff j <= i + n_k - n_q; "upper_left":
@@ -1136,9 +1158,10 @@ attention_varlen.__doc__ = """Attention over packed sequences of different lengt
     ValueError
         q, k, v not 3-D or of shapes that do not fit, cu_seqlens not starting
         at 0, decreasing, not ending at total_q (total_k), or of different
-        lengths; alibi_slopes not broadcastable to (B, H); out of the wrong shape.
+        lengths; max_seqlen_q (max_seqlen_k) below the longest sequence;
+        alibi_slopes not broadcastable to (B, H); out of the wrong shape.
     TypeError
-        cu_seqlens not integers; dtypes as for `attention`.
+        cu_seqlens or max_seqlen not integers; dtypes as for `attention`.
 
     Examples
     --------

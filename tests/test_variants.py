@@ -512,6 +512,10 @@ def test_varlen_decode_folds_heads(rng, core_calls):
     (dict(num_threads=0), ValueError, "num_threads"),
     (dict(softcap=-1.0), ValueError, "softcap"),
     (dict(window=(1, 2, 3)), ValueError, "window"),
+    (dict(max_seqlen_q=2), ValueError, r"max_seqlen_q=2 is shorter than the longest sequence of q \(3 rows\)"),
+    (dict(max_seqlen_k=3), ValueError, r"max_seqlen_k=3 is shorter than the longest sequence of k and v \(4 rows\)"),
+    (dict(max_seqlen_q=3.0), TypeError, "max_seqlen_q must be None or an int, got float"),
+    (dict(max_seqlen_k=True), TypeError, "max_seqlen_k must be None or an int, got a bool"),
 ])
 def test_varlen_errors(change, exc, msg):
     args = dict(q=np.ones((5, 4, 16), F32), k=np.ones((7, 2, 16), F32), v=np.ones((7, 2, 8), F32),
@@ -520,6 +524,19 @@ def test_varlen_errors(change, exc, msg):
     q, k, v, cq, ck = (args.pop(n) for n in ("q", "k", "v", "cq", "ck"))
     with pytest.raises(exc, match=msg):
         fastattn.attention_varlen(q, k, v, cq, ck, **args)
+
+
+def test_varlen_takes_flash_attn_max_seqlen(rng):
+    """flash_attn_varlen_func's positional max_seqlen_q and max_seqlen_k (the
+    longest sequences, or more; numpy ints too) carry over and change nothing."""
+    q, k, v = rand(rng, (9, 4, 16)), rand(rng, (12, 2, 16)), rand(rng, (12, 2, 8))
+    cq, ck = np.array([0, 2, 2, 9], np.int32), np.array([0, 5, 7, 12], np.int32)
+    want = fastattn.attention_varlen(q, k, v, cq, ck, causal=True)
+    for mq, mk in ((7, 5), (np.int32(7), np.int64(5)), (100, 6), (None, 5), (7, None)):
+        out = fastattn.attention_varlen(q, k, v, cq, ck, mq, mk, causal=True)
+        np.testing.assert_array_equal(out, want)
+        out = fastattn.attention_varlen(q, k, v, cq, ck, max_seqlen_q=mq, max_seqlen_k=mk, causal=True)
+        np.testing.assert_array_equal(out, want)
 
 
 # ---------------------------------------------------------------------------
