@@ -64,6 +64,8 @@ WORKLOADS = [
     _w("B1 H8 N2048 d64 float mask", (1, 8, 2048, 2048, 64), mask="float"),
     # a causal float mask as tutorials build it, np.triu(np.full((n, n), -np.inf), 1) (in the dtype)
     _w("B1 H8 N2048 d64 triu mask", (1, 8, 2048, 2048, 64), mask="causal"),
+    # ... as Hugging Face builds it: 0, and np.finfo(dtype).min for hidden
+    _w("B1 H8 N2048 d64 finfo.min mask", (1, 8, 2048, 2048, 64), mask="finfo"),
     # key padding (the last 128 keys) whose K and V rows hold NaN, as an unwritten cache from np.empty
     _w("B1 H8 N2048 d64 pad, NaN", (1, 8, 2048, 2048, 64), mask="pad"),
     _w("B1 H8 N2048 d64 GQA 8q/2kv", (1, 8, 2048, 2048, 64), gqa=2),
@@ -157,6 +159,8 @@ def make_inputs(w, seed=0):
         mask = np.where(mask, rng.standard_normal((nq, nk)), -np.inf).astype(dt)
     if w["mask"] == "causal":
         mask = np.triu(np.full((nq, nk), -np.inf, dt), nk - nq + 1)
+    if w["mask"] == "finfo":
+        mask = np.triu(np.full((nq, nk), np.finfo(dt).min, dt), nk - nq + 1)
     if w["mask"] == "pad":
         mask = np.ones((nq, nk), bool)
         mask[:, nk - nk // 16:] = False
@@ -211,7 +215,7 @@ def _flops(w, kw, mask=None):
         return 2 * nq * live * (d + d)
     if w["mask"] == "pad":
         nk -= nk // 16
-    return 2 * B * H * nq * nk * (d + d) / (2 if (w["causal"] or w["mask"] == "causal") and nq == nk else 1)
+    return 2 * B * H * nq * nk * (d + d) / (2 if (w["causal"] or w["mask"] in ("causal", "finfo")) and nq == nk else 1)
 
 
 def has_torch(w):
