@@ -347,13 +347,13 @@ def _fmt_row(r):
     x_ref = f"{r['x_reference']:7.1f}x" if "x_reference" in r else f"{'-':>8}"
     t_ms = _ms(r["torch_ms"]) if "torch_ms" in r else f"{'-':>9}"
     x_t = f"{r['x_torch']:7.2f}x" if "x_torch" in r else f"{'-':>8}"
-    return (f"| {r['name']:<28} | {_ms(r['ms'])} | {r['gflops']:7.1f} | {r['pct_mm']:5.0f} % | "
+    return (f"| {r['name']:<30} | {_ms(r['ms'])} | {r['gflops']:7.1f} | {r['pct_mm']:5.0f} % | "
             f"{ref_ms} | {x_ref} | {t_ms} | {x_t} |")
 
 
-HEADER = ("| workload                     | fastattn ms | GFLOP/s | % mm  | NumPy ms  | x NumPy  "
+HEADER = ("| workload                       | fastattn ms | GFLOP/s | % mm  | NumPy ms  | x NumPy  "
           "| torch ms  | x torch  |\n"
-          "| ---------------------------- | ---------: | ------: | ----: | --------: | -------: "
+          "| ------------------------------ | ---------: | ------: | ----: | --------: | -------: "
           "| --------: | -------: |")
 
 
