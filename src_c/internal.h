@@ -8,8 +8,11 @@
 #include "fastattn.h"
 
 #include <string.h>
-#if defined(__x86_64__) || defined(_M_X64)
-#include <emmintrin.h> /* SSE2, x86-64's baseline: fa_byte_bits */
+/* fa_byte_bits by SSE2 (x86-64's baseline); -DFA_PORTABLE_BYTE_BITS takes the
+ * multiply that other CPUs take (.ci/byte_bits_check.c checks it on x86-64). */
+#if (defined(__x86_64__) || defined(_M_X64)) && !defined(FA_PORTABLE_BYTE_BITS)
+#define FA_SSE2_BYTE_BITS 1
+#include <emmintrin.h>
 #endif
 
 /* Up to 32 bool-mask bytes as bits: bit j is row[j * cs] != 0, j < len <= 32
@@ -22,7 +25,7 @@ static inline uint32_t fa_byte_bits(const uint8_t *row, int64_t cs, int64_t len)
     if (cs == 0) return row[0] ? 0xffffffffu >> (32 - len) : 0;
     uint32_t bits = 0;
     if (cs == 1 && len == 32) {
-#if defined(__x86_64__) || defined(_M_X64)
+#ifdef FA_SSE2_BYTE_BITS
         const __m128i z = _mm_setzero_si128();
         const uint32_t lo = (uint32_t)_mm_movemask_epi8(_mm_cmpeq_epi8(_mm_loadu_si128((const __m128i *)row), z));
         const uint32_t hi = (uint32_t)_mm_movemask_epi8(_mm_cmpeq_epi8(_mm_loadu_si128((const __m128i *)(row + 16)), z));
