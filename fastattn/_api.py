@@ -204,19 +204,27 @@ def _mask_as_bool(mm: np.ndarray, p: Any, slopes: Optional[np.ndarray]) -> Optio
 # ---------------------------------------------------------------------------
 # scalar arguments
 # ---------------------------------------------------------------------------
+def _int_or_none(x, what):
+    """x as an int (None stays None); TypeError "{what}, got ..." for a bool
+    or anything that is not an integer."""
+    if x is None:
+        return None
+    if isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"{what}, got a bool")
+    try:
+        return operator.index(x)
+    except TypeError:
+        raise TypeError(f"{what}, got {type(x).__name__}") from None
+
+
 def _num_threads(n):
     """num_threads as the C core takes it (0: the OpenMP default), with
     scikit-learn's meaning: None the default, n > 0 that many, n < 0 the
     default team size plus n + 1 (-1 all of it, -2 one fewer; at least 1)."""
     what = "num_threads must be None or a nonzero int (-1: the default team size)"
+    n = _int_or_none(n, what)
     if n is None:
         return 0
-    if isinstance(n, (bool, np.bool_)):
-        raise TypeError(f"{what}, got a bool")
-    try:
-        n = operator.index(n)
-    except TypeError:
-        raise TypeError(f"{what}, got {type(n).__name__}") from None
     if n == 0:
         raise ValueError(f"{what}, got 0")
     if n < 0:
@@ -412,15 +420,8 @@ def _window(window, reach):
         raise ValueError(f"window must be None or a pair (left, right), got {window!r}") from None
 
     def side(x, name):
-        if x is None:
-            return -1
-        if isinstance(x, (bool, np.bool_)):
-            raise TypeError(f"window {name} must be None or an int, got a bool")
-        try:
-            x = operator.index(x)
-        except TypeError:
-            raise TypeError(f"window {name} must be None or an int, got {type(x).__name__}") from None
-        return x if 0 <= x < reach else -1
+        x = _int_or_none(x, f"window {name} must be None or an int")
+        return x if x is not None and 0 <= x < reach else -1
 
     return side(left, "left"), side(right, "right")
 
@@ -996,15 +997,8 @@ def _cu_seqlens(cu, name, total, rows):
 def _max_seqlen(m, name, longest, rows):
     """flash-attn's max_seqlen_q / max_seqlen_k: None, or an int at least the
     longest sequence (flash-attn sizes its launch by it; here it is only checked)."""
-    if m is None:
-        return
-    if isinstance(m, (bool, np.bool_)):
-        raise TypeError(f"{name} must be None or an int, got a bool")
-    try:
-        m = operator.index(m)
-    except TypeError:
-        raise TypeError(f"{name} must be None or an int, got {type(m).__name__}") from None
-    if m < longest:
+    m = _int_or_none(m, f"{name} must be None or an int")
+    if m is not None and m < longest:
         raise ValueError(f"{name}={m} is shorter than the longest sequence of {rows} ({longest} rows)")
 
 
