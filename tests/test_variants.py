@@ -844,7 +844,7 @@ def test_gqa_decode_fold_many_rows_and_exclusions(rng, core_calls):
     """32 query heads on one K and V fold into 32 rows (the tiled kernel, keys
     split on 2 threads).  What the rows of a group would not share stays one
     item per head: ALiBi slopes, kv_lengths or q_lengths per head, more than 8
-    query rows, the weights."""
+    query rows over small K and V, the weights."""
     from fastattn._api import _FOLD_ROWS
     q, k, v = rand(rng, (1, 32, 1, 16)), rand(rng, (1, 1, 2100, 16)), rand(rng, (1, 1, 2100, 16))
     check(q, k, v, F32, enable_gqa=True, num_threads=2)
@@ -861,6 +861,29 @@ def test_gqa_decode_fold_many_rows_and_exclusions(rng, core_calls):
     w = fastattn.attention_weights(q, k, enable_gqa=True)
     assert_close(w, ref.attention_weights(q.astype(F64), k.astype(F64), enable_gqa=True), F32)
     assert core_calls[0][:2] == ((2, 2, 4), (2, 2, 4, 2, 16))
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("nq", [9, 12, 13])
+def test_gqa_fold_up_to_12_rows_with_large_kv(isa, rng, core_calls, dtype, nq):
+    """9 to 12 query rows per head fold too (_FOLD_ROWS_BIG) where K and V hold at
+    least 4 MiB, on the avx512 and avx2 paths (not the portable one); 13 rows, or
+    K and V one key short of 4 MiB, stay one item per head.  Causal or not, a bool
+    mask, kv_lengths with a window, against the reference (output and lse)."""
+    from fastattn import _api
+    nk = _api._FOLD_BIG_BYTES // (2 * 2 * 16 * np.dtype(dtype).itemsize)   # K and V of 2 heads, d16: 4 MiB
+    q = rand(rng, (1, 8, nq, 16), dtype)
+    k, v = rand(rng, (1, 2, nk, 16), dtype), rand(rng, (1, 2, nk, 16), dtype)
+    folded, per_head = ((1, 2), (1, 2, nq * 4, 16), 4), ((1, 2, 4), (1, 2, 4, nq, 16), 1)
+    want = folded if nq <= 12 and isa != "generic" else per_head
+    for extra in (dict(causal=True), dict(), dict(mask=rng.random((nq, nk)) < 0.6, causal=True),
+                  dict(kv_lengths=np.array([[nk - 7]]), window=(300, 0), causal=True)):
+        core_calls.clear()
+        check(q, k, v, dtype, enable_gqa=True, **extra)
+        assert core_calls == [want], extra
+    core_calls.clear()
+    check(q, k[:, :, 1:], v[:, :, 1:], dtype, enable_gqa=True, causal=True)
+    assert core_calls == [((1, 2, 4), (1, 2, 4, nq, 16), 1)]
 
 
 # ---------------------------------------------------------------------------
