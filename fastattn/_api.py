@@ -27,7 +27,7 @@ _FOLD_ROWS = 8
 # one item per head, in one process (H32/8 Nk4096 d128, H32/4 Nk2048 d64, H16/4 Nk8192
 # and H32/8 Nk16384 d128; float32 and float64; causal or not): 9-12 rows 1.00-1.60x.
 # Smaller K and V (H8/2 Nk1024, H16/4 Nk512 d64) read 0.82-1.59x, the portable path
-# 0.89-1.35x, and 16 rows 0.93-1.28x, so not there.
+# 0.89-1.35x, and 16 rows 0.93-1.28x (large K and V, avx512 and avx2), so not there.
 _FOLD_ROWS_BIG, _FOLD_BIG_BYTES = 12, 4 << 20
 
 __all__ = ["attention", "attention_varlen", "attention_weights", "merge_attention", "softmax"]
