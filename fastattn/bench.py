@@ -157,10 +157,9 @@ def make_inputs(w, seed=0):
     mask = rng.random((nq, nk)) < 0.9 if w["mask"] in ("bool", "float") else None
     if w["mask"] == "float":
         mask = np.where(mask, rng.standard_normal((nq, nk)), -np.inf).astype(dt)
-    if w["mask"] == "causal":
-        mask = np.triu(np.full((nq, nk), -np.inf, dt), nk - nq + 1)
-    if w["mask"] == "finfo":
-        mask = np.triu(np.full((nq, nk), np.finfo(dt).min, dt), nk - nq + 1)
+    if w["mask"] in ("causal", "finfo"):   # hidden: -inf, or as Hugging Face, the dtype's lowest number
+        hidden = -np.inf if w["mask"] == "causal" else np.finfo(dt).min
+        mask = np.triu(np.full((nq, nk), hidden, dt), nk - nq + 1)
     if w["mask"] == "pad":
         mask = np.ones((nq, nk), bool)
         mask[:, nk - nk // 16:] = False

@@ -664,6 +664,14 @@ static void pv_block(T *restrict Ot, const T *restrict Pt, const T *restrict V, 
     if (i < bqp) pv_cols(1, Ot + i, Pt + i, V, vrs, ld, dv, nb, pf);
 }
 
+/* A row's bit word of a tile into W, and into whether any and all of the tile's are set. */
+INLINE void put_bits(IT *w, uint32_t bits, uint32_t full, uint32_t *any, uint32_t *all)
+{
+    *w = (IT)bits;
+    *any |= bits;
+    *all &= bits | ~full;
+}
+
 /* Bool mask of one tile as bit words: bit (j % 32) of W[j / 32][i] is
  * mask[i][j0 + j] != 0, for the real rows i < bq; padded rows are all ones.
  * From the mask packed to bits once per call (mb, mask_pack in attention.c)
@@ -675,14 +683,6 @@ static void pv_block(T *restrict Ot, const T *restrict Pt, const T *restrict V, 
  *   W   (ceil(nb / 32), ld) words in IT lanes
  * Returns 0 when every entry of the tile is False, 2 when every one is True,
  * 1 otherwise. */
-/* A row's bit word of a tile into W, and into whether any and all of the tile's are set. */
-INLINE void put_bits(IT *w, uint32_t bits, uint32_t full, uint32_t *any, uint32_t *all)
-{
-    *w = (IT)bits;
-    *any |= bits;
-    *all &= bits | ~full;
-}
-
 static int mask_bits(IT *restrict W, int64_t ld, const uint8_t *restrict mk, int64_t mrs, int64_t mcs,
                      const uint32_t *restrict mb, int64_t mbrs, int64_t j0, int64_t bq, int64_t nb)
 {
