@@ -89,7 +89,7 @@ cdef extern from "fastattn.h" nogil:
     int fa_max_threads()
     uint64_t fa_stream_read(const void *x, int64_t n, int num_threads)
     int fa_mask_keep(int dtype, const void *x, int64_t rows, int64_t len, double floor, unsigned char *keep,
-                     int num_threads, int *all_ok)
+                     double pad_floor, unsigned char *pad, int num_threads, int *all_ok)
     int fa_last_threads()
     const char *fa_openmp_library()
     const char *fa_build_info()
@@ -269,25 +269,35 @@ def softmax(cnp.ndarray x, cnp.ndarray out, int num_threads):
     _check(status)
 
 
-def mask_keep(cnp.ndarray x, cnp.ndarray keep, double floor, int num_threads):
+def mask_keep(cnp.ndarray x, cnp.ndarray keep, double floor, int num_threads, cnp.ndarray pad=None,
+              double pad_floor=float("-inf")):
     """keep[...] = (x == 0) for a C-contiguous float32 or float64 x (at least
     1-D) and a C-contiguous bool keep of x's shape; returns whether every entry
     of x is 0 or at most floor (<= 0; -inf: 0 and -inf only), with a 0 in each
     row (last axis) that holds a finite entry <= floor (see _mask_as_bool in
-    _api.py)."""
+    _api.py).  With pad (a C-contiguous bool array of x.shape[:-1]), a row
+    without a 0 may instead hold one constant <= pad_floor throughout: pad
+    marks those rows (True) and no others."""
     if (x.ndim == 0 or keep.size != x.size or keep.itemsize != 1 or not x.flags.c_contiguous
             or not keep.flags.c_contiguous or not keep.flags.writeable):
         raise ValueError("internal: mask_keep takes a C-contiguous x of at least one axis and a "
                          "C-contiguous, writeable bool keep of its size")
-    cdef int dt = _dtype_code(x)
     cdef int64_t length = x.shape[x.ndim - 1]
     cdef int64_t rows = x.size // length if length else 0
+    if pad is not None and (pad.size != rows or pad.itemsize != 1 or not pad.flags.c_contiguous
+                            or not pad.flags.writeable):
+        raise ValueError("internal: mask_keep's pad must be a C-contiguous, writeable bool array "
+                         "with one entry per row of x")
+    if not pad_floor <= 0:
+        raise ValueError("internal: mask_keep's pad_floor must be <= 0")
+    cdef int dt = _dtype_code(x)
     cdef const void *px = cnp.PyArray_DATA(x)
     cdef unsigned char *pk = <unsigned char *>cnp.PyArray_DATA(keep)
+    cdef unsigned char *pp = <unsigned char *>cnp.PyArray_DATA(pad) if pad is not None else NULL
     cdef int ok = 0
     cdef int status
     with nogil:
-        status = fa_mask_keep(dt, px, rows, length, floor, pk, num_threads, &ok)
+        status = fa_mask_keep(dt, px, rows, length, floor, pk, pad_floor, pp, num_threads, &ok)
     _check(status)
     return ok != 0
 

@@ -169,9 +169,11 @@ int64_t fa_take_redo_count(void);
  * (dtype) x, and *all_ok = whether every x[i] is 0 or at most floor (<= 0;
  * -inf: 0 and -inf only) with a 0 in each row that holds a finite x[i] <=
  * floor (a float mask that acts as the bool mask keep: _mask_as_bool in
- * fastattn/_api.py), on num_threads threads (<= 0: the default). */
+ * fastattn/_api.py), on num_threads threads (<= 0: the default).  pad (rows
+ * bytes, or NULL) lets a row without a 0 be one constant <= pad_floor (<= 0)
+ * instead, and marks such rows with 1 (the others 0). */
 int fa_mask_keep(int dtype, const void *x, int64_t rows, int64_t len, double floor, uint8_t *keep,
-                 int num_threads, int *all_ok);
+                 double pad_floor, uint8_t *pad, int num_threads, int *all_ok);
 
 /* OpenMP: 1 when built with it; the default team size (1 without OpenMP);
  * the team size of the calling thread's last call; the path of the OpenMP

@@ -6,8 +6,8 @@
 Wider than the property tests (test_properties.py), and meant to run for minutes,
 not in CI: shapes up to 700 x 2100 (several tiles, split keys, the row kernel),
 B and H with broadcast K and V, GQA, every mask kind and layout (bool, float,
-float masks of only 0 and -inf or a large negative number, causal ones, key
-padding, column-major and reversed), causal aligned either way, window,
+float masks of only 0 and -inf or a large negative number (with padding rows
+of it), causal ones, key padding, column-major and reversed), causal aligned either way, window,
 softcap, ALiBi, kv_lengths, q_lengths, scale (0 too), float16 to float64, NaN
 and inf planted in q, k and v, transposed (B, N, H, d) views, out=,
 attention_weights, and the batch again as packed sequences of random lengths
@@ -79,6 +79,8 @@ def problem(rng):
         if rng.random() < 0.4:  # "hidden" as a large finite negative number (Hugging Face's finfo.min, -1e9)
             c = max(float(rng.choice([np.finfo(dt).min, -1e9, -1e4, -3000.0, -1000.0])), float(np.finfo(dt).min))
             m[np.isneginf(m) & (rng.random(s) < rng.choice([0.5, 1.0]))] = c
+            if c == float(np.finfo(dt).min) and rng.random() < 0.4:  # padding query rows, c throughout
+                m[..., rng.random(s[-2]) < 0.2, :] = c
         kw["mask"] = m.astype(rng.choice([dt, np.float64]))
     elif kind == "key_padding":
         keep = np.arange(nk) < rng.integers(0, nk + 1, lead[:-1] + (1, 1, 1))

@@ -1,6 +1,7 @@
 """fastattn.attention against the float64 NumPy reference."""
 
 import threading
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -1451,6 +1452,44 @@ def test_float_mask_hidden_tiles(isa, fused, tiles, rng, dtype, threads, layout)
 
 @pytest.mark.parametrize("dtype", [F32, F64])
 @pytest.mark.parametrize("threads", [1, 2])
+def test_mask_keep_pad_rows(rng, dtype, threads):
+    """_core.mask_keep with pad: a row without a 0 that holds one constant c <=
+    pad_floor throughout (a padding query row) passes and is marked, its keep all
+    False; a row with a 0 or of only -inf is not marked; c above pad_floor, two
+    constants, or c beside -inf fail.  Without pad such a row fails.  Rows of
+    every length, many rows to a work unit and a row longer than one."""
+    floor, pad_floor = -1000.0, -1e20
+    for rows, n in ((1, 1), (4, 2), (7, 3), (6, 33), (2000, 17), (40, 1000), (3, (1 << 15) + 3)):
+        x = np.where(rng.random((rows, n)) < 0.5, -1e9, 0.0).astype(dtype)
+        x[:, rng.integers(0, n)] = 0.0                       # a 0 in each row
+        pads = sorted({0, rows // 2, rows - 1})
+        for r in pads:
+            x[r] = np.finfo(dtype).min if r else pad_floor   # at pad_floor itself too
+        if rows > 3:
+            x[1] = -np.inf                                   # a row of only -inf: not a padding row
+        keep, pad = np.ones(x.shape, bool), np.ones(rows, bool)
+        assert _core.mask_keep(x, keep, floor, threads, pad, pad_floor), (rows, n)
+        np.testing.assert_array_equal(keep, x == 0)
+        np.testing.assert_array_equal(pad, np.isin(np.arange(rows), pads))
+        assert not _core.mask_keep(x, keep, floor, threads)  # no pad: a row without a 0 fails
+        assert not _core.mask_keep(x, keep, floor, threads, pad, -np.inf)
+        r = pads[-1]
+        others = [[np.nextafter(dtype(pad_floor), dtype(0))] * n]         # above pad_floor
+        if n > 1:
+            others += [[np.finfo(dtype).min] * (n - 1) + [-1e30],         # two constants
+                       [-np.inf] + [np.finfo(dtype).min] * (n - 1)]       # beside -inf
+        for other in others:
+            y = x.copy()
+            y[r] = np.asarray(other, dtype)
+            assert not _core.mask_keep(y, keep, floor, threads, pad, pad_floor), (rows, n, other[0])
+    with pytest.raises(ValueError, match="pad"):
+        _core.mask_keep(x, keep, floor, threads, np.ones(rows + 1, bool), pad_floor)
+    with pytest.raises(ValueError, match="pad_floor"):
+        _core.mask_keep(x, keep, floor, threads, pad, 1.0)
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("threads", [1, 2])
 def test_mask_keep(rng, dtype, threads):
     """The C helper of the float mask conversion (_core.mask_keep): keep = x == 0
     and whether every entry is 0 or -inf, in one threaded pass, for every length
@@ -1641,16 +1680,113 @@ def test_large_negative_float_mask_runs_as_bool(isa, rng, monkeypatch, dtype):
         both(q, k, v, np.where(tril, 0.0, -1e9).astype(dtype), _core.MASK_ADD, **kw)
     both(q, k, v, np.where(tril, 0.0, -np.inf).astype(dtype), _core.MASK_BOOL, causal=True)   # -inf: still bool
 
-    pad = np.where(tril, 0.0, np.finfo(dtype).min).astype(dtype)
-    pad[:3] = np.finfo(dtype).min                           # padding query rows: all hidden, as Hugging Face's
-    out = both(q, k, v, pad, _core.MASK_ADD)
-    assert_close(both(q, k, v, np.asfortranarray(pad), _core.MASK_ADD), out, dtype)
-    assert_close(out[:, :3], np.broadcast_to(v.astype(F64).mean(axis=1, keepdims=True), out[:, :3].shape),
-                 dtype)                                     # a uniform average, not zeros
+    pad = np.where(tril, 0.0, -1e9).astype(dtype)
+    pad[:3] = -1e9                                          # padding query rows whose constant does not absorb
+    assert kind(q, k, v, pad) == _core.MASK_ADD             # the scores: a softmax over c + s (see below)
     vn = v.copy()
     vn[2, n - 1, 0] = np.nan                                # seen by every row (at weight 0) of head 2
     out = both(q, k, vn, np.where(tril, 0.0, -1e9).astype(dtype), _core.MASK_ADD)
     assert np.isnan(out[2, :, 0]).all() and np.isfinite(np.delete(out, 2, axis=0)).all()
-    monkeypatch.setattr(_api, "_hidden_floor", lambda p, slopes, bound: -1e4)
+    monkeypatch.setattr(_api, "_hidden_floor", lambda p, slopes, bound: (-1e4, -np.inf))
     for m in (mask, np.asfortranarray(mask)):   # an entry at the floor hides, in C and in NumPy's passes alike
         assert kind(q, k, v, m) == _core.MASK_BOOL
+
+
+def hf_padded_mask(lengths, n, dtype, value=None):
+    """Hugging Face's eager causal mask (B, 1, n, n) for left-padded sequences of
+    the given lengths: 0 where a query sees a key, value (np.finfo(dtype).min)
+    elsewhere, so that the padding query rows hold value throughout."""
+    value = np.finfo(dtype).min if value is None else value
+    j = np.arange(n)
+    start = n - np.asarray(lengths)[:, None, None]            # the first real position of each sequence
+    sees = (j[None, None, :] <= j[None, :, None]) & (j[None, None, :] >= start)
+    return np.where(sees, 0.0, value).astype(dtype)[:, None]
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_padding_rows_of_large_negative_mask_run_as_bool(isa, rng, monkeypatch, dtype):
+    """Hugging Face's eager masks with left padding: the padding query rows hold
+    np.finfo(dtype).min throughout, which absorbs every score, so such a row
+    attends every key alike (the mean of v, lse = c + log(n_k)).  The mask still
+    goes as bool (the rows left empty by the C core, then filled): outputs, lse,
+    weights, GQA, out= and the tile sizes against the reference and against the
+    float path.  A constant that does not absorb the scores, two constants, or a
+    constant beside -inf keep the mask float."""
+    from fastattn import _api
+    B, H, n, d = 3, 4, 70, 16
+    q, k, v = rand(rng, (B, H, n, d), dtype), rand(rng, (B, H, n, d), dtype), rand(rng, (B, H, n, 12), dtype)
+    mask = hf_padded_mask([n, n - 9, 5], n, dtype)
+
+    def kind(q, k, v, mask, **kw):
+        return _api._prepare(q, k, v, mask, False, None, kw.get("enable_gqa", False), None, None,
+                             kw.get("alibi_slopes"), None, None).mask_kind
+
+    def float_path(f, *args, **kw):
+        monkeypatch.setattr(_api, "_FLOAT_MASKS_AS_BOOL", False)
+        try:
+            return f(*args, **kw)
+        finally:
+            monkeypatch.setattr(_api, "_FLOAT_MASKS_AS_BOOL", True)
+
+    assert kind(q, k, v, mask) == _core.MASK_BOOL
+    out, lse = check(q, k, v, dtype, mask=mask)
+    pad_rows = (mask == np.finfo(dtype).min).all(axis=-1)[:, 0]            # (B, n)
+    assert pad_rows.sum() == 9 + n - 5
+    mean = v.astype(F64).mean(axis=-2)                                     # (B, H, 12)
+    assert_close(out[pad_rows[:, None].repeat(H, 1)], np.broadcast_to(mean[:, :, None], out.shape)[
+        pad_rows[:, None].repeat(H, 1)], dtype)                            # a uniform average, not zeros
+    want_out, want_lse = float_path(fastattn.attention, q, k, v, mask=mask, return_lse=True)
+    assert_close(out, want_out, dtype)
+    assert_close(lse, want_lse, dtype, "lse")
+    assert np.all(lse[pad_rows[:, None].repeat(H, 1)] == np.finfo(dtype).min)   # c + log(n_k) rounds to c
+    for bq, bk in ((16, 16), (32, 64)):                                   # tails of query and key tiles
+        _core._set_tiles(bq, bk)
+        try:
+            assert_close(fastattn.attention(q, k, v, mask=mask), out, dtype)
+        finally:
+            _core._set_tiles(0, 0)
+    w = fastattn.attention_weights(q, k, mask=mask)
+    assert_close(w, ref.attention_weights(q.astype(F64), k.astype(F64), mask=mask.astype(F64)), dtype, "weights")
+    assert_close(w, float_path(fastattn.attention_weights, q, k, mask=mask), dtype, "weights")
+    assert np.all(w[pad_rows[:, None].repeat(H, 1)] == dtype(1) / dtype(n))
+    dst = np.full((B, H, n, 24), np.nan, dtype)[..., ::2]                   # out= with strides
+    fastattn.attention(q, k, v, mask=mask, out=dst)
+    assert_close(dst, out, dtype)
+    kg, vg = k[:, :2], v[:, :2]                                           # GQA: 4 query heads on 2
+    assert kind(q, kg, vg, mask, enable_gqa=True) == _core.MASK_BOOL
+    out = check(q, kg, vg, dtype, mask=mask, enable_gqa=True)[0]
+    assert_close(out, float_path(fastattn.attention, q, kg, vg, mask=mask, enable_gqa=True), dtype)
+    out = check(q, k, v, dtype, mask=mask, alibi_slopes=np.linspace(0.1, 1, H))   # ALiBi adds to the bound
+    assert kind(q, k, v, mask, alibi_slopes=np.linspace(0.1, 1, H)) == _core.MASK_BOOL
+
+    for value in (-1e17, -1e12, -1e9, -1e4):         # absorbs no score: a softmax over c + s, not a mean
+        m = hf_padded_mask([n, n - 9, 5], n, dtype, value)
+        assert kind(q, k, v, m) == _core.MASK_ADD
+        if dtype is F64 and value > -1e10:               # (-1e12 + s rounds s to 1e-4)
+            check(q, k, v, dtype, mask=m)
+    for row in ([np.finfo(dtype).min] * (n - 1) + [-1e30],              # two constants
+                [-np.inf] + [np.finfo(dtype).min] * (n - 1)):           # beside -inf
+        m = mask.copy()
+        m[2, 0, 0] = np.asarray(row, dtype)
+        assert kind(q, k, v, m) == _core.MASK_ADD
+        assert kind(q, k, v, np.asfortranarray(m[:, 0])[:, None]) == _core.MASK_ADD   # NumPy's passes
+        check(q, k, v, dtype, mask=m)
+    m = mask.copy()
+    m[2, 0, 0] = -np.inf                                    # only -inf: the row sees nothing, as before
+    assert kind(q, k, v, m) == _core.MASK_BOOL
+    out = check(q, k, v, dtype, mask=m)[0]
+    assert np.all(out[2, :, 0] == 0)
+    if dtype is F32:                                        # a float64 constant beyond float32's range
+        m = mask.astype(F64)
+        m[m != 0] = -1e300                                  # is -inf in float32: those rows see nothing
+        assert kind(q, k, v, m) == _core.MASK_BOOL
+        out = fastattn.attention(q, k, v, mask=m)
+        with np.errstate(over="ignore"):                    # the float path casts the mask (NumPy warns)
+            assert_close(out, float_path(fastattn.attention, q, k, v, mask=m), dtype)
+        assert np.all(out[pad_rows[:, None].repeat(H, 1)] == 0)
+    with warnings.catch_warnings():                         # float16's -65504 absorbs nothing here,
+        warnings.simplefilter("error")                      # and NumPy's passes compare it without
+        assert kind(q, k, v, hf_padded_mask([n, 5, 9], n, np.float16)) == _core.MASK_ADD   # overflow
+    fm = np.asfortranarray(mask[:, 0])[:, None]             # NumPy's passes, not mask_keep
+    assert not fm.flags.c_contiguous and kind(q, k, v, fm) == _core.MASK_BOOL
+    assert_close(fastattn.attention(q, k, v, mask=fm), fastattn.attention(q, k, v, mask=mask), dtype)
