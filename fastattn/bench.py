@@ -66,6 +66,9 @@ WORKLOADS = [
     _w("B1 H8 N2048 d64 triu mask", (1, 8, 2048, 2048, 64), mask="causal"),
     # ... as Hugging Face builds it: 0, and np.finfo(dtype).min for hidden
     _w("B1 H8 N2048 d64 finfo.min mask", (1, 8, 2048, 2048, 64), mask="finfo"),
+    # ... and as its eager path builds it for a left-padded batch (1024, 768, 512 and 256 tokens):
+    # (B, 1, N, N), causal, finfo.min for hidden, and the padding query rows finfo.min throughout
+    _w("B4 H8 N1024 d64 left-pad mask", (4, 8, 1024, 1024, 64), mask="hf_left_pad"),
     # key padding (the last 128 keys) whose K and V rows hold NaN, as an unwritten cache from np.empty
     _w("B1 H8 N2048 d64 pad, NaN", (1, 8, 2048, 2048, 64), mask="pad"),
     _w("B1 H8 N2048 d64 GQA 8q/2kv", (1, 8, 2048, 2048, 64), gqa=2),
@@ -160,6 +163,10 @@ def make_inputs(w, seed=0):
     if w["mask"] in ("causal", "finfo"):   # hidden: -inf, or as Hugging Face, the dtype's lowest number
         hidden = -np.inf if w["mask"] == "causal" else np.finfo(dt).min
         mask = np.triu(np.full((nq, nk), hidden, dt), nk - nq + 1)
+    if w["mask"] == "hf_left_pad":
+        j = np.arange(nk)
+        start = nk - _left_pad_lengths(w)[:, None, None]   # each sequence's first real position
+        mask = np.where((j <= j[:, None]) & (j >= start), 0, np.finfo(dt).min).astype(dt)[:, None]
     if w["mask"] == "pad":
         mask = np.ones((nq, nk), bool)
         mask[:, nk - nk // 16:] = False
@@ -179,6 +186,12 @@ def make_inputs(w, seed=0):
         else:
             kw["kv_lengths"] = lengths
     return q, k, v, mask, kw
+
+
+def _left_pad_lengths(w):
+    """The sequence lengths of the left-padded batch: n, 3n/4, n/2, n/4, ..."""
+    B, _, nq, _, _ = w["shape"]
+    return nq - np.arange(B) * (nq // 4)
 
 
 _STREAM_BUF: "list[np.ndarray]" = []
@@ -204,8 +217,8 @@ def _live_keys(w, mask, kw):
 def _flops(w, kw, mask=None):
     """Floating-point operations of a workload (the keys each query really sees)."""
     B, H, nq, nk, d = w["shape"]
-    if "q_lengths" in kw:   # causal over each sequence's own length
-        n = kw["q_lengths"].astype(float)
+    if "q_lengths" in kw or w["mask"] == "hf_left_pad":   # causal over each sequence's own length
+        n = (kw["q_lengths"] if "q_lengths" in kw else _left_pad_lengths(w)).astype(float)
         return float(2 * H * (n * (n + 1) / 2).sum() * (d + d))
     if "window" in kw:
         return 2 * B * H * nq * (min(kw["window"][0], nk) + 1) * (d + d)
