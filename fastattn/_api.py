@@ -923,8 +923,10 @@ attention.__doc__ = """Exact scaled dot-product attention, softmax(q k^T * scale
         Values.  A 1-D v drops the d_v axis of the result.
     mask : array_like of bool or float, optional
         Broadcastable to (..., n_q, n_k).  bool: True = may attend.  float:
-        added to the scaled scores (-inf forbids).  With a 1-D q, broadcastable
-        to (..., n_k).
+        added to the scaled scores (-inf forbids; a large finite number such
+        as np.finfo(dtype).min hides a key from a row that sees another, but
+        a row of only such numbers attends every key, as in the reference and
+        PyTorch).  With a 1-D q, broadcastable to (..., n_k).
     causal : bool or str, default False
         True (or "lower_right"): query i may attend key j iff
         j <= i + (n_k - n_q), aligned bottom-right, as in FlashAttention

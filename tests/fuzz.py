@@ -3,17 +3,17 @@
     python tests/fuzz.py --seconds 600            # from the checkout, after an install
     python tests/fuzz.py --seed 258 --count 1 -v  # one case again, with its arguments
 
-Wider than the property tests (test_properties.py), and meant to run for minutes,
-not in CI: shapes up to 700 x 2100 (several tiles, split keys, the row kernel),
-B and H with broadcast K and V, GQA, every mask kind and layout (bool, float,
-float masks of only 0 and -inf or a large negative number (with padding rows
-of it), causal ones, key padding, column-major and reversed), causal aligned either way, window,
-softcap, ALiBi, kv_lengths, q_lengths, scale (0 too), float16 to float64, NaN
-and inf planted in q, k and v, transposed (B, N, H, d) views, out=,
-attention_weights, and the batch again as packed sequences of random lengths
-(attention_varlen); on a random SIMD path and thread count, with the tiles,
-the fused exp, the far prefetch, the row kernel's limit and the bool mask's
-packing forced at random.
+Wider than the property tests (test_properties.py), and meant to run for
+minutes, not in CI: shapes up to 700 x 2100 (several tiles, split keys, the row
+kernel), B and H with broadcast K and V, GQA, every mask kind and layout (bool,
+float, float masks of only 0 and -inf or a large negative number (with padding
+rows of it), causal ones, key padding, column-major and reversed), causal
+aligned either way, window, softcap, ALiBi, kv_lengths, q_lengths, scale (0
+too), float16 to float64, NaN and inf planted in q, k and v, transposed (B, N,
+H, d) views, out=, attention_weights, and the batch again as packed sequences of
+random lengths (attention_varlen); on a random SIMD path and thread count, with
+the tiles, the fused exp, the far prefetch, the row kernel's limit and the bool
+mask's packing forced at random.
 Each failure prints its seed; a seed reproduces its case exactly.  Three bugs
 were found this way (in 443c525 and f48d0b1).  The suite runs seeds 0-149
 (test_properties.py: test_fuzz_cases).
