@@ -90,6 +90,7 @@ cdef extern from "fastattn.h" nogil:
     uint64_t fa_stream_read(const void *x, int64_t n, int num_threads)
     int fa_mask_keep(int dtype, const void *x, int64_t rows, int64_t len, double floor, unsigned char *keep,
                      double pad_floor, unsigned char *pad, int num_threads, int *all_ok)
+    int fa_abs_max(int dtype, const void *x, int64_t n, int num_threads, double *out)
     int fa_last_threads()
     const char *fa_openmp_library()
     const char *fa_build_info()
@@ -300,6 +301,22 @@ def mask_keep(cnp.ndarray x, cnp.ndarray keep, double floor, int num_threads, cn
         status = fa_mask_keep(dt, px, rows, length, floor, pk, pad_floor, pp, num_threads, &ok)
     _check(status)
     return ok != 0
+
+
+def abs_max(cnp.ndarray x, int num_threads):
+    """max |x| of a C-contiguous float32 or float64 x, in one threaded pass: 0.0
+    when x is empty, NaN when x holds a NaN (see _abs_max in _api.py)."""
+    if not x.flags.c_contiguous:
+        raise ValueError("internal: abs_max takes a C-contiguous x")
+    cdef int dt = _dtype_code(x)
+    cdef const void *px = cnp.PyArray_DATA(x)
+    cdef int64_t n = x.size
+    cdef double out = 0
+    cdef int status
+    with nogil:
+        status = fa_abs_max(dt, px, n, num_threads, &out)
+    _check(status)
+    return out
 
 
 def vexp(cnp.ndarray x, bint neg=False):

@@ -13,6 +13,9 @@
 #include <string.h>
 
 #include "internal.h"
+#ifdef __SSE2__
+#include <emmintrin.h> /* abs_max_f32 and abs_max_f64 */
+#endif
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -816,6 +819,125 @@ int fa_mask_keep(int dtype, const void *x, int64_t rows, int64_t len, double flo
     const int64_t n = rows * len, units = (rows + plan.rows_per_unit - 1) / plan.rows_per_unit;
     run_parallel(mask_keep_team, &plan, team_size(num_threads, units, 2.0 * (double)n));
     *all_ok = plan.ok;
+    return FA_OK;
+}
+
+/* ---------------------------------------------------------------------------
+ * max |x[i]| of a contiguous float32 or float64 x of n entries (0 when n is 0;
+ * NaN when some x[i] is NaN), in one pass split across the threads
+ * (num_threads <= 0: the OpenMP default): the bound on the scores that the
+ * float mask conversion needs (_abs_max in fastattn/_api.py), where NumPy's
+ * max and min take two passes on one thread.
+ *   x  (n) float32 or float64 (dtype), contiguous
+ * ------------------------------------------------------------------------- */
+typedef struct {
+    const void *x;
+    int64_t n;
+    double max;
+    int dtype, nan;
+} abs_max_plan;
+
+enum { ABS_MAX_CHUNK = 1 << 14 }; /* elements per work unit */
+
+/* max |x[i]| of n entries into *max, and whether one is NaN into *nan: SSE2
+ * (the x86-64 baseline) four vectors at a time, a plain loop elsewhere.  maxps
+ * and maxpd keep their second operand where the first is NaN, so NaN is
+ * counted apart (cmpunord). */
+static void abs_max_f32(const float *x, int64_t n, double *max, int *nan)
+{
+    int64_t i = 0;
+    float m = 0;
+    int bad = 0;
+#ifdef __SSE2__
+    const __m128 sign = _mm_set1_ps(-0.0f);
+    __m128 m0 = _mm_setzero_ps(), m1 = m0, m2 = m0, m3 = m0, u = m0;
+    for (; i + 16 <= n; i += 16) {
+        const __m128 a0 = _mm_andnot_ps(sign, _mm_loadu_ps(x + i)), a1 = _mm_andnot_ps(sign, _mm_loadu_ps(x + i + 4));
+        const __m128 a2 = _mm_andnot_ps(sign, _mm_loadu_ps(x + i + 8)), a3 = _mm_andnot_ps(sign, _mm_loadu_ps(x + i + 12));
+        m0 = _mm_max_ps(a0, m0);
+        m1 = _mm_max_ps(a1, m1);
+        m2 = _mm_max_ps(a2, m2);
+        m3 = _mm_max_ps(a3, m3);
+        u = _mm_or_ps(u, _mm_or_ps(_mm_cmpunord_ps(a0, a1), _mm_cmpunord_ps(a2, a3)));
+    }
+    float lanes[4];
+    _mm_storeu_ps(lanes, _mm_max_ps(_mm_max_ps(m0, m1), _mm_max_ps(m2, m3)));
+    for (int l = 0; l < 4; l++) m = lanes[l] > m ? lanes[l] : m;
+    bad = _mm_movemask_ps(u) != 0;
+#endif
+    for (; i < n; i++) {
+        const float a = fabsf(x[i]);
+        m = a > m ? a : m;
+        bad |= a != a;
+    }
+    *max = m;
+    *nan = bad;
+}
+
+static void abs_max_f64(const double *x, int64_t n, double *max, int *nan)
+{
+    int64_t i = 0;
+    double m = 0;
+    int bad = 0;
+#ifdef __SSE2__
+    const __m128d sign = _mm_set1_pd(-0.0);
+    __m128d m0 = _mm_setzero_pd(), m1 = m0, m2 = m0, m3 = m0, u = m0;
+    for (; i + 8 <= n; i += 8) {
+        const __m128d a0 = _mm_andnot_pd(sign, _mm_loadu_pd(x + i)), a1 = _mm_andnot_pd(sign, _mm_loadu_pd(x + i + 2));
+        const __m128d a2 = _mm_andnot_pd(sign, _mm_loadu_pd(x + i + 4)), a3 = _mm_andnot_pd(sign, _mm_loadu_pd(x + i + 6));
+        m0 = _mm_max_pd(a0, m0);
+        m1 = _mm_max_pd(a1, m1);
+        m2 = _mm_max_pd(a2, m2);
+        m3 = _mm_max_pd(a3, m3);
+        u = _mm_or_pd(u, _mm_or_pd(_mm_cmpunord_pd(a0, a1), _mm_cmpunord_pd(a2, a3)));
+    }
+    double lanes[2];
+    _mm_storeu_pd(lanes, _mm_max_pd(_mm_max_pd(m0, m1), _mm_max_pd(m2, m3)));
+    for (int l = 0; l < 2; l++) m = lanes[l] > m ? lanes[l] : m;
+    bad = _mm_movemask_pd(u) != 0;
+#endif
+    for (; i < n; i++) {
+        const double a = fabs(x[i]);
+        m = a > m ? a : m;
+        bad |= a != a;
+    }
+    *max = m;
+    *nan = bad;
+}
+
+static void abs_max_team(void *arg)
+{
+    abs_max_plan *p = arg;
+    const int64_t units = (p->n + ABS_MAX_CHUNK - 1) / ABS_MAX_CHUNK;
+    double m = 0;
+    int nan = 0;
+    RECORD_TEAM();
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < units; u++) {
+        const int64_t at = u * ABS_MAX_CHUNK, len = p->n - at < ABS_MAX_CHUNK ? p->n - at : ABS_MAX_CHUNK;
+        double um;
+        int un;
+        if (p->dtype == FA_F32)
+            abs_max_f32((const float *)p->x + at, len, &um, &un);
+        else
+            abs_max_f64((const double *)p->x + at, len, &um, &un);
+        m = um > m ? um : m;
+        nan |= un;
+    }
+#pragma omp critical(fa_abs_max)
+    {
+        p->max = m > p->max ? m : p->max;
+        p->nan |= nan;
+    }
+}
+
+int fa_abs_max(int dtype, const void *x, int64_t n, int num_threads, double *out)
+{
+    if ((dtype != FA_F32 && dtype != FA_F64) || n < 0) return FA_EINVAL;
+    abs_max_plan plan = {.x = x, .n = n, .max = 0, .dtype = dtype, .nan = 0};
+    const int64_t units = (n + ABS_MAX_CHUNK - 1) / ABS_MAX_CHUNK;
+    run_parallel(abs_max_team, &plan, team_size(num_threads, units, 0.5 * (double)n));
+    *out = plan.nan ? NAN : plan.max;
     return FA_OK;
 }
 

@@ -175,6 +175,11 @@ int64_t fa_take_redo_count(void);
 int fa_mask_keep(int dtype, const void *x, int64_t rows, int64_t len, double floor, uint8_t *keep,
                  double pad_floor, uint8_t *pad, int num_threads, int *all_ok);
 
+/* *out = max |x[i]| over a contiguous float32 or float64 (dtype) x of n
+ * entries: 0 when n is 0, NaN when some x[i] is NaN; on num_threads threads
+ * (<= 0: the default). */
+int fa_abs_max(int dtype, const void *x, int64_t n, int num_threads, double *out);
+
 /* OpenMP: 1 when built with it; the default team size (1 without OpenMP);
  * the team size of the calling thread's last call; the path of the OpenMP
  * runtime library.  fa_build_info: compiler, flags, OpenMP version. */

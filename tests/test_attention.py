@@ -1452,6 +1452,39 @@ def test_float_mask_hidden_tiles(isa, fused, tiles, rng, dtype, threads, layout)
 
 @pytest.mark.parametrize("dtype", [F32, F64])
 @pytest.mark.parametrize("threads", [1, 2])
+def test_abs_max(rng, dtype, threads):
+    """_core.abs_max, the bound of the float mask conversion: max |x| in one
+    threaded pass, for every length (the 16- and 8-element vector loops' tails,
+    several work units), the max at either sign and any position, -0, inf; NaN
+    anywhere gives NaN (and _api._abs_max inf).  _abs_max takes NumPy's passes for
+    other layouts and dtypes, with the same result."""
+    from fastattn import _api
+    for n in (0, 1, 3, 7, 8, 9, 15, 16, 17, 100, (1 << 14) - 1, (1 << 14) + 5, 3 * (1 << 14) + 11, 700_001):
+        x = rand(rng, n, dtype)
+        want = float(np.abs(x).max()) if n else 0.0
+        assert _core.abs_max(x, threads) == want, n
+        if n > 300_000:                                      # enough work for a team
+            assert _core.last_threads() == threads
+        for pos in sorted({0, n // 2, n - 1}) if n else []:
+            y = x.copy()
+            for big in (dtype(-1e3), dtype(1e3)):
+                y[pos] = big
+                assert _core.abs_max(y, threads) == 1e3, (n, pos, big)
+            y[pos] = -np.inf
+            assert _core.abs_max(y, threads) == np.inf
+            y[pos] = np.nan
+            assert np.isnan(_core.abs_max(y, threads)), (n, pos)
+            assert _api._abs_max(y, threads) == np.inf
+    assert _core.abs_max(np.array([-0.0, 0.0], dtype), threads) == 0.0
+    x = rand(rng, (30, 40), dtype)
+    for y in (x, x.T, x[:, ::3], x.astype(np.float16)):   # C, and NumPy's passes
+        assert _api._abs_max(y, threads) == float(np.abs(y).max())
+    with pytest.raises(ValueError, match="abs_max"):
+        _core.abs_max(x.T, threads)
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("threads", [1, 2])
 def test_mask_keep_pad_rows(rng, dtype, threads):
     """_core.mask_keep with pad: a row without a 0 that holds one constant c <=
     pad_floor throughout (a padding query row) passes and is marked, its keep all
