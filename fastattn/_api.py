@@ -197,7 +197,7 @@ def _mask_as_bool(mm: np.ndarray, p: Any, slopes: Optional[np.ndarray]) -> Optio
         """(x == 0, padding rows or None) where every entry of x is 0 or at most floor
         and each row holding a finite one holds a 0 or (pad_floor > -inf) is one
         constant at most pad_floor throughout (as _core.mask_keep), else None."""
-        pad = np.zeros(x.shape[:-1], bool) if pad_floor > -math.inf else None
+        pad = np.empty(x.shape[:-1], bool) if pad_floor > -math.inf else None  # every row written
         if x.flags.c_contiguous and (x.dtype == _F32 or x.dtype == _F64):
             keep = np.empty(x.shape, bool)
             if not _core.mask_keep(x, keep, floor, p.nthreads, pad, pad_floor):  # one pass, threaded
