@@ -159,3 +159,40 @@ def test_stream_read_helper():
     for bad in (np.ones(63, np.uint8), np.ones((64, 2), np.uint8)[:, 0], np.ones(65, np.uint8)[1:]):
         with pytest.raises(ValueError, match="16-byte aligned"):
             _core._stream_read(bad)
+
+
+def test_bench_reference_f64_line(monkeypatch, capsys):
+    """The benchmark's float64-reference line times reference.attention on float64
+    copies of the B1 H8 N2048 d64 row's own inputs (the tests' oracle), beside the
+    row's fastattn time, and prints the ratio; without the reference there is none."""
+    from fastattn import bench, reference
+    real, seen = reference.attention, []
+
+    def spy(q, k, v, **kw):
+        seen.append((q, k, v, kw))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(reference, "attention", spy)
+    monkeypatch.setattr(bench, "_settle", lambda seconds=0.2: None)
+    monkeypatch.setattr(bench, "_matmul_rate", lambda dtype, repeats: 100.0)   # the ceiling: not needed here
+    w = dict(bench.WORKLOADS[2], shape=(1, 2, 48, 48, 16))            # the row's name, a small shape
+    assert w["name"] == "B1 H8 N2048 d64"
+    q32, k32, v32, _, _ = bench.make_inputs(w)
+    result = bench.run([w], repeats=2, threads=1, with_torch=False)
+    row, orc = result["rows"][0], result["reference_f64"]
+    f64 = [s for s in seen if s[0].dtype == np.float64]
+    assert len(f64) == 5 and len(seen) == 10    # a warm-up, a calibration and 3 samples: float32 (the column), float64
+    for q, k, v, kw in f64:
+        assert k.dtype == v.dtype == np.float64 and kw == seen[0][3]   # the column's call, in float64
+        assert np.array_equal(q, q32) and np.array_equal(k, k32) and np.array_equal(v, v32)
+    assert orc["workload"] == row["name"] and orc["fastattn_ms"] == row["ms"]
+    assert orc["speedup"] == pytest.approx(orc["reference_f64_ms"] / row["ms"])
+    assert result["rows"][0]["x_reference"] > 0
+    assert bench.run([w], repeats=1, threads=1, with_reference=False, with_torch=False)["reference_f64"] is None
+    assert bench.run([dict(w, name="other")], repeats=1, threads=1, with_torch=False)["reference_f64"] is None
+
+    monkeypatch.setattr(bench, "run", lambda *a, **kw: result)
+    bench.main(["--no-torch"])
+    out = capsys.readouterr().out
+    assert (f"The float64 reference (the tests' oracle: the same inputs in float64), B1 H8 N2048 d64: "
+            f"{orc['reference_f64_ms']:.1f} ms, fastattn (float32) {orc['speedup']:.1f}x") in out
