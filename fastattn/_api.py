@@ -260,6 +260,20 @@ def _int_or_none(x, what):
         raise TypeError(f"{what}, got {type(x).__name__}") from None
 
 
+def _real(x, what):
+    """x as a float: a real number (Python's or NumPy's, or a 0-d array of one).
+    TypeError "{what}, got ..." for a str, a bool, a complex number or anything
+    else, where float() would parse "1", take True as 1 or drop an imaginary part."""
+    kind = x.dtype.kind if isinstance(x, (np.ndarray, np.generic)) else None
+    if (isinstance(x, (bool, str, bytes, complex)) or kind not in (None, "i", "u", "f")
+            or (isinstance(x, np.ndarray) and x.ndim != 0)):
+        raise TypeError(f"{what}, got {type(x).__name__}" + (f" of dtype {x.dtype}" if kind else ""))
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        raise TypeError(f"{what}, got {type(x).__name__}") from None
+
+
 def _num_threads(n):
     """num_threads as the C core takes it (0: the OpenMP default), with
     scikit-learn's meaning: None the default, n > 0 that many, n < 0 the
@@ -304,10 +318,7 @@ def _slopes(alibi_slopes, comp):
 def _scale(scale, d_k):
     if scale is None:
         return default_scale(d_k)
-    try:
-        s = float(scale)
-    except (TypeError, ValueError):
-        raise TypeError(f"scale must be a real number, got {type(scale).__name__}") from None
+    s = _real(scale, "scale must be a real number")
     if not math.isfinite(s):
         raise ValueError(f"scale must be finite, got {s}")
     return s
@@ -472,10 +483,7 @@ def _window(window, reach):
 def _softcap(softcap):
     if softcap is None:
         return 0.0
-    try:
-        c = float(softcap)
-    except (TypeError, ValueError):
-        raise TypeError(f"softcap must be None or a positive number, got {type(softcap).__name__}") from None
+    c = _real(softcap, "softcap must be None or a positive number")
     if not (c > 0 and math.isfinite(c)):
         raise ValueError(f"softcap must be None or a positive finite number, got {softcap!r}")
     return c

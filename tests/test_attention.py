@@ -1046,6 +1046,15 @@ def _qkv(rng):
     (dict(scale=np.inf), ValueError, "scale must be finite"),
     (dict(scale=np.nan), ValueError, "scale must be finite"),
     (dict(scale="x"), TypeError, "scale"),
+    (dict(scale="1"), TypeError, "scale must be a real number, got str"),           # float() would parse it
+    (dict(scale=True), TypeError, "scale must be a real number, got bool"),
+    (dict(scale=np.bool_(True)), TypeError, "scale must be a real number, got bool"),
+    (dict(scale=np.complex128(0.5)), TypeError, "got complex128 of dtype complex128"),  # float() drops 0j
+    (dict(scale=np.array([0.5])), TypeError, "scale must be a real number, got ndarray"),
+    (dict(scale=np.array("1")), TypeError, "got ndarray of dtype <U1"),
+    (dict(softcap="30"), TypeError, "softcap must be None or a positive number, got str"),
+    (dict(softcap=True), TypeError, "softcap must be None or a positive number, got bool"),
+    (dict(softcap=1j), TypeError, "softcap must be None or a positive number, got complex"),
     (dict(out=np.empty((2, 5, 5), F32)), ValueError, "out has shape"),
     (dict(out=np.empty((2, 5, 4), F64)), TypeError, "out has dtype"),
     (dict(out=[[0.0]]), TypeError, "out must be a numpy.ndarray"),
@@ -1058,6 +1067,18 @@ def test_bad_input(rng, change, exc, msg):
         (args if name in args else kw)[name] = val
     with pytest.raises(exc, match=msg):
         fastattn.attention(args["q"], args["k"], args["v"], **kw)
+
+
+def test_real_arguments_of_any_real_type(rng):
+    """scale and softcap take any real number: Python's int, float and Fraction,
+    NumPy's scalars and 0-d arrays; each gives what its float gives."""
+    from fractions import Fraction
+    q, k, v = _qkv(rng)
+    for value in (Fraction(1, 4), 0.25, np.float32(0.25), np.float64(0.25), np.array(0.25), np.array(0.25, F32)):
+        assert np.array_equal(fastattn.attention(q, k, v, scale=value), fastattn.attention(q, k, v, scale=0.25))
+    for value in (2, np.int64(2), np.uint8(2), np.array(2)):
+        assert np.array_equal(fastattn.attention(q, k, v, scale=value), fastattn.attention(q, k, v, scale=2.0))
+        assert np.array_equal(fastattn.attention(q, k, v, softcap=value), fastattn.attention(q, k, v, softcap=2.0))
 
 
 def test_readonly_out(rng):
