@@ -502,6 +502,27 @@ def _lengths(x, name, axis, n):
     return np.asarray(a, dtype=np.int64, order="C")
 
 
+def _blhd(layout):
+    """Whether `layout` ("bhld", the default, or "blhd") puts the heads after the
+    positions: (..., n, H, d), as flash-attn and JAX lay out q, k, v and out."""
+    if not isinstance(layout, str):
+        raise TypeError(f'layout must be "bhld" or "blhd", got {type(layout).__name__}')
+    if layout.lower() not in ("bhld", "blhd"):
+        raise ValueError(f'layout must be "bhld" (..., H, n, d) or "blhd" (..., n, H, d), got {layout!r}')
+    return layout.lower() == "blhd"
+
+
+def _heads_first(arrays, names):
+    """(..., n, H, d) arrays (layout "blhd") as (..., H, n, d) views."""
+    views = []
+    for a, name in zip(arrays, names):
+        a = _as_array(a, name)
+        if a.ndim < 3:
+            raise ValueError(f'layout="blhd" takes {name} of shape (..., n, H, d), got shape {a.shape}')
+        views.append(a.swapaxes(-3, -2))
+    return views
+
+
 def _split_heads(a, name, H, Hkv, core):
     """Split the head axis (the one before the `core` trailing axes) of an
     array broadcastable to (..., H, *core) into (..., Hkv, H // Hkv): a view."""
@@ -838,6 +859,7 @@ _SHARED_DOC = """
 
 Window = Tuple[Optional[int], Optional[int]]
 Causal = Union[bool, Literal["lower_right", "upper_left"]]
+Layout = Literal["bhld", "blhd"]
 
 
 @overload
@@ -846,7 +868,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, mask: Optional[ArrayL
               return_lse: Literal[False] = ..., num_threads: Optional[int] = ..., enable_gqa: bool = ...,
               window: Optional[Window] = ..., softcap: Optional[float] = ...,
               alibi_slopes: Optional[ArrayLike] = ..., kv_lengths: Optional[ArrayLike] = ...,
-              q_lengths: Optional[ArrayLike] = ...) -> NDArray[Any]: ...
+              q_lengths: Optional[ArrayLike] = ..., layout: Layout = ...) -> NDArray[Any]: ...
 
 
 @overload
@@ -856,7 +878,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, mask: Optional[ArrayL
               window: Optional[Window] = ..., softcap: Optional[float] = ...,
               alibi_slopes: Optional[ArrayLike] = ...,
               kv_lengths: Optional[ArrayLike] = ...,
-              q_lengths: Optional[ArrayLike] = ...) -> tuple[NDArray[Any], NDArray[Any]]: ...
+              q_lengths: Optional[ArrayLike] = ..., layout: Layout = ...) -> tuple[NDArray[Any], NDArray[Any]]: ...
 
 
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, mask: Optional[ArrayLike] = None,
@@ -865,9 +887,13 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, mask: Optional[ArrayL
               window: Optional[Window] = None, softcap: Optional[float] = None,
               alibi_slopes: Optional[ArrayLike] = None,
               kv_lengths: Optional[ArrayLike] = None,
-              q_lengths: Optional[ArrayLike] = None) -> NDArray[Any] | tuple[NDArray[Any], NDArray[Any]]:
-    if (type(causal) is bool and not enable_gqa and window is None and softcap is None and alibi_slopes is None
-            and kv_lengths is None and q_lengths is None and _plain(q, k, v)
+              q_lengths: Optional[ArrayLike] = None,
+              layout: Layout = "bhld") -> NDArray[Any] | tuple[NDArray[Any], NDArray[Any]]:
+    blhd = _blhd(layout)
+    if blhd:   # (..., n, H, d): computed on (..., H, n, d) views, the result written in the caller's layout
+        q, k, v = _heads_first((q, k, v), "qkv")
+    if (not blhd and type(causal) is bool and not enable_gqa and window is None and softcap is None
+            and alibi_slopes is None and kv_lengths is None and q_lengths is None and _plain(q, k, v)
             and (out is None or _plain_out(out, q, k, v))):
         mask_kind = _core.MASK_NONE if mask is None else _plain_mask(mask, q, k)  # type: ignore[arg-type]
         if mask is None or mask_kind != _core.MASK_NONE:
@@ -878,7 +904,15 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, mask: Optional[ArrayL
     full_shape = p.lead + (p.n_q, p.d_v)
     res_lead = p.lead if p.gqa is None else p.lead[:-2] + (p.gqa[0],)
     res_shape = res_lead + ((p.n_q,) if not p.q1 else ()) + ((p.d_v,) if not p.v1 else ())
-    if out is not None:
+    user_out = None
+    if blhd:   # the result (..., n_q, H, d_v), filled through its (..., H, n_q, d_v) view
+        user_shape = res_shape[:-3] + (res_shape[-2], res_shape[-3], res_shape[-1])
+        if out is None:
+            out = np.empty(user_shape, p.res)
+        else:
+            _check_out(out, user_shape, p.res)
+        user_out, out = out, out.swapaxes(-3, -2)
+    elif out is not None:
         _check_out(out, res_shape, p.res)
 
     lse = np.empty(p.lead + (p.n_q,), p.comp) if return_lse else None
@@ -916,6 +950,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, mask: Optional[ArrayL
         else:
             np.copyto(out, result, casting="same_kind")
             result = out
+    if user_out is not None:
+        result = user_out
     if lse is not None:
         lse = _merge_heads(lse, p.gqa, 1)
         return result, (lse[..., 0] if p.q1 else lse)
@@ -961,6 +997,12 @@ attention.__doc__ = """Exact scaled dot-product attention, softmax(q k^T * scale
         Threads for this call.  None uses the OpenMP default (OMP_NUM_THREADS,
         threadpoolctl); a negative n uses that default plus n + 1 (-1 all of
         it, -2 one fewer; at least 1), as in scikit-learn.  Not 0.""" + _SHARED_DOC + """
+    layout : {"bhld", "blhd"}, default "bhld"
+        The axes of q, k, v, out and the result: "bhld" (..., H, n, d), as
+        PyTorch and the shapes here; "blhd" (..., n, H, d), as flash-attn and
+        JAX (at least 3-D; read in place, and the result written in that
+        layout).  mask, lse, alibi_slopes, kv_lengths and q_lengths keep the
+        head-major leading dims (..., H) either way.
 
     Returns
     -------
@@ -990,10 +1032,12 @@ attention.__doc__ = """Exact scaled dot-product attention, softmax(q k^T * scale
         mask not broadcastable, out of the wrong shape, head counts with
         enable_gqa), num_threads == 0, a non-finite scale, softcap <= 0,
         kv_lengths outside [0, n_k], q_lengths outside [0, n_q], a causal
-        string other than "lower_right" and "upper_left".
+        string other than "lower_right" and "upper_left", a layout other than
+        "bhld" and "blhd", an input of fewer than 3 dims with "blhd".
     TypeError
         Complex, object, string inputs; an integer mask; out of the wrong dtype;
-        a causal that is neither a bool nor a string.
+        a causal that is neither a bool nor a string; a scale or softcap that is
+        not a real number.
 
     Examples
     --------
@@ -1013,7 +1057,9 @@ def attention_weights(q: ArrayLike, k: ArrayLike, *, mask: Optional[ArrayLike] =
                       scale: Optional[float] = None, enable_gqa: bool = False, window: Optional[Window] = None,
                       softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
                       kv_lengths: Optional[ArrayLike] = None, num_threads: Optional[int] = None,
-                      q_lengths: Optional[ArrayLike] = None) -> NDArray[Any]:
+                      q_lengths: Optional[ArrayLike] = None, layout: Layout = "bhld") -> NDArray[Any]:
+    if _blhd(layout):
+        q, k = _heads_first((q, k), "qk")
     p = _prepare(q, k, None, mask, causal, scale, enable_gqa, window, softcap, alibi_slopes, kv_lengths,
                  num_threads, weights=True, q_lengths=q_lengths)
     target = np.zeros(p.lead + (p.n_q, p.n_k), p.comp)
@@ -1035,8 +1081,9 @@ attention_weights.__doc__ = """The attention weights softmax(q k^T * scale + mas
     ----------
     q : array_like, shape (..., n_q, d_k) or (d_k,)
     k : array_like, shape (..., n_k, d_k)
-    mask, causal, scale, num_threads
-        As for `attention`.""" + _SHARED_DOC + """
+    mask, causal, scale, num_threads, layout
+        As for `attention` (with layout="blhd", q and k are (..., n, H, d); the
+        weights keep (..., H, n_q, n_k)).""" + _SHARED_DOC + """
 
     Returns
     -------

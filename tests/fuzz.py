@@ -10,8 +10,9 @@ float, float masks of only 0 and -inf or a large negative number (with padding
 rows of it), causal ones, key padding, column-major and reversed), causal
 aligned either way, window, softcap, ALiBi, kv_lengths, q_lengths, scale (0
 too), float16 to float64, NaN and inf planted in q, k and v, transposed (B, N,
-H, d) views, out=, attention_weights, and the batch again as packed sequences of
-random lengths (attention_varlen); on a random SIMD path and thread count, with
+H, d) views, out=, attention_weights, layout="blhd" on the same arrays (bit
+for bit), and the batch again as packed sequences of random lengths
+(attention_varlen); on a random SIMD path and thread count, with
 the tiles, the fused exp, the far prefetch, the row kernel's limit and the bool
 mask's packing forced at random.
 Each failure prints its seed; a seed reproduces its case exactly.  Three bugs
@@ -119,7 +120,8 @@ def settings(rng):
                 fused=int(rng.choice([-1, 0, 1])), stream=int(rng.choice([-1, -1, 0, 1])),
                 rows_max=int(rng.choice([0, 0, 1, 8, 24])), float_masks_as_bool=bool(rng.random() < 0.7),
                 out=bool(rng.random() < 0.2), weights=bool(rng.random() < 0.1),
-                varlen=bool(rng.random() < 0.25), mask_pack=int(rng.choice([-1, 0, 1])))
+                varlen=bool(rng.random() < 0.25), mask_pack=int(rng.choice([-1, 0, 1])),
+                layout=bool(rng.random() < 0.2))
 
 
 def packed_problem(rng, q, k, v, kw):
@@ -171,6 +173,11 @@ def run_case(seed, verbose=False):
             o = np.full(out.shape[::-1], 7, out.dtype).T
             assert fastattn.attention(q, k, v, num_threads=s["threads"], out=o, **kw) is o
             np.testing.assert_array_equal(o, out)
+        if s["layout"] and min(q.ndim, k.ndim, v.ndim) >= 3:   # the same arrays as (..., n, H, d) views
+            t = lambda a: np.swapaxes(a, -3, -2)  # noqa: E731
+            o, ls = fastattn.attention(t(q), t(k), t(v), return_lse=True, num_threads=s["threads"], layout="blhd", **kw)
+            np.testing.assert_array_equal(t(o), out)
+            np.testing.assert_array_equal(ls, lse)
         if s["weights"]:
             w = fastattn.attention_weights(q, k, num_threads=s["threads"], **kw)
         if s["varlen"]:

@@ -1844,3 +1844,80 @@ def test_padding_rows_of_large_negative_mask_run_as_bool(isa, rng, monkeypatch, 
     fm = np.asfortranarray(mask[:, 0])[:, None]             # NumPy's passes, not mask_keep
     assert not fm.flags.c_contiguous and kind(q, k, v, fm) == _core.MASK_BOOL
     assert_close(fastattn.attention(q, k, v, mask=fm), fastattn.attention(q, k, v, mask=mask), dtype)
+
+
+# ---------------------------------------------------------------------------
+# layout="blhd": q, k, v and the result (..., n, H, d), as flash-attn and JAX
+# ---------------------------------------------------------------------------
+def _heads_last(a):
+    """(..., H, n, d) -> (..., n, H, d), C-contiguous: the arrays as flash-attn and JAX lay them out."""
+    return np.ascontiguousarray(np.swapaxes(a, -3, -2))
+
+
+@pytest.mark.parametrize("dtype", [F32, F64, np.float16])
+@pytest.mark.parametrize("nq,threads", [(1, 2), (5, 1), (70, 2), (300, 2)])
+def test_layout_blhd(isa, rng, dtype, nq, threads):
+    """layout="blhd" against the reference on the head-major arrays: one query
+    row and a few (the row kernel, split keys), tiles with tails; masks, lse,
+    lengths and slopes keep their head-major leading dims; GQA, out= (its
+    layout, contiguous and strided), views of a packed qkv buffer, 3-D inputs
+    broadcast against 4-D ones, and attention_weights.  The result is the
+    head-major call's, bit for bit, in the other layout."""
+    B, H, Hkv, nk, d = 2, 4, 2, 150, 24
+    qh, kh, vh = rand(rng, (B, H, nq, d), dtype), rand(rng, (B, H, nk, d), dtype), rand(rng, (B, H, nk, 12), dtype)
+    q, k, v = _heads_last(qh), _heads_last(kh), _heads_last(vh)
+    kvl = rng.integers(1, nk + 1, (B, 1))
+    for kw in (dict(), dict(causal=True), dict(mask=rng.random((B, 1, nq, nk)) < 0.8, window=(40, 3)),
+               dict(kv_lengths=kvl, alibi_slopes=np.linspace(0.01, 0.1, H), softcap=5.0),
+               dict(q_lengths=np.minimum(kvl, nq), kv_lengths=kvl, causal=True)):
+        out, lse = fastattn.attention(q, k, v, layout="blhd", return_lse=True, num_threads=threads, **kw)
+        want, want_lse = reference64(qh, kh, vh, **kw)
+        assert out.shape == (B, nq, H, 12) and out.dtype == dtype and out.flags.c_contiguous
+        assert_close(out, _heads_last(want), dtype)
+        assert lse.shape == (B, H, nq)                                       # head-major, as flash-attn's
+        assert_close(lse, want_lse, dtype, "lse")
+        assert np.array_equal(out, _heads_last(fastattn.attention(qh, kh, vh, num_threads=threads, **kw)))
+
+    kg, vg = kh[:, :Hkv], vh[:, :Hkv]                                        # GQA: 4 query heads on 2
+    out = fastattn.attention(q, _heads_last(kg), _heads_last(vg), layout="blhd", enable_gqa=True, causal=True,
+                             num_threads=threads)
+    assert_close(out, _heads_last(reference64(qh, kg, vg, enable_gqa=True, causal=True)[0]), dtype)
+
+    want = _heads_last(reference64(qh, kh, vh, causal=True)[0])
+    for dst in (np.empty((B, nq, H, 12), dtype), np.full((B, nq, H, 24), np.nan, dtype)[..., ::2]):
+        assert fastattn.attention(q, k, v, layout="blhd", causal=True, out=dst, num_threads=threads) is dst
+        assert_close(dst, want, dtype)
+
+    qkv = rand(rng, (B, nq, 3, H, d), dtype)                                 # a packed projection, split by views
+    qs, ks, vs = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    assert_close(fastattn.attention(qs, ks, vs, layout="blhd"),
+                 _heads_last(reference64(*(np.swapaxes(a, 1, 2) for a in (qs, ks, vs)))[0]), dtype)
+    out = fastattn.attention(q[0], k, v, layout="blhd")                      # (nq, H, d) against (B, nk, H, d)
+    assert out.shape == (B, nq, H, 12)
+    assert_close(out, _heads_last(reference64(qh[0], kh, vh)[0]), dtype)
+
+    w = fastattn.attention_weights(q, k, layout="blhd", causal=True)
+    assert w.shape == (B, H, nq, nk)
+    assert_close(w, ref.attention_weights(qh.astype(F64), kh.astype(F64), causal=True), dtype, "weights")
+
+
+def test_layout_errors(rng):
+    """A layout other than "bhld" and "blhd" (any case), an input of fewer than 3
+    dims with "blhd", and out= in the other layout raise, naming what was wrong."""
+    q, k, v = rand(rng, (2, 5, 3, 8)), rand(rng, (2, 6, 3, 8)), rand(rng, (2, 6, 3, 4))
+    for bad in ("bshd", "", "bhl"):
+        with pytest.raises(ValueError, match=f'layout must be "bhld" .* or "blhd" .*, got {bad!r}'):
+            fastattn.attention(q, k, v, layout=bad)
+        with pytest.raises(ValueError, match="layout must be"):
+            fastattn.attention_weights(q, k, layout=bad)
+    with pytest.raises(TypeError, match='layout must be "bhld" or "blhd", got NoneType'):
+        fastattn.attention(q, k, v, layout=None)
+    with pytest.raises(ValueError, match=r'layout="blhd" takes k of shape \(\.\.\., n, H, d\), got shape \(6, 8\)'):
+        fastattn.attention(q, k[0, :, 0], v, layout="blhd")
+    with pytest.raises(ValueError, match=r'layout="blhd" takes q of shape .*, got shape \(8,\)'):
+        fastattn.attention_weights(q[0, 0, 0], k, layout="blhd")
+    with pytest.raises(ValueError, match=r"out has shape \(2, 3, 5, 4\), the result has shape \(2, 5, 3, 4\)"):
+        fastattn.attention(q, k, v, layout="blhd", out=np.empty((2, 3, 5, 4), F32))
+    assert np.array_equal(fastattn.attention(q, k, v, layout="BLHD"), fastattn.attention(q, k, v, layout="blhd"))
+    qh, kh, vh = (np.swapaxes(a, 1, 2) for a in (q, k, v))
+    assert np.array_equal(fastattn.attention(qh, kh, vh, layout="BHLD"), fastattn.attention(qh, kh, vh))

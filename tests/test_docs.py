@@ -30,6 +30,9 @@ def test_readme_python_blocks_run():
     assert y.shape == (4, 128, 256) and o.shape == (4, 8, 128, 32)
     want = fastattn.reference.attention(*(a.astype(np.float64) for a in (ns["q"], ns["k"], ns["v"])), causal=True)
     assert np.max(np.abs(o - want)) < 1e-5 * max(1, np.max(np.abs(want)))
+    o_l = ns["o_l"]                                     # layout="blhd": the same heads, in (B, n, H, d)
+    assert o_l.shape == (4, 128, 8, 32) and o_l.flags.c_contiguous
+    assert np.array_equal(o_l, o.transpose(0, 2, 1, 3)) and np.allclose(ns["y_l"], y, rtol=1e-6, atol=1e-6)
     assert abs(float(fastattn.attention(ns["fruit"], ns["keys"], ns["values"])) - 7.2718) < 1e-4
     # the right-padded batch: each sequence as if alone, zeros after its length
     for b, n_b in enumerate(ns["seq_len"][:, 0]):
