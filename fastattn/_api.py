@@ -1299,8 +1299,8 @@ attention_varlen.__doc__ = """Attention over packed sequences of different lengt
     """
 
 
-def merge_attention(outs: Sequence[ArrayLike],
-                    lses: Sequence[ArrayLike]) -> tuple[NDArray[Any], NDArray[Any]]:
+def merge_attention(outs: Sequence[ArrayLike], lses: Sequence[ArrayLike], *,
+                    layout: Layout = "bhld") -> tuple[NDArray[Any], NDArray[Any]]:
     """Combine attention results over disjoint sets of keys into the result
     over their union, by the logsumexp rule.
 
@@ -1310,6 +1310,10 @@ def merge_attention(outs: Sequence[ArrayLike],
         Outputs of `attention` over each set of keys.
     lses : sequence of array_like, each (..., n_q)
         Their lse (`return_lse=True`).
+    layout : {"bhld", "blhd"}, default "bhld"
+        As for `attention`: with "blhd" the outputs (and the result) are
+        (..., n_q, H, d_v) and the lse (..., H, n_q), as `attention` returns
+        them in that layout.
 
     Returns
     -------
@@ -1334,6 +1338,7 @@ def merge_attention(outs: Sequence[ArrayLike],
     >>> bool(np.allclose(out, fastattn.attention(q, k, v)))
     True
     """
+    blhd = _blhd(layout)
     parts = [np.asarray(o) for o in outs]
     part_lses = [np.asarray(x) for x in lses]
     if not parts:
@@ -1342,15 +1347,20 @@ def merge_attention(outs: Sequence[ArrayLike],
         raise ValueError(f"got {len(parts)} outputs but {len(part_lses)} lse arrays")
     for a in parts + part_lses:
         _check_input_dtype(a, "merge_attention input")
+    for i, o in enumerate(parts):
+        if o.shape != parts[0].shape:
+            raise ValueError(f"output {i} has shape {o.shape}, output 0 has shape {parts[0].shape}")
+    if blhd:   # (..., n_q, H, d_v) outputs: merged as (..., H, n_q, d_v) views, the lse as they are
+        parts = _heads_first(parts, [f"output {i}" for i in range(len(parts))])
     shape = parts[0].shape
     if len(shape) < 1:
         raise ValueError("each output must have shape (..., n_q, d_v)")
-    for i, (o, x) in enumerate(zip(parts, part_lses)):
-        if o.shape != shape:
-            raise ValueError(f"output {i} has shape {o.shape}, output 0 has shape {shape}")
+    for i, x in enumerate(part_lses):
         if x.shape != shape[:-1]:
             raise ValueError(f"lse {i} has shape {x.shape}; it must be the output's shape without "
-                             f"the last axis, {shape[:-1]}")
+                             f"the last axis, {shape[:-1]}" if not blhd else
+                             f"lse {i} has shape {x.shape}; with layout=\"blhd\" it must be the output's "
+                             f"(..., H, n_q), {shape[:-1]}")
     dt = np.result_type(*parts, *part_lses)
     if dt.kind != "f":
         dt = _F64
@@ -1370,4 +1380,7 @@ def merge_attention(outs: Sequence[ArrayLike],
             out += np.where(wp[..., None] > 0, wp[..., None] * o, keep)
         out = np.where(s[..., None] == 0, 0, out / np.where(s == 0, 1, s)[..., None])
         lse = Ms + np.log(s)
-    return out.astype(dt, copy=False), lse.astype(dt, copy=False)
+    out = out.astype(dt, copy=False)
+    if blhd:
+        out = np.ascontiguousarray(np.swapaxes(out, -3, -2))
+    return out, lse.astype(dt, copy=False)

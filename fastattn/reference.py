@@ -171,6 +171,15 @@ def scores(q: ArrayLike, k: ArrayLike, *, mask: Optional[ArrayLike] = None, caus
     return np.where(visible, s, -np.inf).astype(dt, copy=False)
 
 
+def _heads_first(layout: str, *arrays: Any) -> list[np.ndarray]:
+    """The arrays as (..., H, n, d): swapped views for layout "blhd" ((..., n, H, d),
+    flash-attn's and JAX's), as they are for "bhld" (the default)."""
+    if str(layout).lower() not in ("bhld", "blhd"):
+        raise ValueError(f'layout must be "bhld" or "blhd", got {layout!r}')
+    blhd = str(layout).lower() == "blhd"
+    return [np.swapaxes(np.asarray(a), -3, -2) if blhd else np.asarray(a) for a in arrays]
+
+
 def attention_weights(q: ArrayLike, k: ArrayLike, **options: Any) -> NDArray[Any]:
     """softmax(scores(q, k, **options)): rows sum to 1, zero where nothing is visible.
 
@@ -179,7 +188,7 @@ def attention_weights(q: ArrayLike, k: ArrayLike, **options: Any) -> NDArray[Any
     q : array_like, (..., n_q, d_k) or (d_k,)
     k : array_like, (..., n_k, d_k)
     **options
-        The keywords of `scores`.
+        The keywords of `scores`, and layout ("blhd": q and k are (..., n, H, d)).
 
     Returns
     -------
@@ -190,7 +199,7 @@ def attention_weights(q: ArrayLike, k: ArrayLike, **options: Any) -> NDArray[Any
     >>> attention_weights(np.ones(2), np.ones((4, 2)))
     array([0.25, 0.25, 0.25, 0.25])
     """
-    q = np.asarray(q)
+    q, k = _heads_first(options.pop("layout", "bhld"), q, k)
     if q.ndim == 1:
         mask = options.pop("mask", None)
         if mask is not None:
@@ -232,7 +241,9 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, mask: Optional[ArrayL
     return_lse : bool
         Also return lse = log(sum(exp(scores))), shape (..., n_q).
     **options
-        enable_gqa, window, softcap, alibi_slopes, kv_lengths, q_lengths (see `scores`).
+        enable_gqa, window, softcap, alibi_slopes, kv_lengths, q_lengths (see `scores`);
+        layout: "bhld" (the default) or "blhd", where q, k, v and out are (..., n, H, d)
+        and the rest keeps (..., H) leading dims.
 
     Returns
     -------
@@ -244,7 +255,12 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, mask: Optional[ArrayL
     ...                 np.array([10.0, 5.0, 2.0]))).__round__(3)
     7.272
     """
-    q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
+    layout = options.pop("layout", "bhld")
+    if str(layout).lower() == "blhd":
+        out, lse = attention(*_heads_first(layout, q, k, v), mask=mask, causal=causal, scale=scale,
+                             return_lse=True, **options)
+        return (np.swapaxes(out, -3, -2), lse) if return_lse else np.swapaxes(out, -3, -2)
+    q, k, v = _heads_first(layout, q, k, v)
     dt = _float_dtype(q, k, v)
     q1, v1 = q.ndim == 1, v.ndim == 1
     if q1:
@@ -321,13 +337,14 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
     return (out, lse) if return_lse else out
 
 
-def merge_attention(outs: Sequence[ArrayLike], lses: Sequence[ArrayLike]) -> tuple[NDArray[Any], NDArray[Any]]:
+def merge_attention(outs: Sequence[ArrayLike], lses: Sequence[ArrayLike],
+                    layout: str = "bhld") -> tuple[NDArray[Any], NDArray[Any]]:
     """Attention over the union of disjoint key sets from the parts' (out, lse).
 
     Parameters
     ----------
-    outs : sequence of array_like, each (..., n_q, d_v)
-    lses : sequence of array_like, each (..., n_q)
+    outs : sequence of array_like, each (..., n_q, d_v); (..., n_q, H, d_v) with layout "blhd"
+    lses : sequence of array_like, each (..., n_q); (..., H, n_q) with layout "blhd"
 
     Returns
     -------
@@ -340,14 +357,14 @@ def merge_attention(outs: Sequence[ArrayLike], lses: Sequence[ArrayLike]) -> tup
     array([[0.5, 0.5]])
     """
     part_lses = [np.asarray(x, dtype=np.float64) for x in lses]
-    parts = [np.asarray(o, dtype=np.float64) for o in outs]
+    parts = [np.asarray(o, dtype=np.float64) for o in _heads_first(layout, *outs)]
     with np.errstate(divide="ignore"):
         lse = np.log(np.sum([np.exp(x) for x in part_lses], axis=0))  # fine for the moderate lse of the tests
     out = np.zeros_like(parts[0])
     for o, x in zip(parts, part_lses):
         wgt = np.where(np.isneginf(x), 0.0, np.exp(x - np.where(np.isneginf(lse), 0, lse)))
         out += np.where(wgt[..., None] > 0, wgt[..., None] * o, 0)
-    return out, lse
+    return _heads_first(layout, out)[0], lse
 
 
 def self_attention(x: ArrayLike, w_q: Any, w_k: Any, w_v: Any, *, mask: Optional[ArrayLike] = None,

@@ -648,6 +648,53 @@ def test_merge_errors(rng):
         fastattn.merge_attention([o, rand(rng, (3, 5))], [lse, lse])
 
 
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_merge_layout_blhd(rng, dtype):
+    """Split keys in flash-attn's layout: attention(layout="blhd") gives (B, n, H, d)
+    outputs and (B, H, n) lse, which merge_attention(layout="blhd") merges into the
+    attention over all keys, in that layout; the reference does the same."""
+    B, H, nq, nk = 2, 3, 17, 90
+    q, k, v = rand(rng, (B, nq, H, 8), dtype), rand(rng, (B, nk, H, 8), dtype), rand(rng, (B, nk, H, 5), dtype)
+    parts = [fastattn.attention(q, k[:, a:b], v[:, a:b], layout="blhd", return_lse=True)
+             for a, b in ((0, 40), (40, 41), (41, nk))]
+    outs, lses = [p[0] for p in parts], [p[1] for p in parts]
+    out, lse = fastattn.merge_attention(outs, lses, layout="blhd")
+    assert out.shape == (B, nq, H, 5) and out.flags.c_contiguous and lse.shape == (B, H, nq)
+    c = lambda a: a.astype(F64)  # noqa: E731
+    want, want_lse = ref.attention(c(q), c(k), c(v), layout="blhd", return_lse=True)
+    assert want.shape == (B, nq, H, 5)
+    assert_close(out, want, dtype)
+    assert_close(lse, want_lse, dtype, "lse")
+    whole = fastattn.attention(q, k, v, layout="blhd")
+    assert_close(out, whole, dtype)
+    rout, rlse = ref.merge_attention(outs, lses, layout="blhd")
+    assert_close(out, rout, dtype)
+    assert_close(lse, rlse, dtype, "lse")
+    with pytest.raises(ValueError, match=r'lse 1 has shape \(2, 17, 3\); with layout="blhd" it must be the '
+                                         r"output's \(\.\.\., H, n_q\), \(2, 3, 17\)"):
+        fastattn.merge_attention(outs, [lses[0], np.swapaxes(lses[1], 1, 2), lses[2]], layout="blhd")
+    with pytest.raises(ValueError, match=r"output 2 has shape \(2, 17, 3, 4\), output 0 has shape \(2, 17, 3, 5\)"):
+        fastattn.merge_attention([outs[0], outs[1], outs[2][..., :4]], lses, layout="blhd")
+    with pytest.raises(ValueError, match=r'layout="blhd" takes output 0 of shape \(\.\.\., n, H, d\)'):
+        fastattn.merge_attention([o[0, :, 0] for o in outs], [x[0, 0] for x in lses], layout="blhd")
+    with pytest.raises(ValueError, match="layout must be"):
+        fastattn.merge_attention(outs, lses, layout="bshd")
+
+
+def test_reference_layout_blhd(rng):
+    """The reference's layout="blhd": its attention, weights and merge on (..., n, H, d)
+    arrays are the head-major ones on the swapped arrays."""
+    q, k, v = rand(rng, (2, 7, 3, 4), F64), rand(rng, (2, 9, 3, 4), F64), rand(rng, (2, 9, 3, 2), F64)
+    t = lambda a: np.swapaxes(a, 1, 2)  # noqa: E731
+    out, lse = ref.attention(q, k, v, layout="blhd", causal=True, return_lse=True)
+    want, want_lse = ref.attention(t(q), t(k), t(v), causal=True, return_lse=True)
+    np.testing.assert_array_equal(out, t(want))
+    np.testing.assert_array_equal(lse, want_lse)
+    np.testing.assert_array_equal(ref.attention_weights(q, k, layout="BLHD"), ref.attention_weights(t(q), t(k)))
+    with pytest.raises(ValueError, match="layout must be"):
+        ref.attention(q, k, v, layout="bshd")
+
+
 # ---------------------------------------------------------------------------
 # layers
 # ---------------------------------------------------------------------------
