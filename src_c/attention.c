@@ -14,7 +14,7 @@
 
 #include "internal.h"
 #ifdef __SSE2__
-#include <emmintrin.h> /* abs_max_f32 and abs_max_f64 */
+#include <emmintrin.h> /* ABS_MAX_SSE2 */
 #endif
 
 #ifdef _OPENMP
@@ -840,70 +840,51 @@ typedef struct {
 enum { ABS_MAX_CHUNK = 1 << 14 }; /* elements per work unit */
 
 /* max |x[i]| of n entries into *max, and whether one is NaN into *nan: SSE2
- * (the x86-64 baseline) four vectors at a time, a plain loop elsewhere.  maxps
- * and maxpd keep their second operand where the first is NaN, so NaN is
- * counted apart (cmpunord). */
-static void abs_max_f32(const float *x, int64_t n, double *max, int *nan)
-{
-    int64_t i = 0;
-    float m = 0;
-    int bad = 0;
+ * (the x86-64 baseline) four vectors at a time, a plain loop elsewhere and for
+ * the tail.  maxps and maxpd keep their second operand where the first is NaN,
+ * so NaN is counted apart (cmpunord).  ABS_MAX_SSE2 is the vector loop of both
+ * types: V the vector, S the intrinsics' suffix (ps, pd), W its lanes. */
 #ifdef __SSE2__
-    const __m128 sign = _mm_set1_ps(-0.0f);
-    __m128 m0 = _mm_setzero_ps(), m1 = m0, m2 = m0, m3 = m0, u = m0;
-    for (; i + 16 <= n; i += 16) {
-        const __m128 a0 = _mm_andnot_ps(sign, _mm_loadu_ps(x + i)), a1 = _mm_andnot_ps(sign, _mm_loadu_ps(x + i + 4));
-        const __m128 a2 = _mm_andnot_ps(sign, _mm_loadu_ps(x + i + 8)), a3 = _mm_andnot_ps(sign, _mm_loadu_ps(x + i + 12));
-        m0 = _mm_max_ps(a0, m0);
-        m1 = _mm_max_ps(a1, m1);
-        m2 = _mm_max_ps(a2, m2);
-        m3 = _mm_max_ps(a3, m3);
-        u = _mm_or_ps(u, _mm_or_ps(_mm_cmpunord_ps(a0, a1), _mm_cmpunord_ps(a2, a3)));
-    }
-    float lanes[4];
-    _mm_storeu_ps(lanes, _mm_max_ps(_mm_max_ps(m0, m1), _mm_max_ps(m2, m3)));
-    for (int l = 0; l < 4; l++) m = lanes[l] > m ? lanes[l] : m;
-    bad = _mm_movemask_ps(u) != 0;
+#define ABS_MAX_SSE2(T, V, S, W)                                                        \
+    const V sign = _mm_set1_##S(-0.0);                                                  \
+    V m0 = _mm_setzero_##S(), m1 = m0, m2 = m0, m3 = m0, u = m0;                       \
+    for (; i + 4 * (W) <= n; i += 4 * (W)) {                                            \
+        const V a0 = _mm_andnot_##S(sign, _mm_loadu_##S(x + i));                        \
+        const V a1 = _mm_andnot_##S(sign, _mm_loadu_##S(x + i + (W)));                  \
+        const V a2 = _mm_andnot_##S(sign, _mm_loadu_##S(x + i + 2 * (W)));              \
+        const V a3 = _mm_andnot_##S(sign, _mm_loadu_##S(x + i + 3 * (W)));              \
+        m0 = _mm_max_##S(a0, m0);                                                       \
+        m1 = _mm_max_##S(a1, m1);                                                       \
+        m2 = _mm_max_##S(a2, m2);                                                       \
+        m3 = _mm_max_##S(a3, m3);                                                       \
+        u = _mm_or_##S(u, _mm_or_##S(_mm_cmpunord_##S(a0, a1), _mm_cmpunord_##S(a2, a3))); \
+    }                                                                                   \
+    T lanes[W];                                                                         \
+    _mm_storeu_##S(lanes, _mm_max_##S(_mm_max_##S(m0, m1), _mm_max_##S(m2, m3)));      \
+    for (int l = 0; l < (W); l++) m = lanes[l] > m ? lanes[l] : m;                      \
+    bad = _mm_movemask_##S(u) != 0;
+#else
+#define ABS_MAX_SSE2(T, V, S, W)
 #endif
-    for (; i < n; i++) {
-        const float a = fabsf(x[i]);
-        m = a > m ? a : m;
-        bad |= a != a;
-    }
-    *max = m;
-    *nan = bad;
-}
 
-static void abs_max_f64(const double *x, int64_t n, double *max, int *nan)
-{
-    int64_t i = 0;
-    double m = 0;
-    int bad = 0;
-#ifdef __SSE2__
-    const __m128d sign = _mm_set1_pd(-0.0);
-    __m128d m0 = _mm_setzero_pd(), m1 = m0, m2 = m0, m3 = m0, u = m0;
-    for (; i + 8 <= n; i += 8) {
-        const __m128d a0 = _mm_andnot_pd(sign, _mm_loadu_pd(x + i)), a1 = _mm_andnot_pd(sign, _mm_loadu_pd(x + i + 2));
-        const __m128d a2 = _mm_andnot_pd(sign, _mm_loadu_pd(x + i + 4)), a3 = _mm_andnot_pd(sign, _mm_loadu_pd(x + i + 6));
-        m0 = _mm_max_pd(a0, m0);
-        m1 = _mm_max_pd(a1, m1);
-        m2 = _mm_max_pd(a2, m2);
-        m3 = _mm_max_pd(a3, m3);
-        u = _mm_or_pd(u, _mm_or_pd(_mm_cmpunord_pd(a0, a1), _mm_cmpunord_pd(a2, a3)));
+/* abs_max_f32 and abs_max_f64: the vector loop, then the rest one by one */
+#define ABS_MAX_FN(NAME, T, FABS, V, S, W)                                              \
+    static void NAME(const T *x, int64_t n, double *max, int *nan)                      \
+    {                                                                                   \
+        int64_t i = 0;                                                                  \
+        T m = 0;                                                                        \
+        int bad = 0;                                                                    \
+        ABS_MAX_SSE2(T, V, S, W)                                                        \
+        for (; i < n; i++) {                                                            \
+            const T a = FABS(x[i]);                                                     \
+            m = a > m ? a : m;                                                          \
+            bad |= a != a;                                                              \
+        }                                                                               \
+        *max = m;                                                                       \
+        *nan = bad;                                                                     \
     }
-    double lanes[2];
-    _mm_storeu_pd(lanes, _mm_max_pd(_mm_max_pd(m0, m1), _mm_max_pd(m2, m3)));
-    for (int l = 0; l < 2; l++) m = lanes[l] > m ? lanes[l] : m;
-    bad = _mm_movemask_pd(u) != 0;
-#endif
-    for (; i < n; i++) {
-        const double a = fabs(x[i]);
-        m = a > m ? a : m;
-        bad |= a != a;
-    }
-    *max = m;
-    *nan = bad;
-}
+ABS_MAX_FN(abs_max_f32, float, fabsf, __m128, ps, 4)
+ABS_MAX_FN(abs_max_f64, double, fabs, __m128d, pd, 2)
 
 static void abs_max_team(void *arg)
 {
