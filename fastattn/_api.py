@@ -542,7 +542,13 @@ class _Prepared:
 
 
 def _prepare(q, k, v, mask, causal, scale, enable_gqa, window, softcap, alibi_slopes, kv_lengths,
-             num_threads, weights=False, q_lengths=None):
+             num_threads, weights=False, q_lengths=None, blhd=False):
+    """Check and convert the arguments of attention and attention_weights (q, k, v
+    as (..., H, n, d); blhd: the caller's arrays were (..., n, H, d), and the errors
+    name their shapes as given)."""
+    def sh(a):
+        return a.swapaxes(-3, -2).shape if blhd else a.shape
+
     p = _Prepared()
     p.pad = None  # padding rows of a float mask read as bool (_mask_as_bool), for _call to fill
     q = _as_array(q, "q")
@@ -562,9 +568,9 @@ def _prepare(q, k, v, mask, causal, scale, enable_gqa, window, softcap, alibi_sl
     n_k, d_k2 = k.shape[-2:]
     n_k2, d_v = vv.shape[-2:]
     if d_k != d_k2:
-        raise ValueError(f"d_k differs: q has shape {q.shape} (d_k={d_k}), k has shape {k.shape} (d_k={d_k2})")
+        raise ValueError(f"d_k differs: q has shape {sh(q)} (d_k={d_k}), k has shape {sh(k)} (d_k={d_k2})")
     if n_k != n_k2:
-        raise ValueError(f"n_k differs: k has shape {k.shape} (n_k={n_k}), v has shape {v.shape} (n_k={n_k2})")
+        raise ValueError(f"n_k differs: k has shape {sh(k)} (n_k={n_k}), v has shape {sh(v)} (n_k={n_k2})")
 
     # mask: bool or float, broadcastable to (..., n_q, n_k)
     p.mask_kind = _core.MASK_NONE
@@ -598,10 +604,10 @@ def _prepare(q, k, v, mask, causal, scale, enable_gqa, window, softcap, alibi_sl
     if enable_gqa:
         if qq.ndim < 3 or k.ndim < 3 or vv.ndim < 3:
             raise ValueError(f"enable_gqa needs a head axis: q (..., H, n_q, d), k and v (..., H_kv, n_k, d); "
-                             f"got q {q.shape}, k {k.shape}" + (f", v {v.shape}" if v is not None else ""))
+                             f"got q {sh(q)}, k {sh(k)}" + (f", v {sh(v)}" if v is not None else ""))
         H, Hkv = qq.shape[-3], k.shape[-3]
         if vv.shape[-3] != Hkv:
-            raise ValueError(f"k and v have different head counts: k {k.shape}, v {v.shape}")
+            raise ValueError(f"k and v have different head counts: k {sh(k)}, v {sh(v)}")
         if Hkv == 0 or H % Hkv:
             raise ValueError(f"enable_gqa: the query heads ({H}) must be a multiple of the key/value heads ({Hkv})")
         p.gqa = (H, Hkv)
@@ -624,9 +630,14 @@ def _prepare(q, k, v, mask, causal, scale, enable_gqa, window, softcap, alibi_sl
         else:
             lead = np.broadcast_shapes(lq, lk, lv, mm.shape[:-2] if mm is not None else ())
     except ValueError:
-        shapes = f"q {q.shape}, k {k.shape}" + (f", v {v.shape}" if v is not None else "") + \
+        shapes = f"q {sh(q)}, k {sh(k)}" + (f", v {sh(v)}" if v is not None else "") + \
             (f", mask {np.shape(mask)}" if mask is not None else "")
-        raise ValueError(f"leading dims do not broadcast: {shapes}") from None
+        hint = ""
+        if not enable_gqa and min(qq.ndim, k.ndim, vv.ndim) >= 3 and k.shape[-3] == vv.shape[-3] \
+                and 0 < k.shape[-3] < qq.shape[-3] and qq.shape[-3] % k.shape[-3] == 0:
+            hint = (f" (q has {qq.shape[-3]} heads, {'k and v' if v is not None else 'k'} {k.shape[-3]}: "
+                    f"for grouped-query attention pass enable_gqa=True)")
+        raise ValueError(f"leading dims do not broadcast: {shapes}{hint}") from None
     given = {"alibi_slopes": alibi_slopes, "kv_lengths": kv_lengths, "q_lengths": q_lengths}
     for arr, name in ((slopes, "alibi_slopes"), (kvl, "kv_lengths"), (qln, "q_lengths")):
         if arr is not None:
@@ -900,7 +911,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, mask: Optional[ArrayL
             return _attention_plain(q, k, v, mask, mask_kind, causal, scale,  # type: ignore[arg-type]
                                     num_threads, out, return_lse)
     p = _prepare(q, k, v, mask, causal, scale, enable_gqa, window, softcap, alibi_slopes, kv_lengths,
-                 num_threads, q_lengths=q_lengths)
+                 num_threads, q_lengths=q_lengths, blhd=blhd)
     full_shape = p.lead + (p.n_q, p.d_v)
     res_lead = p.lead if p.gqa is None else p.lead[:-2] + (p.gqa[0],)
     res_shape = res_lead + ((p.n_q,) if not p.q1 else ()) + ((p.d_v,) if not p.v1 else ())
@@ -1058,10 +1069,11 @@ def attention_weights(q: ArrayLike, k: ArrayLike, *, mask: Optional[ArrayLike] =
                       softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
                       kv_lengths: Optional[ArrayLike] = None, num_threads: Optional[int] = None,
                       q_lengths: Optional[ArrayLike] = None, layout: Layout = "bhld") -> NDArray[Any]:
-    if _blhd(layout):
+    blhd = _blhd(layout)
+    if blhd:
         q, k = _heads_first((q, k), "qk")
     p = _prepare(q, k, None, mask, causal, scale, enable_gqa, window, softcap, alibi_slopes, kv_lengths,
-                 num_threads, weights=True, q_lengths=q_lengths)
+                 num_threads, weights=True, q_lengths=q_lengths, blhd=blhd)
     target = np.zeros(p.lead + (p.n_q, p.n_k), p.comp)
     if target.size:
         _call(p, target, None, weights=True)

@@ -1921,3 +1921,35 @@ def test_layout_errors(rng):
     assert np.array_equal(fastattn.attention(q, k, v, layout="BLHD"), fastattn.attention(q, k, v, layout="blhd"))
     qh, kh, vh = (np.swapaxes(a, 1, 2) for a in (q, k, v))
     assert np.array_equal(fastattn.attention(qh, kh, vh, layout="BHLD"), fastattn.attention(qh, kh, vh))
+    # the other errors name the shapes as given, in that layout
+    with pytest.raises(ValueError, match=r"d_k differs: q has shape \(2, 5, 3, 8\) \(d_k=8\), "
+                                         r"k has shape \(2, 6, 3, 4\)"):
+        fastattn.attention(q, k[..., :4], v, layout="blhd")
+    with pytest.raises(ValueError, match=r"n_k differs: k has shape \(2, 6, 3, 8\) \(n_k=6\), "
+                                         r"v has shape \(2, 4, 3, 4\)"):
+        fastattn.attention(q, k, v[:, :4], layout="blhd")
+    with pytest.raises(ValueError, match=r"k and v have different head counts: k \(2, 6, 3, 8\), v \(2, 6, 1, 4\)"):
+        fastattn.attention(q, k, v[:, :, :1], layout="blhd", enable_gqa=True)
+    with pytest.raises(ValueError, match=r"leading dims do not broadcast: q \(2, 5, 3, 8\), k \(2, 6, 2, 8\)"):
+        fastattn.attention_weights(q, k[:, :, :2], layout="blhd")
+
+
+def test_gqa_hint(rng):
+    """Fewer key/value heads than query heads, dividing them, without enable_gqa:
+    the error says to pass enable_gqa=True (in either layout, and for the weights);
+    not when they do not divide, or when enable_gqa is already given."""
+    q, k, v = rand(rng, (2, 4, 5, 8)), rand(rng, (2, 2, 6, 8)), rand(rng, (2, 2, 6, 4))
+    hint = r"\(q has 4 heads, k and v 2: for grouped-query attention pass enable_gqa=True\)"
+    with pytest.raises(ValueError, match=r"leading dims do not broadcast: q \(2, 4, 5, 8\), .*" + hint):
+        fastattn.attention(q, k, v)
+    with pytest.raises(ValueError, match=r"q \(2, 5, 4, 8\), k \(2, 6, 2, 8\), v \(2, 6, 2, 4\) " + hint):
+        fastattn.attention(*(np.swapaxes(a, 1, 2) for a in (q, k, v)), layout="blhd")
+    with pytest.raises(ValueError, match=r"\(q has 4 heads, k 2: for grouped-query attention pass enable_gqa=True\)"):
+        fastattn.attention_weights(q, k)
+    assert fastattn.attention(q, k, v, enable_gqa=True).shape == (2, 4, 5, 4)
+    for kk, vv in ((k[:, :1].repeat(3, 1), v[:, :1].repeat(3, 1)),   # 3 does not divide 4
+                   (k[:1, :1], v[:1, :2]),                           # k and v differ
+                   (rand(rng, (3, 4, 6, 8)), rand(rng, (3, 4, 6, 4)))):  # the heads agree, the batch not
+        with pytest.raises(ValueError, match="leading dims do not broadcast") as e:
+            fastattn.attention(q, kk, vv)
+        assert "enable_gqa" not in str(e.value)
