@@ -370,13 +370,20 @@ static void fill_item(const fa_attention_args *a, const fa_tiles *t, const mask_
     it->next_bq = it->next_nk = 0;
 }
 
+/* Do n query rows take the row kernel?  Up to rows_max, but not from full_lo to
+ * full_hi (run). */
+static int few_rows(int64_t n, int64_t rows_max, int64_t full_lo, int64_t full_hi)
+{
+    return n <= rows_max && !(n >= full_lo && n <= full_hi);
+}
+
 /* One attention call, ready to run (run below fills it). */
 typedef struct {
     const fa_attention_args *a;
     const fa_tiles *tiles;
     fa_attn_item_fn item_fn;
-    fa_attn_item_fn few_fn;  /* items of at most few_max rows, when not NULL (packed sequences) */
-    int64_t few_max;
+    fa_attn_item_fn few_fn;  /* items of few rows (few_rows), when not NULL (packed sequences) */
+    int64_t few_max, full_lo, full_hi;
     fa_attn_merge_fn merge_fn;
     size_t esz, msz, scratch_bytes;
     int64_t n_qb, n_items, n_splits, chunk, part_elems;
@@ -465,7 +472,10 @@ static void run_team(void *arg)
             it.next_nk = j_end > nx.j_lo ? j_end - nx.j_lo : 0;
         }
         if (it.pad && !p->weights && !a->q_start && u % p->n_splits == 0) write_padding(a, &it, p->esz);
-        if (it.bq > 0) (p->few_fn && it.bq <= p->few_max ? p->few_fn : p->item_fn)(a, p->tiles, &it, scratch);
+        if (it.bq > 0) {
+            const int few = p->few_fn && few_rows(it.bq, p->few_max, p->full_lo, p->full_hi);
+            (few ? p->few_fn : p->item_fn)(a, p->tiles, &it, scratch);
+        }
         u = un;
     }
     if (p->parts) { /* after every split is done: merge each item's splits */
@@ -526,7 +536,15 @@ static int run(const fa_attention_args *a, int weights)
                              : from_memory             ? isa->rows_max_big[a->dtype]
                              : a->dk >= FA_ROWS_DK_BIG ? isa->rows_max_dk[a->dtype]
                                                        : isa->rows_max[a->dtype];
-    const int rows_kernel = !weights && a->nq <= rows_max;
+    /* Except that rows_full to lanes rows, which fill (nearly) one vector of the
+     * tiled kernel, take that one: it is then faster than the row kernel's dot
+     * products (dispatch.c); not where dk > FA_ROWS_DK_BIG with K and V from memory. */
+    int64_t full_lo = 1, full_hi = 0; /* (empty) */
+    if (!forced_rows_max && isa->rows_full[a->dtype] > 0 && !(from_memory && a->dk > FA_ROWS_DK_BIG)) {
+        full_lo = isa->rows_full[a->dtype];
+        full_hi = isa->lanes[a->dtype];
+    }
+    const int rows_kernel = !weights && few_rows(a->nq, rows_max, full_lo, full_hi);
     const fa_attn_item_fn item_fn = weights       ? isa->weights_item[a->dtype]
                                     : rows_kernel ? isa->attn_item_rows[a->dtype]
                                                   : isa->attn_item[a->dtype];
@@ -610,6 +628,7 @@ static int run(const fa_attention_args *a, int weights)
     }
     const double work = q_rows * (double)(a->nk + 1) * (double)(a->dk + a->dv + 8);
     run_plan plan = {.a = a, .tiles = &tiles, .item_fn = item_fn, .few_fn = few_fn, .few_max = rows_max,
+                     .full_lo = full_lo, .full_hi = full_hi,
                      .merge_fn = merge_fn,
                      .esz = esz, .msz = msz, .scratch_bytes = (size_t)scratch_elems * esz,
                      .n_qb = n_qb, .n_items = n_items, .n_splits = n_splits, .chunk = chunk,

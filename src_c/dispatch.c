@@ -12,14 +12,16 @@
 
 #include "internal.h"
 
-/* rows_max, rows_max_big and rows_max_dk for float32 (r..32) and float64 (r..64) */
-#define FA_TABLE(isa, r32, r64, big32, big64, dk32, dk64, fuse)                    \
+/* rows_max, rows_max_big and rows_max_dk for float32 (r..32) and float64 (r..64);
+ * full32 and full64: rows_full */
+#define FA_TABLE(isa, r32, r64, big32, big64, dk32, dk64, full32, full64, fuse)    \
     {                                                                              \
         #isa,                                                                      \
         {0, 0}, /* lanes are filled in from the kernel files at first use */      \
         {r32, r64},                                                                \
         {big32, big64},                                                            \
         {dk32, dk64},                                                              \
+        {full32, full64},                                                          \
         fuse,                                                                      \
         {fa_attn_item_f32_##isa, fa_attn_item_f64_##isa},                          \
         {fa_attn_item_rows_f32_##isa, fa_attn_item_rows_f64_##isa},                \
@@ -73,18 +75,31 @@
  * The portable path: tiled / row kernel at 3, 5, 7, 9 rows
  * 1.09-1.36, 1.12-1.33, 0.97-1.19, 1.01-1.30 (float32 and float64, in cache
  * and from memory), so it keeps 10. */
+/* rows_full: from this many query rows up to one vector's lanes, the tiled
+ * kernel even below rows_max (not where dk > 128 with K and V from memory).
+ * With AVX-512, float32 (16 lanes), tiled / row-kernel time at 13, 14, 15, 16
+ * rows (of H32 Nk4096 d128 and H32 Nk8192 d64 from memory, H8 Nk2048 d128 and
+ * H8 Nk1024 d256 in cache; two threads, then one): from memory d128 1.03, 1.00,
+ * 0.92, 0.94 (one thread 1.11, 1.00, 0.93, 0.95), d64 0.88, 0.82, 0.73, 0.74;
+ * in cache d128 1.03, 0.94, 0.83, 0.85, d256 1.00, 0.88, 0.83, 0.88; d256 from
+ * memory (H16 Nk4096) 1.27, 1.12, 1.10, 1.15, hence not there.  Then in one
+ * process against the build before, 14, 15 and 16 rows: 0.99-1.23x, 1.10-1.37x
+ * and 1.09-1.37x (those shapes, one and two threads), GQA H32/8 d128 four rows
+ * (16 a group) 1.06-1.14x.  float64 (8 lanes): the row kernel as fast or faster
+ * at 7, 8 and 14-16 rows (0.73-1.13), so 0.  On AVX2 rows_max is below the
+ * lanes (8 float32, 4 float64) but for float64 in cache (3 of 4): 0. */
 /* fuse: the tiled kernel's fused exp (kernel_body.h, FUSE_LAG) takes the exp
  * out of the Q.K^T accumulator registers.  With the 32 registers of AVX-512 it
  * measured 2-4 % faster (B1 H8 N2048 d64).  With 16 registers the 12
  * accumulators leave the exp no room and it spills: unfused was faster on
  * Zen 3 (AVX2, one thread, B1 H8 N2048): float32 d64 1.00-1.01x, d128 1.01x,
  * float64 1.05x; portable path (B1 H4 N1024) 1.05x and 1.07x. */
-static fa_isa_table table_generic = FA_TABLE(generic, 10, 10, 10, 10, 10, 10, 0);
+static fa_isa_table table_generic = FA_TABLE(generic, 10, 10, 10, 10, 10, 10, 0, 0, 0);
 #ifdef FA_HAVE_AVX2_BUILD
-static fa_isa_table table_avx2 = FA_TABLE(avx2, 6, 3, 5, 5, 6, 3, 0);
+static fa_isa_table table_avx2 = FA_TABLE(avx2, 6, 3, 5, 5, 6, 3, 0, 0, 0);
 #endif
 #ifdef FA_HAVE_AVX512_BUILD
-static fa_isa_table table_avx512 = FA_TABLE(avx512, 12, 12, 24, 20, 24, 20, 1);
+static fa_isa_table table_avx512 = FA_TABLE(avx512, 12, 12, 24, 20, 24, 20, 14, 0, 1);
 #endif
 
 static const fa_isa_table *current = NULL;

@@ -119,6 +119,9 @@ typedef struct {
     int rows_max_big[2];              /* ... when K and V come from memory
                                        * (beyond FA_KV_MEM_BYTES) */
     int rows_max_dk[2];               /* ... else when dk >= FA_ROWS_DK_BIG */
+    int rows_full[2];                 /* but n_q from this up to one vector's lanes
+                                       * takes the tiled kernel (0: never), unless
+                                       * dk > FA_ROWS_DK_BIG with K and V from memory */
     int fuse;                         /* the tiled kernel's fused exp: 1 where it
                                        * measured faster (see dispatch.c) */
     fa_attn_item_fn attn_item[2];      /* tiled: many query rows */

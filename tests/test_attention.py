@@ -1236,16 +1236,20 @@ def test_row_kernel_many_rows_split_keys(isa, rng, rows_max, dtype, nq):
 ROWS_MAX = {"avx512": ((12, 12), (24, 20), (24, 20)),
             "avx2": ((6, 3), (5, 5), (6, 3)),
             "generic": ((10, 10), (10, 10), (10, 10))}
+# ... except from rows_full to one vector's lanes (float32, float64), which take the tiled
+# kernel, unless dk > 128 with K and V beyond 48 MiB (dispatch.c: rows_full).
+ROWS_FULL = {"avx512": ((14, 16), None), "avx2": (None, None), "generic": (None, None)}
 
 
 @pytest.mark.parametrize("dtype", [F32, F64])
-@pytest.mark.parametrize("kv_mib, d", [(1, 64), (40, 64), (50, 64), (1, 127), (1, 128), (1, 200)])
+@pytest.mark.parametrize("kv_mib, d", [(1, 64), (40, 64), (50, 64), (1, 127), (1, 128), (1, 200), (50, 200)])
 def test_row_kernel_choice(isa, rng, rows_max, dtype, kv_mib, d):
     """Which kernel takes 2 to 24 query rows depends on the SIMD path, the
     dtype, whether K and V exceed 48 MiB (then they come from memory, and the
     tiled kernel takes 32-key tiles up to 32 rows) and the head dim (from 128
     on, long dot products hide the row kernel's horizontal sums): the output is bitwise that
-    of the kernel forced by rows_max, and both agree with the reference.  K and
+    of the kernel forced by rows_max, and both agree with the reference.  Rows
+    that fill (nearly) one vector take the tiled kernel (ROWS_FULL).  K and
     V broadcast over a leading axis (shared by two query heads) count once (40
     MiB, not 80).  (Not enable_gqa, which folds a group's heads into the rows
     of one item up to 8 rows per head: test_variants.py.)"""
@@ -1254,7 +1258,10 @@ def test_row_kernel_choice(isa, rng, rows_max, dtype, kv_mib, d):
     k, v = rand(rng, (h_kv, nk, d), dtype), rand(rng, (h_kv, nk, d), dtype)
     kind = 1 if kv_mib > 48 else 2 if d >= 128 else 0
     limit = ROWS_MAX[isa][kind][dtype == F64]
-    for nq in (2, 3, 4, 6, 7, 9, 11, 13, 20, 21, 24):
+    full = ROWS_FULL[isa][dtype == F64]
+    if kv_mib > 48 and d > 128:
+        full = None
+    for nq in (2, 3, 4, 6, 7, 9, 11, 13, 14, 15, 16, 17, 20, 21, 24):
         q = rand(rng, (2, h_kv, nq, d), dtype)
         out = fastattn.attention(q, k, v, num_threads=2)
         rows_max(24)
@@ -1263,8 +1270,9 @@ def test_row_kernel_choice(isa, rng, rows_max, dtype, kv_mib, d):
         tiled = fastattn.attention(q, k, v, num_threads=2)
         rows_max(0)
         assert not np.array_equal(by_rows, tiled)    # the two kernels can be told apart
-        np.testing.assert_array_equal(out, by_rows if nq <= limit else tiled, err_msg=f"{nq} rows")
-        if nq in (13, 24):
+        few = nq <= limit and not (full and full[0] <= nq <= full[1])
+        np.testing.assert_array_equal(out, by_rows if few else tiled, err_msg=f"{nq} rows")
+        if nq in (13, 16, 24):
             check(q, k, v, dtype, num_threads=2)
 
 

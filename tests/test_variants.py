@@ -475,6 +475,30 @@ def test_varlen_mixed_prefill_and_decode(isa, rng, rows_max):
         _core._set_rows_max(0)
 
 
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_varlen_short_sequences_take_the_kernel_a_call_would(isa, rng, dtype):
+    """Beside a long sequence (the tiled kernel), each short one takes the kernel a
+    call of its own would (test_attention.py: ROWS_MAX, ROWS_FULL): its rows are
+    bitwise those of that kernel, forced, and all agree with the reference."""
+    from test_attention import ROWS_FULL, ROWS_MAX
+    lq, lk = [200, 16, 15, 14, 13, 5], [300, 700, 700, 700, 700, 700]
+    q, k, v, cq, ck = packed(rng, lq, lk, 2, 2, dtype, d=128, dv=24)
+    out, _ = check_varlen(q, k, v, cq, ck, dtype, num_threads=2)
+    forced = {}
+    try:
+        for n in (1, 24):
+            _core._set_rows_max(n)
+            forced[n] = fastattn.attention_varlen(q, k, v, cq, ck, num_threads=2)
+    finally:
+        _core._set_rows_max(0)
+    limit, full = ROWS_MAX[isa][2][dtype == F64], ROWS_FULL[isa][dtype == F64]
+    for b, n in enumerate(lq[1:], 1):
+        few = n <= limit and not (full and full[0] <= n <= full[1])
+        rows = slice(cq[b], cq[b + 1])
+        assert not np.array_equal(forced[1][rows], forced[24][rows])
+        np.testing.assert_array_equal(out[rows], forced[24 if few else 1][rows], err_msg=f"{n} rows")
+
+
 def test_varlen_decode_folds_heads(rng, core_calls):
     """Decoding with GQA (one query a sequence): one C call with leading dims
     (B, H_kv), each item the G query heads of a group as rows (row_group G); with
