@@ -61,6 +61,30 @@ def _isa_at_import(value):
     return run.stdout.strip(), run.stderr
 
 
+def _spin_at_import(**env_vars):
+    """GOMP_SPINCOUNT as a fresh import's libgomp reports it (OMP_DISPLAY_ENV; None
+    for another OpenMP runtime) and as the environment holds it after the import."""
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    env.update(env_vars, OMP_DISPLAY_ENV="verbose")
+    code = "import os, fastattn; print(os.environ.get('GOMP_SPINCOUNT'))"
+    where = pathlib.Path(fastattn.__file__).resolve().parent.parent
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=where)
+    assert run.returncode == 0, run.stderr
+    seen = re.findall(r"GOMP_SPINCOUNT = '(\d+)'", run.stderr + run.stdout)
+    return (seen[0] if seen else None), run.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.skipif(not _core.openmp_enabled(), reason="a build without OpenMP has no threads to spin")
+def test_openmp_spin_count_at_import():
+    """fastattn's libgomp spins 10,000 loops before its idle threads sleep (not
+    300,000, which took the cores from NumPy's next matrix product), unless the user
+    chose (GOMP_SPINCOUNT or OMP_WAIT_POLICY); the environment is left as it was."""
+    gomp = "gomp" in _core.openmp_library()
+    assert _spin_at_import() == ("10000" if gomp else None, "None")
+    assert _spin_at_import(GOMP_SPINCOUNT="777") == ("777" if gomp else None, "777")
+    assert _spin_at_import(OMP_WAIT_POLICY="active") == ("30000000000" if gomp else None, "None")
+
+
 def test_isa_choice_at_import():
     available = [n for n in fastattn.ISA_NAMES if _core.isa_available(n)]
     assert available[-1] == "generic"   # the portable path is always there
