@@ -86,8 +86,9 @@
  * process against the build before, 14, 15 and 16 rows: 0.99-1.23x, 1.10-1.37x
  * and 1.09-1.37x (those shapes, one and two threads), GQA H32/8 d128 four rows
  * (16 a group) 1.06-1.14x.  float64 (8 lanes): the row kernel as fast or faster
- * at 7, 8 and 14-16 rows (0.73-1.13), so 0.  On AVX2 rows_max is below the
- * lanes (8 float32, 4 float64) but for float64 in cache (3 of 4): 0. */
+ * at 7, 8 and 14-16 rows (0.73-1.13), so 0.  On AVX2 the row kernel stops below
+ * one vector's lanes (8 float32, 4 float64), except for float64 from memory (5),
+ * where it was the faster at 4 rows (1.05 above): 0. */
 /* fuse: the tiled kernel's fused exp (kernel_body.h, FUSE_LAG) takes the exp
  * out of the Q.K^T accumulator registers.  With the 32 registers of AVX-512 it
  * measured 2-4 % faster (B1 H8 N2048 d64).  With 16 registers the 12
