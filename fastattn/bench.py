@@ -58,6 +58,7 @@ WORKLOADS = [
     _w("decode H32 Nk4096 d128", (1, 32, 1, 4096, 128), quick=True),
     _w("8 rows H32 Nk4096 d128", (1, 32, 8, 4096, 128)),   # e.g. verifying 8 speculative tokens
     _w("12 rows H32 Nk4096 d128", (1, 32, 12, 4096, 128)),  # the row kernel's limit with AVX-512 in cache
+    _w("16 rows H32 Nk4096 d128", (1, 32, 16, 4096, 128)),  # one AVX-512 vector of float32 rows: tiled
     _w("20 rows H32 Nk4096 d128", (1, 32, 20, 4096, 128)),  # ... and from memory: up to 24 rows
     _w("20 rows H8 Nk2048 d128", (1, 8, 20, 2048, 128)),    # ... and in cache from d128 on
     _w("B1 H8 N2048 d64 bool mask", (1, 8, 2048, 2048, 64), mask="bool"),
