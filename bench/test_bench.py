@@ -45,5 +45,7 @@ def test_attention(benchmark, w, peer):
     benchmark.group = w["name"].strip(" .")
     out = np.asarray(benchmark(call))
     packed = peer == "fastattn" and w["options"].get("packed")   # (total, H, d): the sequences' rows only
-    assert out.shape == ((int(make_inputs(w)[4]["q_lengths"].sum()), H, d) if packed else (B, H, nq, d))
+    blhd = w["options"].get("layout") == "blhd"   # every peer's result in the inputs' layout
+    assert out.shape == ((int(make_inputs(w)[4]["q_lengths"].sum()), H, d) if packed
+                         else (B, nq, H, d) if blhd else (B, H, nq, d))
     assert np.isfinite(out).all()

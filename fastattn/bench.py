@@ -56,6 +56,9 @@ WORKLOADS = [
     _w("B32 H12 N128 d64 (BERT)", (32, 12, 128, 128, 64), quick=True),
     _w("B1 H1 N64 d64 (overhead)", (1, 1, 64, 64, 64)),
     _w("decode H32 Nk4096 d128", (1, 32, 1, 4096, 128), quick=True),
+    # ... from a cache laid out (B, n_k, H, d), as flash-attn's and JAX's: layout="blhd", each
+    # head's K and V rows H*d apart (the same values as the row above)
+    _w("  ...(B, n, H, d) layout", (1, 32, 1, 4096, 128), layout="blhd"),
     _w("8 rows H32 Nk4096 d128", (1, 32, 8, 4096, 128)),   # e.g. verifying 8 speculative tokens
     _w("12 rows H32 Nk4096 d128", (1, 32, 12, 4096, 128)),  # the row kernel's limit with AVX-512 in cache
     _w("16 rows H32 Nk4096 d128", (1, 32, 16, 4096, 128)),  # one AVX-512 vector of float32 rows: tiled
@@ -175,6 +178,9 @@ def make_inputs(w, seed=0):
         k[..., nk - nk // 16:, :] = np.nan
         v[..., nk - nk // 16:, :] = np.nan
     kw = {}
+    if opts.get("layout") == "blhd":   # the same values, (B, n, H, d) in memory
+        q, k, v = (np.ascontiguousarray(a.swapaxes(1, 2)) for a in (q, k, v))
+        kw["layout"] = "blhd"
     if "gqa" in opts:
         kw["enable_gqa"] = True
     if "window" in opts:
@@ -266,6 +272,8 @@ def peer_calls(w, inputs, threads=None, torch=None):
         calls["reference"] = lambda: reference.attention(q, k, v, mask=mask, causal=w["causal"], **kw)
     if torch is not None and has_torch(w):
         tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
+        if kw.get("layout") == "blhd":   # PyTorch takes (B, H, n, d): views of the same memory
+            tq, tk, tv = (a.transpose(1, 2) for a in (tq, tk, tv))
         tm = torch.from_numpy(mask) if mask is not None else None
         sdpa = torch.nn.functional.scaled_dot_product_attention
         nq, causal = w["shape"][2], w["causal"]
@@ -277,7 +285,8 @@ def peer_calls(w, inputs, threads=None, torch=None):
         if causal and nq != nk:   # PyTorch's is_causal is top-left aligned: a bottom-right bool mask
             tm, causal = torch.from_numpy(np.arange(nk) <= np.arange(nq)[:, None] + (nk - nq)), False
         tkw = dict(enable_gqa=True) if "enable_gqa" in kw else {}
-        calls["torch"] = lambda: sdpa(tq, tk, tv, attn_mask=tm, is_causal=causal, **tkw).numpy()
+        to = (lambda o: o.transpose(1, 2)) if kw.get("layout") == "blhd" else (lambda o: o)
+        calls["torch"] = lambda: to(sdpa(tq, tk, tv, attn_mask=tm, is_causal=causal, **tkw)).numpy()
     return calls
 
 
@@ -312,7 +321,7 @@ def _measure(w, threads, torch, repeats, with_reference):
         row["x_torch"] = times["torch"] / t
     if decode:   # bytes of K and V that fastattn reads (a padded cache: only the live rows)
         live = _live_keys(w, mask, kw)
-        kv_rows = live if live is not None else B * k.shape[1] * nk
+        kv_rows = live if live is not None else k.size // k.shape[-1]
         row["read_gbs"] = kv_rows * (k.shape[-1] + v.shape[-1]) * k.itemsize / t / 1e9
         row["stream_gbs"] = buf.nbytes / times["stream"] / 1e9
     return row

@@ -185,6 +185,34 @@ def test_stream_read_helper():
             _core._stream_read(bad)
 
 
+def test_bench_blhd_decode_row():
+    """The benchmark's (B, n, H, d) decoding row holds the decode row's values in that
+    layout, and each peer's call on it (fastattn, the reference, PyTorch when installed)
+    returns the decode row's result in that layout, with the bytes read counted once."""
+    from fastattn import bench
+    names = [w["name"] for w in bench.WORKLOADS]
+    i = names.index("decode H32 Nk4096 d128")
+    head, row = bench.WORKLOADS[i], bench.WORKLOADS[i + 1]
+    assert row["name"].strip(" .") == "(B, n, H, d) layout" and row["shape"] == head["shape"]
+    small = (1, 4, 1, 300, 16)
+    a, b = (bench.make_inputs(dict(w, shape=small)) for w in (head, row))
+    for x, y in zip(a[:3], b[:3]):
+        assert y.shape == x.swapaxes(1, 2).shape and np.array_equal(y, x.swapaxes(1, 2))
+        assert y.flags.c_contiguous
+    assert b[4] == dict(a[4], layout="blhd")
+    try:
+        import torch
+    except Exception:
+        torch = None
+    ca = bench.peer_calls(dict(head, shape=small), a, threads=1, torch=torch)
+    cb = bench.peer_calls(dict(row, shape=small), b, threads=1, torch=torch)
+    assert set(ca) == set(cb) >= {"fastattn", "reference"}
+    want = ca["reference"]()
+    assert np.array_equal(cb["fastattn"](), ca["fastattn"]().swapaxes(1, 2))
+    for peer in cb:
+        np.testing.assert_allclose(cb[peer](), want.swapaxes(1, 2), rtol=1e-4, atol=1e-5, err_msg=peer)
+
+
 def test_bench_reference_f64_line(monkeypatch, capsys):
     """The benchmark's float64-reference line times reference.attention on float64
     copies of the B1 H8 N2048 d64 row's own inputs (the tests' oracle), beside the
