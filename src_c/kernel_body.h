@@ -586,16 +586,26 @@ typedef struct {
     int64_t nv, nk, nq, vrs, krs, qrs, dv, dk;
 } tile_pf;
 
-INLINE void prefetch_l2(const T *p, int64_t n)
+/* Software prefetch into L2 of a row p[0..n): a line every 64 bytes from p on,
+ * and with tail the line of p[n - 1] too.  NumPy's large arrays start 16 bytes
+ * into a line, so that a row of d128 float32 spans 9 lines, not 8: where rows
+ * abut, the next row's first prefetch takes that last line; where they do not
+ * (tail: the stride is not n; K and V of a (B, n, H, d) cache, each head's
+ * rows H*d apart) it was a demand miss from memory on every row.  With tail,
+ * decoding from such a cache (H32 Nk4096 d128, K and V from memory) 1.10-1.15x,
+ * with GQA 32/8 (four rows a kv head) 1.32-1.37x, float64 1.21x, d64 1.30x;
+ * the tail for abutting rows too cost 1-2 % (8 and 20 rows, head-major). */
+INLINE void prefetch_l2(const T *p, int64_t n, int tail)
 {
     for (int64_t c = 0; c < n; c += 64 / (int64_t)sizeof(T)) __builtin_prefetch(p + c, 0, 2);
+    if (tail && n > 0) __builtin_prefetch(p + n - 1, 0, 2);
 }
 
 INLINE void tile_prefetch(const tile_pf *pf, int64_t j, int64_t r)
 {
-    for (int64_t x = j; x < j + r && x < pf->nv; x++) prefetch_l2(pf->v + x * pf->vrs, pf->dv);
-    for (int64_t x = j; x < j + r && x < pf->nk; x++) prefetch_l2(pf->k + x * pf->krs, pf->dk);
-    for (int64_t x = j; x < j + r && x < pf->nq; x++) prefetch_l2(pf->q + x * pf->qrs, pf->dk);
+    for (int64_t x = j; x < j + r && x < pf->nv; x++) prefetch_l2(pf->v + x * pf->vrs, pf->dv, pf->vrs != pf->dv);
+    for (int64_t x = j; x < j + r && x < pf->nk; x++) prefetch_l2(pf->k + x * pf->krs, pf->dk, pf->krs != pf->dk);
+    for (int64_t x = j; x < j + r && x < pf->nq; x++) prefetch_l2(pf->q + x * pf->qrs, pf->dk, pf->qrs != pf->dk);
 }
 
 /* Prefetch pf's K and query rows in step with a P.V pass over the columns of
@@ -1410,11 +1420,12 @@ INLINE int64_t prefetch_dist(int64_t row_elems, int far)
 {
     return prefetch_dist_bytes(row_elems, far ? FAR_PF_BYTES : PF_BYTES);
 }
-/* One K or V row (n elements), into L2 (far) or L1. */
-INLINE void prefetch_row(const T *p, int64_t n, int far)
+/* One K or V row (n elements), into L2 (far; tail: see prefetch_l2) or L1.
+ * (In cache, the tail made no difference: 0.99-1.01x, H32 Nk512 d128.) */
+INLINE void prefetch_row(const T *p, int64_t n, int far, int tail)
 {
     if (far)
-        prefetch_l2(p, n);
+        prefetch_l2(p, n, tail);
     else
         for (int64_t c = 0; c < n; c += 64 / (int64_t)sizeof(T)) __builtin_prefetch(p + c, 0, 3);
 }
@@ -1553,7 +1564,7 @@ static void rows_scores(T *restrict S, int64_t ls, const T *restrict Qs, int64_t
     int64_t j = 0;
     for (; j + 4 <= nb; j += 4) {
         const T *k0 = K + j * krs, *k1 = k0 + krs, *k2 = k1 + krs, *k3 = k2 + krs;
-        for (int64_t r = j + pf; r < j + pf + 4 && r < npf; r++) prefetch_row(K + r * krs, dk, far);
+        for (int64_t r = j + pf; r < j + pf + 4 && r < npf; r++) prefetch_row(K + r * krs, dk, far, krs != dk);
         if (xpf) tile_prefetch(xpf, j, 4);
         int64_t i = 0;
         for (; i + RS_MAX <= bq; i += RS_MAX)
@@ -1590,17 +1601,17 @@ static void rows_scores(T *restrict S, int64_t ls, const T *restrict Qs, int64_t
  *   A (R, lda)   S (R, ls)   V (nb, NV*L) row stride vrs
  * An R x NV register tile: each V vector, loaded once, serves R rows.
  * Rows j < npf of V exist and may be prefetched: pfn elements of the row pf
- * rows ahead (far: into L2). */
+ * rows ahead (far: into L2; tail: see prefetch_l2). */
 INLINE void rows_pv_tile(const int R, const int NV, T *restrict A, int64_t lda, const T *restrict S,
                          int64_t ls, const T *restrict V, int64_t vrs, int64_t nb, int64_t npf, int64_t pf,
-                         int64_t pfn, int far)
+                         int64_t pfn, int far, int tail)
 {
     vec acc[RP_MAX][8];
     UNROLL(8) for (int i = 0; i < R; i++)
         UNROLL(8) for (int x = 0; x < NV; x++) acc[i][x] = vload(A + i * lda + x * L);
     for (int64_t j = 0; j < nb; j++) {
         const T *vj = V + j * vrs;
-        if (j + pf < npf) prefetch_row(vj + pf * vrs, pfn, far);
+        if (j + pf < npf) prefetch_row(vj + pf * vrs, pfn, far, tail);
         vec vv[8];
         UNROLL(8) for (int x = 0; x < NV; x++) vv[x] = vload(vj + x * L);
         UNROLL(8) for (int i = 0; i < R; i++) {
@@ -1618,7 +1629,7 @@ INLINE void rows_pv_tile(const int R, const int NV, T *restrict A, int64_t lda, 
  * then the last dv % L columns.  The first tile prefetches whole V rows (the
  * later ones find them in cache); xpf's rows (NULL: none) are prefetched in
  * step with the tiles. */
-#define PV_TILE(NV) rows_pv_tile(R, NV, A + c, lda, S, ls, V + c, vrs, nb, (R == 1 || c == 0) ? npf : 0, pf, R == 1 ? NV * L : dv, far)
+#define PV_TILE(NV) rows_pv_tile(R, NV, A + c, lda, S, ls, V + c, vrs, nb, (R == 1 || c == 0) ? npf : 0, pf, R == 1 ? NV * L : dv, far, vrs != dv)
 INLINE void rows_pv_r(const int R, T *restrict A, int64_t lda, const T *restrict S, int64_t ls,
                       const T *restrict V, int64_t vrs, int64_t dv, int64_t nb, int64_t npf, int far,
                       const tile_pf *xpf)
@@ -1919,14 +1930,14 @@ static void decode_step(T *restrict Sn, const T *restrict Qs, const T *restrict 
     for (int64_t j = 0; j < n; j += 4) {
         if (j + 4 <= nk) {
             const T *k0 = K + j * krs;
-            for (int64_t r = j + pfk; r < j + pfk + 4 && r < npk; r++) prefetch_row(K + r * krs, dk, far);
+            for (int64_t r = j + pfk; r < j + pfk + 4 && r < npk; r++) prefetch_row(K + r * krs, dk, far, krs != dk);
             rows_scores_1x4(Sn + j, Qs, k0, k0 + krs, k0 + 2 * krs, k0 + 3 * krs, dk, dkv);
         } else if (j < nk) { /* the last 1-3 keys: rows_scores' one-key loop */
             rows_scores(Sn + j, 0, Qs, 0, 1, K + j * krs, krs, dk, nk - j, 0, 0, NULL);
         }
         if (j + 4 <= nv) {
             const T *v0 = V + j * vrs, *v1 = v0 + vrs, *v2 = v1 + vrs, *v3 = v2 + vrs;
-            for (int64_t r = j + pfv; r < j + pfv + 4 && r < npv; r++) prefetch_row(V + r * vrs, dv, far);
+            for (int64_t r = j + pfv; r < j + pfv + 4 && r < npv; r++) prefetch_row(V + r * vrs, dv, far, vrs != dv);
             const T p0 = P[j], p1 = P[j + 1], p2 = P[j + 2], p3 = P[j + 3];
             for (int64_t c = 0; c < dvv; c += L) {
                 vec acc = vload(A + c);
