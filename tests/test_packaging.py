@@ -188,7 +188,7 @@ def test_stream_read_helper():
 def test_bench_blhd_decode_row():
     """The benchmark's (B, n, H, d) decoding row holds the decode row's values in that
     layout, and each peer's call on it (fastattn, the reference, PyTorch when installed)
-    returns the decode row's result in that layout, with the bytes read counted once."""
+    returns the decode row's result in that layout."""
     from fastattn import bench
     names = [w["name"] for w in bench.WORKLOADS]
     i = names.index("decode H32 Nk4096 d128")
@@ -211,6 +211,20 @@ def test_bench_blhd_decode_row():
     assert np.array_equal(cb["fastattn"](), ca["fastattn"]().swapaxes(1, 2))
     for peer in cb:
         np.testing.assert_allclose(cb[peer](), want.swapaxes(1, 2), rtol=1e-4, atol=1e-5, err_msg=peer)
+
+
+def test_bench_decode_bytes(monkeypatch):
+    """The decoding rows' read rate counts the K and V bytes of the arrays, in either
+    layout: B * H_kv * n_k rows of d_k + d_v elements (times fixed at 1 ms here)."""
+    from fastattn import bench
+    monkeypatch.setattr(bench, "_median_times", lambda fns, repeats, min_time=0.05: [1e-3] * len(fns))
+    monkeypatch.setattr(bench, "_stream_buffer", lambda: np.ones(1 << 16, np.uint8))
+    for name in ("decode H32 Nk4096 d128", "  ...(B, n, H, d) layout", "decode GQA 32/8 Nk16k d128"):
+        w = next(x for x in bench.WORKLOADS if x["name"] == name)
+        B, H, _, nk, d = w["shape"]
+        rows = B * w["options"].get("gqa", H) * nk
+        row = bench._measure(w, threads=1, torch=None, repeats=1, with_reference=False)
+        assert row["read_gbs"] == pytest.approx(rows * 2 * d * 4 / 1e-3 / 1e9), name
 
 
 def test_bench_reference_f64_line(monkeypatch, capsys):
