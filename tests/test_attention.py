@@ -1201,20 +1201,32 @@ def stream():
 @pytest.mark.parametrize("nq", [1, 2, 3, 5, 8, 10])
 @pytest.mark.parametrize("nk", [1, 303, 513])
 @pytest.mark.parametrize("dk, dv", [(72, 40), (128, 128), (7, 3)])
-def test_row_kernel_streaming(isa, rng, stream, rows_max, dtype, nq, nk, dk, dv):
+@pytest.mark.parametrize("strided", [False, True])
+def test_row_kernel_streaming(isa, rng, stream, rows_max, dtype, nq, nk, dk, dv, strided):
     """The row kernel (forced for every nq here) as it runs on K and V from
     memory (forced on small ones): K and V rows prefetched into L2 further
     ahead, V rows prefetched during the scores and the next tile's K during
     P.V, for 1 to 5 key tiles (128 keys; one row, decoding: 256) with a tail,
     P.V tiles with and without whole vectors of dv, row groups with
-    remainders.  Plain, causal, a bool mask and kv_lengths."""
+    remainders.  Plain, causal, a bool mask and kv_lengths.  strided: K and V
+    rows that do not abut (column slices of wider rows, starting one element in,
+    as a (B, n, H, d) cache's heads), whose prefetch also takes each row's last
+    line (kernel_body.h, prefetch_l2); the tiled kernel's prefetch of them too."""
     stream(1)
     rows_max(24)
-    q, k, v = rand(rng, (2, nq, dk), dtype), rand(rng, (2, nk, dk), dtype), rand(rng, (2, nk, dv), dtype)
+    q = rand(rng, (2, nq, dk), dtype)
+    if strided:
+        k = rand(rng, (2, nk, dk + 6), dtype)[..., 1:dk + 1]
+        v = rand(rng, (2, nk, dv + 6), dtype)[..., 1:dv + 1]
+    else:
+        k, v = rand(rng, (2, nk, dk), dtype), rand(rng, (2, nk, dv), dtype)
     check(q, k, v, num_threads=1)
     check(q, k, v, causal=True, num_threads=2)
     check(q, k, v, mask=rng.random((nq, nk)) < 0.7, num_threads=1)
     check(q, k, v, kv_lengths=rng.integers(0, nk + 1, (2,)), num_threads=2)
+    if strided:
+        rows_max(1)   # the tiled kernel (from one row up; decoding keeps the row kernel)
+        check(q, k, v, causal=True, num_threads=2)
 
 
 @pytest.mark.parametrize("dtype", [F32, F64])
