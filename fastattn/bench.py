@@ -272,7 +272,8 @@ def peer_calls(w, inputs, threads=None, torch=None):
         calls["reference"] = lambda: reference.attention(q, k, v, mask=mask, causal=w["causal"], **kw)
     if torch is not None and has_torch(w):
         tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
-        if kw.get("layout") == "blhd":   # PyTorch takes (B, H, n, d): views of the same memory
+        blhd = kw.get("layout") == "blhd"
+        if blhd:   # PyTorch takes (B, H, n, d): views of the same memory, the result back to (B, n, H, d)
             tq, tk, tv = (a.transpose(1, 2) for a in (tq, tk, tv))
         tm = torch.from_numpy(mask) if mask is not None else None
         sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -285,8 +286,10 @@ def peer_calls(w, inputs, threads=None, torch=None):
         if causal and nq != nk:   # PyTorch's is_causal is top-left aligned: a bottom-right bool mask
             tm, causal = torch.from_numpy(np.arange(nk) <= np.arange(nq)[:, None] + (nk - nq)), False
         tkw = dict(enable_gqa=True) if "enable_gqa" in kw else {}
-        to = (lambda o: o.transpose(1, 2)) if kw.get("layout") == "blhd" else (lambda o: o)
-        calls["torch"] = lambda: to(sdpa(tq, tk, tv, attn_mask=tm, is_causal=causal, **tkw)).numpy()
+        def torch_call():
+            o = sdpa(tq, tk, tv, attn_mask=tm, is_causal=causal, **tkw)
+            return (o.transpose(1, 2) if blhd else o).numpy()
+        calls["torch"] = torch_call
     return calls
 
 
