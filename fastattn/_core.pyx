@@ -85,6 +85,7 @@ cdef extern from "fastattn.h" nogil:
     void fa_set_stream(int mode)
     void fa_set_mask_pack(int mode)
     int64_t fa_take_redo_count()
+    int64_t fa_take_tail_count()
     int fa_openmp_enabled()
     int fa_max_threads()
     uint64_t fa_stream_read(const void *x, int64_t n, int num_threads)
@@ -382,6 +383,13 @@ def _take_redo_count():
     """The number of rows the kernels recomputed in their careful mode (a result
     that came out inf or NaN) since the last call; tests only."""
     return fa_take_redo_count()
+
+
+def _take_tail_count():
+    """The number of query rows the row kernel ran as the tiled kernel's tails
+    (the rows of the last block past its whole vectors) since the last call;
+    tests only."""
+    return fa_take_tail_count()
 
 
 def isa_name():

@@ -202,6 +202,11 @@ int64_t fa_redo_rows = 0;
 
 int64_t fa_take_redo_count(void) { return __atomic_exchange_n(&fa_redo_rows, 0, __ATOMIC_RELAXED); }
 
+/* Rows the row kernel ran as tails (run), for the tests. */
+static int64_t tail_rows = 0;
+
+int64_t fa_take_tail_count(void) { return __atomic_exchange_n(&tail_rows, 0, __ATOMIC_RELAXED); }
+
 /* Bytes of K and V that a call reads (broadcast leading dims counted once). */
 static int64_t kv_bytes(const fa_attention_args *a)
 {
@@ -232,6 +237,7 @@ static void choose_tiles(const fa_attention_args *a, int lanes, int64_t rows_max
     if (forced_bq && !rows_kernel) bq_max = forced_bq;
     t->bq = a->nq < bq_max ? a->nq : bq_max;
     if (t->bq < 1) t->bq = 1;
+    t->q_main = a->nq;
     t->bqp = (t->bq + tw - 1) / tw * tw;
     /* Rows of the transposed tiles (St, Qt, Ot) one cache line further apart
      * when bqp would put them a multiple of 128 bytes apart, so that a column
@@ -349,9 +355,10 @@ static void fill_item(const fa_attention_args *a, const fa_tiles *t, const mask_
     it->off = a->top_left ? 0 : it->kv - qn;
     it->slope = !a->slopes ? 0.0
               : a->dtype == FA_F32 ? (double)((const float *)a->slopes)[os] : ((const double *)a->slopes)[os];
-    const int64_t i0 = qb * t->bq, e = (int64_t)esz;
+    const int64_t i0 = qb * t->bq < t->q_main ? qb * t->bq : t->q_main, e = (int64_t)esz;
+    const int64_t end = i0 == t->q_main ? a->nq : i0 + t->bq < t->q_main ? i0 + t->bq : t->q_main;
     it->i0 = i0;
-    it->bq = (a->nq - i0 < t->bq) ? a->nq - i0 : t->bq;
+    it->bq = end - i0;
     const int64_t real = qn * a->row_group - i0; /* rows before the padding */
     it->pad = real >= it->bq ? 0 : real <= 0 ? it->bq : it->bq - real;
     it->bq -= it->pad;
@@ -383,11 +390,16 @@ typedef struct {
     const fa_tiles *tiles;
     fa_attn_item_fn item_fn;
     fa_attn_item_fn few_fn;  /* items of few rows (few_rows), when not NULL (packed sequences) */
+    fa_attn_item_fn tail_fn; /* the tails (tail), when not NULL: the row kernel */
     int64_t few_max, full_lo, full_hi;
     fa_attn_merge_fn merge_fn;
     size_t esz, msz, scratch_bytes;
     int64_t n_qb, n_items, n_splits, chunk, part_elems;
     const int64_t *live; /* packed sequences: item k is live[k] (live_items), or NULL: item k is k */
+    int tail;     /* each leading index's last block (qb = n_qb - 1) is a tail of few
+                   * rows (tiles->q_main): not an item of its own, the row kernel runs
+                   * it after the block before it (run); item k is then block
+                   * k % (n_qb - 1) of leading index k / (n_qb - 1) */
     const mask_pack *mp; /* the bool mask as bits (the team packs it first), or NULL */
     void *parts;  /* (n_items, n_splits, part_elems) partial results, or NULL */
     int status;   /* FA_ENOMEM when a thread's scratch could not be allocated */
@@ -423,12 +435,18 @@ static int64_t claim_unit(run_plan *p, int64_t team)
     return team + c;
 }
 
+/* Item k of the plan as fill_item's w = lead * n_qb + qb. */
+static int64_t item_index(const run_plan *p, int64_t k)
+{
+    return p->live ? p->live[k] : p->tail ? k / (p->n_qb - 1) * p->n_qb + k % (p->n_qb - 1) : k;
+}
+
 /* Unit u = (item w, split sp): the item, with its share of the keys and its
  * place among the partial results when the keys are split. */
 static void fill_unit(const run_plan *p, int64_t u, fa_item *it)
 {
     const int64_t w = u / p->n_splits, sp = u % p->n_splits;
-    fill_item(p->a, p->tiles, p->mp, p->n_qb, p->live ? p->live[w] : w, p->esz, p->msz, it);
+    fill_item(p->a, p->tiles, p->mp, p->n_qb, item_index(p, w), p->esz, p->msz, it);
     if (p->parts) {
         it->j_lo = sp * p->chunk;
         it->j_hi = (it->j_lo + p->chunk < it->kv) ? it->j_lo + p->chunk : it->kv;
@@ -476,6 +494,15 @@ static void run_team(void *arg)
             const int few = p->few_fn && few_rows(it.bq, p->few_max, p->full_lo, p->full_hi);
             (few ? p->few_fn : p->item_fn)(a, p->tiles, &it, scratch);
         }
+        if (p->tail && u % (p->n_qb - 1) == p->n_qb - 2) { /* the leading index's tail (n_splits 1) */
+            fa_item tl;
+            fill_item(a, p->tiles, p->mp, p->n_qb, item_index(p, u) + 1, p->esz, p->msz, &tl);
+            if (tl.pad) write_padding(a, &tl, p->esz);
+            if (tl.bq > 0) {
+                p->tail_fn(a, p->tiles, &tl, scratch);
+                __atomic_fetch_add(&tail_rows, tl.bq, __ATOMIC_RELAXED);
+            }
+        }
         u = un;
     }
     if (p->parts) { /* after every split is done: merge each item's splits */
@@ -484,7 +511,7 @@ static void run_team(void *arg)
         for (int64_t w = 0; w < p->n_items; w++) {
             if (!scratch) continue;
             fa_item it;
-            fill_item(a, p->tiles, p->mp, p->n_qb, p->live ? p->live[w] : w, p->esz, p->msz, &it);
+            fill_item(a, p->tiles, p->mp, p->n_qb, item_index(p, w), p->esz, p->msz, &it);
             if (it.bq == 0) continue; /* all padding */
             p->merge_fn(a, &it, (char *)p->parts + w * p->n_splits * p->part_elems * (int64_t)p->esz,
                         p->n_splits, scratch);
@@ -557,8 +584,28 @@ static int run(const fa_attention_args *a, int weights)
     tiles.fuse = forced_fuse >= 0 ? forced_fuse : isa->fuse;
     tiles.stream = forced_stream >= 0 ? forced_stream : from_memory;
     tiles.far = forced_stream >= 0 ? forced_stream : kvb > FA_KV_FAR_BYTES;
-    const int64_t n_qb = (a->nq + tiles.bq - 1) / tiles.bq;
-    int64_t n_items = n_lead_total * n_qb;
+    /* The tail: the rows of the last block past its last whole vector (fewer
+     * than the lanes, but the tiled kernel pays for the whole vector) take the
+     * row kernel, up to the ISA's tail_max of them after at least 16 rows
+     * (dispatch.c: 1.05-1.55x at 17-24, 33 and 100 rows).  It runs them after
+     * the block before them, on the same thread: K and V are still in its
+     * caches, and the threads share items of one size.  As items of their own,
+     * the one-ahead claims (run_team) left one thread 5 of the 8 long ones at
+     * B1 H8 N100 (0.93x; 1.09x so).  Not with packed
+     * sequences (their short ones take the row kernel already), nor for the
+     * weights, nor when the tests force the row kernel's limit or the tiles,
+     * nor when the keys would be split (fewer blocks than threads). */
+    int tail = 0;
+    if (!rows_kernel && !weights && !a->q_start && !forced_rows_max && !forced_bq) {
+        const int64_t last = a->nq - (a->nq - 1) / tiles.bq * tiles.bq, r = last % isa->lanes[a->dtype];
+        const int64_t blocks = (a->nq - r + tiles.bq - 1) / tiles.bq;
+        if (r > 0 && r <= isa->tail_max[a->dtype] && a->nq - r >= 16 && n_lead_total * blocks >= want) {
+            tiles.q_main = a->nq - r;
+            tail = 1;
+        }
+    }
+    const int64_t n_qb = (tiles.q_main + tiles.bq - 1) / tiles.bq + tail;
+    int64_t n_items = n_lead_total * (n_qb - tail);
     double q_rows = (double)n_lead_total * (double)a->nq;
     /* Packed sequences: only the items with real rows.  One long sequence among
      * many short ones gives most (lead, block) pairs no row: H8 d64 causal, 4096
@@ -596,7 +643,7 @@ static int run(const fa_attention_args *a, int weights)
     const fa_attn_item_fn few_fn = a->q_start && !weights && !rows_kernel ? isa->attn_item_rows[a->dtype] : NULL;
     int64_t scratch_elems = rows_kernel ? fa_rows_scratch_elems(&tiles, a->dk, a->dv)
                                         : fa_attn_scratch_elems(&tiles, a->dk, weights ? 0 : a->dv);
-    if (few_fn && scratch_elems < fa_rows_scratch_elems(&tiles, a->dk, a->dv))
+    if ((few_fn || tail) && scratch_elems < fa_rows_scratch_elems(&tiles, a->dk, a->dv))
         scratch_elems = fa_rows_scratch_elems(&tiles, a->dk, a->dv);
     if (scratch_elems < a->dv + 2) scratch_elems = a->dv + 2;
     { /* the row kernel for one row: redo_nonfinite_rows (kernel_body.h) */
@@ -627,12 +674,13 @@ static int run(const fa_attention_args *a, int weights)
         }
     }
     const double work = q_rows * (double)(a->nk + 1) * (double)(a->dk + a->dv + 8);
-    run_plan plan = {.a = a, .tiles = &tiles, .item_fn = item_fn, .few_fn = few_fn, .few_max = rows_max,
+    run_plan plan = {.a = a, .tiles = &tiles, .item_fn = item_fn, .few_fn = few_fn,
+                     .tail_fn = tail ? isa->attn_item_rows[a->dtype] : NULL, .few_max = rows_max,
                      .full_lo = full_lo, .full_hi = full_hi,
                      .merge_fn = merge_fn,
                      .esz = esz, .msz = msz, .scratch_bytes = (size_t)scratch_elems * esz,
                      .n_qb = n_qb, .n_items = n_items, .n_splits = n_splits, .chunk = chunk,
-                     .part_elems = part_elems, .live = live, .mp = mp, .parts = parts, .status = FA_OK,
+                     .part_elems = part_elems, .live = live, .tail = tail, .mp = mp, .parts = parts, .status = FA_OK,
                      .weights = weights, .claimed = 0};
     const int nthreads = team_size(a->num_threads, n_items * n_splits, work);
     run_parallel(run_team, &plan, nthreads);

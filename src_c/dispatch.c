@@ -13,8 +13,8 @@
 #include "internal.h"
 
 /* rows_max, rows_max_big and rows_max_dk for float32 (r..32) and float64 (r..64);
- * full32 and full64: rows_full */
-#define FA_TABLE(isa, r32, r64, big32, big64, dk32, dk64, full32, full64, fuse)    \
+ * full32 and full64: rows_full; tail32 and tail64: tail_max */
+#define FA_TABLE(isa, r32, r64, big32, big64, dk32, dk64, full32, full64, tail32, tail64, fuse) \
     {                                                                              \
         #isa,                                                                      \
         {0, 0}, /* lanes are filled in from the kernel files at first use */      \
@@ -22,6 +22,7 @@
         {big32, big64},                                                            \
         {dk32, dk64},                                                              \
         {full32, full64},                                                          \
+        {tail32, tail64},                                                          \
         fuse,                                                                      \
         {fa_attn_item_f32_##isa, fa_attn_item_f64_##isa},                          \
         {fa_attn_item_rows_f32_##isa, fa_attn_item_rows_f64_##isa},                \
@@ -89,18 +90,32 @@
  * at 7, 8 and 14-16 rows (0.73-1.13), so 0.  On AVX2 the row kernel stops below
  * one vector's lanes (8 float32, 4 float64), except for float64 from memory (5),
  * where it was the faster at 4 rows (1.05 above): 0. */
+/* tail_max: the most rows past the tiled kernel's last whole vector (of at
+ * least 16 rows) that the row kernel takes, after that block (attention.c,
+ * run: the tail).  In one process against the build before, 2 threads, B1 H8
+ * Nk1024 d64 in cache unless noted, rows = 16 + r (AVX2: also 8 + r):
+ * AVX-512 float32 r = 1, 4, 8, 9, 10, 12: 1.49-1.55x, 1.28-1.33x, 1.13x, 1.08x,
+ * 1.00x, 0.93x; 33 and 100 rows 1.31x and 1.08x; from memory (H32 Nk4096
+ * d128) 33, 36, 38, 40, 42, 26 rows 1.22x, 1.14x, 1.07x, 1.03x, 0.96-0.99x,
+ * 0.89-0.99x: 8.  float64 r = 1, 2, 3, 4, 5, 6: 1.22x, 1.13x, 1.06x, 1.08x
+ * (8 + 4: 1.00x), 1.00x, 0.99x: 4.  AVX2 float32 16 + r, r = 1, 2, 3, 4:
+ * 1.31-1.34x, 1.22x, 1.14x, 1.07-1.11x; 8 + r: 1.11x, 0.98x, 0.91x, 0.90x
+ * (one vector is the tiled kernel's least efficient block: hence at least 16
+ * rows before the tail on every path); 35 and 100 rows 1.08x and 1.05x: 4.
+ * float64 16 + 1, 2, 3: 1.14x, 1.03x, 0.96x: 2.  Portable path float32 16 + 1,
+ * 2, 3: 1.19x, 1.13x, 1.03x (35: 1.02x), float64 16 + 1: 1.05x. */
 /* fuse: the tiled kernel's fused exp (kernel_body.h, FUSE_LAG) takes the exp
  * out of the Q.K^T accumulator registers.  With the 32 registers of AVX-512 it
  * measured 2-4 % faster (B1 H8 N2048 d64).  With 16 registers the 12
  * accumulators leave the exp no room and it spills: unfused was faster on
  * Zen 3 (AVX2, one thread, B1 H8 N2048): float32 d64 1.00-1.01x, d128 1.01x,
  * float64 1.05x; portable path (B1 H4 N1024) 1.05x and 1.07x. */
-static fa_isa_table table_generic = FA_TABLE(generic, 10, 10, 10, 10, 10, 10, 0, 0, 0);
+static fa_isa_table table_generic = FA_TABLE(generic, 10, 10, 10, 10, 10, 10, 0, 0, 3, 1, 0);
 #ifdef FA_HAVE_AVX2_BUILD
-static fa_isa_table table_avx2 = FA_TABLE(avx2, 6, 3, 5, 5, 6, 3, 0, 0, 0);
+static fa_isa_table table_avx2 = FA_TABLE(avx2, 6, 3, 5, 5, 6, 3, 0, 0, 4, 2, 0);
 #endif
 #ifdef FA_HAVE_AVX512_BUILD
-static fa_isa_table table_avx512 = FA_TABLE(avx512, 12, 12, 24, 20, 24, 20, 14, 0, 1);
+static fa_isa_table table_avx512 = FA_TABLE(avx512, 12, 12, 24, 20, 24, 20, 14, 0, 8, 4, 1);
 #endif
 
 static const fa_isa_table *current = NULL;

@@ -164,6 +164,9 @@ void fa_set_mask_pack(int mode);
 /* The number of rows the kernels recomputed in their careful mode (a result
  * that came out inf or NaN) since the last call of this; for tests. */
 int64_t fa_take_redo_count(void);
+/* The number of query rows the row kernel ran as the tiled kernel's tails
+ * (attention.c, run) since the last call of this; for tests. */
+int64_t fa_take_tail_count(void);
 
 /* keep[i] = (x[i] == 0) for a contiguous (rows, len) float32 or float64
  * (dtype) x, and *all_ok = whether every x[i] is 0 or at most floor (<= 0;

@@ -52,6 +52,8 @@ typedef struct {
     int64_t bqp;  /* bq rounded up to whole vectors of the kernel (a full item's; an
                    * item of fewer rows uses its own bq so rounded) */
     int64_t ld;   /* row stride of the tiled kernel's transposed tiles, >= bqp */
+    int64_t q_main; /* query rows [0, q_main) in items of bq; rows [q_main, nq), fewer
+                     * than a vector's lanes, one item more (attention.c, run) */
     int fuse;     /* the tiled kernel takes the fused exp (kernel_body.h, FUSE_LAG) */
     int stream;   /* K and V come from memory (FA_KV_MEM_BYTES): the row kernel
                    * prefetches the V of a key tile during its scores and the next
@@ -122,6 +124,9 @@ typedef struct {
     int rows_full[2];                 /* but n_q from this up to one vector's lanes
                                        * takes the tiled kernel (0: never), unless
                                        * dk > FA_ROWS_DK_BIG with K and V from memory */
+    int tail_max[2];                  /* the tiled kernel's last rows past whole vectors
+                                       * take the row kernel up to this many (attention.c,
+                                       * run: the tail) */
     int fuse;                         /* the tiled kernel's fused exp: 1 where it
                                        * measured faster (see dispatch.c) */
     fa_attn_item_fn attn_item[2];      /* tiled: many query rows */

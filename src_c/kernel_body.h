@@ -1379,7 +1379,8 @@ void FN(fa_attn_merge)(const fa_attention_args *a, const fa_item *it, const void
  * (dispatch.c: with AVX-512 12, or 24 (float64: 20) when K and V come from
  * memory or dk >= 128, but not 14-16 float32 rows, which fill one vector of the
  * tiled kernel (rows_full); with AVX2 3 to 6; 10 on the portable path) against
- * a long key range.
+ * a long key range; also the few rows past the tiled kernel's last whole
+ * vector (attention.c, run: the tail), with the tiled kernel's tiles.
  * Per key tile: scores by dot products along dk (register tiles of up to 4
  * rows x 4 keys: a K vector loaded once serves the rows), the online softmax
  * vectorised along the keys, then A += P . V by register tiles of R rows x

@@ -1251,6 +1251,17 @@ ROWS_MAX = {"avx512": ((12, 12), (24, 20), (24, 20)),
 # ... except from rows_full to one vector's lanes (float32, float64), which take the tiled
 # kernel, unless dk > 128 with K and V beyond 48 MiB (dispatch.c: rows_full).
 ROWS_FULL = {"avx512": ((14, 16), None), "avx2": (None, None), "generic": (None, None)}
+# The tiled kernel's lanes, and the most rows past its last whole vector (of at least 16
+# rows) that the row kernel takes as a tail (float32, float64; dispatch.c: tail_max).
+LANES = {"avx512": (16, 8), "avx2": (8, 4), "generic": (4, 2)}
+TAIL_MAX = {"avx512": (8, 4), "avx2": (4, 2), "generic": (3, 1)}
+
+
+def tail_rows(isa, dtype, nq):
+    """The rows of nq that the row kernel takes as the tiled kernel's tail (with
+    enough blocks for the threads; the blocks are whole vectors but the last)."""
+    r = nq % LANES[isa][dtype == F64]
+    return r if 0 < r <= TAIL_MAX[isa][dtype == F64] and nq - r >= 16 else 0
 
 
 @pytest.mark.parametrize("dtype", [F32, F64])
@@ -1283,9 +1294,55 @@ def test_row_kernel_choice(isa, rng, rows_max, dtype, kv_mib, d):
         rows_max(0)
         assert not np.array_equal(by_rows, tiled)    # the two kernels can be told apart
         few = nq <= limit and not (full and full[0] <= nq <= full[1])
-        np.testing.assert_array_equal(out, by_rows if few else tiled, err_msg=f"{nq} rows")
-        if nq in (13, 16, 24):
+        tail = 0 if few else tail_rows(isa, dtype, nq)
+        main = nq - tail   # the tiled kernel's rows; the rest: the row kernel's tail
+        np.testing.assert_array_equal(out[..., :main, :], (by_rows if few else tiled)[..., :main, :],
+                                      err_msg=f"{nq} rows")
+        if tail:
+            assert not np.array_equal(out[..., main:, :], tiled[..., main:, :]), f"{nq} rows"
+        if nq in (13, 16, 24) or tail:
+            _core._take_tail_count()
             check(q, k, v, dtype, num_threads=2)
+            assert _core._take_tail_count() == q.size // (nq * d) * tail, f"{nq} rows"
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("nq", [17, 20, 33, 100, 259])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_tiled_tail(isa, rng, dtype, nq, threads):
+    """The rows of the tiled kernel's last block past its last whole vector
+    (17 = 16 + 1 on every path; 20 = 16 + 4 on AVX-512 and AVX2 float32, AVX-512
+    float64; 100 and 259 past 96 and 256 in blocks of 128) take the row kernel
+    after the block before them, on the same thread: against the reference with
+    every option that moves a row's keys (causal either way, a window, kv_lengths,
+    q_lengths whose padding falls in the tail or before it), masks of both kinds,
+    softcap and ALiBi, GQA's folded rows, and the lse; the number of tail rows
+    is the one the SIMD path's table gives (tail_rows).  Then the tests' forced
+    tiles and row-kernel limit, which keep the tiled kernel whole (no tail)."""
+    tail = tail_rows(isa, dtype, nq)
+    nk = 150
+    q, k, v = rand(rng, (2, 3, nq, 40), dtype), rand(rng, (2, 3, nk, 40), dtype), rand(rng, (2, 3, nk, 24), dtype)
+    _core._take_tail_count()
+    check(q, k, v, num_threads=threads)
+    assert _core._take_tail_count() == 6 * tail
+    check(q, k, v, causal=True, num_threads=threads)
+    check(q, k, v, causal="upper_left", num_threads=threads)
+    check(q, k, v, window=(9, 3), softcap=4.0, num_threads=threads)
+    check(q, k, v, alibi_slopes=np.linspace(0.1, 1.0, 3), causal=True, num_threads=threads)
+    check(q, k, v, mask=rng.random((nq, nk)) < 0.6, num_threads=threads)
+    check(q, k, v, mask=np.where(rng.random((2, 1, nq, nk)) < 0.6, 0.0, -np.inf).astype(dtype),
+          num_threads=threads)
+    check(q, k, v, kv_lengths=np.array([[0, 7, nk], [nk - 1, 64, 1]]), causal=True, num_threads=threads)
+    check(q, k, v, q_lengths=np.array([[nq, nq - 1, nq - tail - 1], [0, 16, nq]]), num_threads=threads)
+    gq = rand(rng, (2, 6, nq, 40), dtype)   # 2 query heads a K/V head: rows folded by position
+    check(gq, k, v, enable_gqa=True, causal=True, num_threads=threads)
+    _core._take_tail_count()
+    _core._set_rows_max(1)
+    try:
+        check(q, k, v, causal=True, num_threads=threads)
+    finally:
+        _core._set_rows_max(0)
+    assert _core._take_tail_count() == 0
 
 
 @pytest.mark.parametrize("dtype", [F32, F64])
