@@ -389,17 +389,18 @@ typedef struct {
     const fa_attention_args *a;
     const fa_tiles *tiles;
     fa_attn_item_fn item_fn;
-    fa_attn_item_fn few_fn;  /* items of few rows (few_rows), when not NULL (packed sequences) */
-    fa_attn_item_fn tail_fn; /* the tails (tail), when not NULL: the row kernel */
+    fa_attn_item_fn rows_fn; /* the row kernel: items of few rows (few) and the tails (n_main) */
+    int few;      /* packed sequences under the tiled kernel: their items of few rows
+                   * (few_rows) take rows_fn */
     int64_t few_max, full_lo, full_hi;
     fa_attn_merge_fn merge_fn;
     size_t esz, msz, scratch_bytes;
     int64_t n_qb, n_items, n_splits, chunk, part_elems;
+    int64_t n_main; /* items of each leading index: n_qb, or n_qb - 1 where its last
+                     * block is a tail (tiles->q_main < nq), which rows_fn runs after the
+                     * block before it (run); item k is then block k % n_main of
+                     * leading index k / n_main */
     const int64_t *live; /* packed sequences: item k is live[k] (live_items), or NULL: item k is k */
-    int tail;     /* each leading index's last block (qb = n_qb - 1) is a tail of few
-                   * rows (tiles->q_main): not an item of its own, the row kernel runs
-                   * it after the block before it (run); item k is then block
-                   * k % (n_qb - 1) of leading index k / (n_qb - 1) */
     const mask_pack *mp; /* the bool mask as bits (the team packs it first), or NULL */
     void *parts;  /* (n_items, n_splits, part_elems) partial results, or NULL */
     int status;   /* FA_ENOMEM when a thread's scratch could not be allocated */
@@ -438,7 +439,7 @@ static int64_t claim_unit(run_plan *p, int64_t team)
 /* Item k of the plan as fill_item's w = lead * n_qb + qb. */
 static int64_t item_index(const run_plan *p, int64_t k)
 {
-    return p->live ? p->live[k] : p->tail ? k / (p->n_qb - 1) * p->n_qb + k % (p->n_qb - 1) : k;
+    return p->live ? p->live[k] : k / p->n_main * p->n_qb + k % p->n_main;
 }
 
 /* Unit u = (item w, split sp): the item, with its share of the keys and its
@@ -491,15 +492,15 @@ static void run_team(void *arg)
         }
         if (it.pad && !p->weights && !a->q_start && u % p->n_splits == 0) write_padding(a, &it, p->esz);
         if (it.bq > 0) {
-            const int few = p->few_fn && few_rows(it.bq, p->few_max, p->full_lo, p->full_hi);
-            (few ? p->few_fn : p->item_fn)(a, p->tiles, &it, scratch);
+            const int few = p->few && few_rows(it.bq, p->few_max, p->full_lo, p->full_hi);
+            (few ? p->rows_fn : p->item_fn)(a, p->tiles, &it, scratch);
         }
-        if (p->tail && u % (p->n_qb - 1) == p->n_qb - 2) { /* the leading index's tail (n_splits 1) */
+        if (p->n_main < p->n_qb && u % p->n_main == p->n_main - 1) { /* the leading index's tail (n_splits 1) */
             fa_item tl;
             fill_item(a, p->tiles, p->mp, p->n_qb, item_index(p, u) + 1, p->esz, p->msz, &tl);
             if (tl.pad) write_padding(a, &tl, p->esz);
             if (tl.bq > 0) {
-                p->tail_fn(a, p->tiles, &tl, scratch);
+                p->rows_fn(a, p->tiles, &tl, scratch);
                 __atomic_fetch_add(&tail_rows, tl.bq, __ATOMIC_RELAXED);
             }
         }
@@ -640,10 +641,10 @@ static int run(const fa_attention_args *a, int weights)
     /* Packed sequences under the tiled kernel (the longest has more rows than
      * rows_max): the items of a short one, as few rows as a call of its own
      * would give the row kernel, take the row kernel too. */
-    const fa_attn_item_fn few_fn = a->q_start && !weights && !rows_kernel ? isa->attn_item_rows[a->dtype] : NULL;
+    const int few = a->q_start && !weights && !rows_kernel;
     int64_t scratch_elems = rows_kernel ? fa_rows_scratch_elems(&tiles, a->dk, a->dv)
                                         : fa_attn_scratch_elems(&tiles, a->dk, weights ? 0 : a->dv);
-    if ((few_fn || tail) && scratch_elems < fa_rows_scratch_elems(&tiles, a->dk, a->dv))
+    if ((few || tail) && scratch_elems < fa_rows_scratch_elems(&tiles, a->dk, a->dv))
         scratch_elems = fa_rows_scratch_elems(&tiles, a->dk, a->dv);
     if (scratch_elems < a->dv + 2) scratch_elems = a->dv + 2;
     { /* the row kernel for one row: redo_nonfinite_rows (kernel_body.h) */
@@ -674,13 +675,13 @@ static int run(const fa_attention_args *a, int weights)
         }
     }
     const double work = q_rows * (double)(a->nk + 1) * (double)(a->dk + a->dv + 8);
-    run_plan plan = {.a = a, .tiles = &tiles, .item_fn = item_fn, .few_fn = few_fn,
-                     .tail_fn = tail ? isa->attn_item_rows[a->dtype] : NULL, .few_max = rows_max,
+    run_plan plan = {.a = a, .tiles = &tiles, .item_fn = item_fn, .rows_fn = isa->attn_item_rows[a->dtype],
+                     .few = few, .few_max = rows_max,
                      .full_lo = full_lo, .full_hi = full_hi,
                      .merge_fn = merge_fn,
                      .esz = esz, .msz = msz, .scratch_bytes = (size_t)scratch_elems * esz,
                      .n_qb = n_qb, .n_items = n_items, .n_splits = n_splits, .chunk = chunk,
-                     .part_elems = part_elems, .live = live, .tail = tail, .mp = mp, .parts = parts, .status = FA_OK,
+                     .part_elems = part_elems, .n_main = n_qb - tail, .live = live, .mp = mp, .parts = parts, .status = FA_OK,
                      .weights = weights, .claimed = 0};
     const int nthreads = team_size(a->num_threads, n_items * n_splits, work);
     run_parallel(run_team, &plan, nthreads);

@@ -1309,7 +1309,7 @@ def test_row_kernel_choice(isa, rng, rows_max, dtype, kv_mib, d):
 @pytest.mark.parametrize("dtype", [F32, F64])
 @pytest.mark.parametrize("nq", [17, 20, 33, 100, 259])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_tiled_tail(isa, rng, dtype, nq, threads):
+def test_tiled_tail(isa, rng, stream, dtype, nq, threads):
     """The rows of the tiled kernel's last block past its last whole vector
     (17 = 16 + 1 on every path; 20 = 16 + 4 on AVX-512 and AVX2 float32, AVX-512
     float64; 100 and 259 past 96 and 256 in blocks of 128) take the row kernel
@@ -1317,8 +1317,10 @@ def test_tiled_tail(isa, rng, dtype, nq, threads):
     every option that moves a row's keys (causal either way, a window, kv_lengths,
     q_lengths whose padding falls in the tail or before it), masks of both kinds,
     softcap and ALiBi, GQA's folded rows, and the lse; the number of tail rows
-    is the one the SIMD path's table gives (tail_rows).  Then the tests' forced
-    tiles and row-kernel limit, which keep the tiled kernel whole (no tail)."""
+    is the one the SIMD path's table gives (tail_rows).  The tail with the
+    row kernel's prefetch for K and V from memory (forced on).  Then the
+    tests' forced tiles and row-kernel limit, which keep the tiled kernel
+    whole (no tail)."""
     tail = tail_rows(isa, dtype, nq)
     nk = 150
     q, k, v = rand(rng, (2, 3, nq, 40), dtype), rand(rng, (2, 3, nk, 40), dtype), rand(rng, (2, 3, nk, 24), dtype)
@@ -1336,6 +1338,11 @@ def test_tiled_tail(isa, rng, dtype, nq, threads):
     check(q, k, v, q_lengths=np.array([[nq, nq - 1, nq - tail - 1], [0, 16, nq]]), num_threads=threads)
     gq = rand(rng, (2, 6, nq, 40), dtype)   # 2 query heads a K/V head: rows folded by position
     check(gq, k, v, enable_gqa=True, causal=True, num_threads=threads)
+    stream(1)
+    _core._take_tail_count()
+    check(q, k, v, mask=rng.random((nq, nk)) < 0.6, num_threads=threads)
+    assert _core._take_tail_count() == 6 * tail
+    stream(-1)
     _core._take_tail_count()
     _core._set_rows_max(1)
     try:
