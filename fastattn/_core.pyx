@@ -86,6 +86,8 @@ cdef extern from "fastattn.h" nogil:
     void fa_set_mask_pack(int mode)
     int64_t fa_take_redo_count()
     int64_t fa_take_tail_count()
+    void fa_set_group(int mode)
+    int64_t fa_take_group_count()
     int fa_openmp_enabled()
     int fa_max_threads()
     uint64_t fa_stream_read(const void *x, int64_t n, int num_threads)
@@ -377,6 +379,20 @@ def _set_mask_pack(int mode=-1):
     (1) or off (0: each tile reads the mask's bytes); -1: the default.  Tuning and
     tests only; not thread-safe."""
     fa_set_mask_pack(mode)
+
+
+def _set_group(int mode=-1):
+    """Force the row kernel over interleaved items (the heads of a (B, n, H, d)
+    cache, read key tile by key tile across the heads) on (1) or off (0) where the
+    items interleave; -1: on when K and V exceed 48 MiB.  Tuning and tests only;
+    not thread-safe."""
+    fa_set_group(mode)
+
+
+def _take_group_count():
+    """The number of item groups (heads of a (B, n, H, d) cache) the row kernel
+    ran together since the last call; tests only."""
+    return fa_take_group_count()
 
 
 def _take_redo_count():

@@ -26,6 +26,7 @@
         fuse,                                                                      \
         {fa_attn_item_f32_##isa, fa_attn_item_f64_##isa},                          \
         {fa_attn_item_rows_f32_##isa, fa_attn_item_rows_f64_##isa},                \
+        {fa_attn_group_rows_f32_##isa, fa_attn_group_rows_f64_##isa},              \
         {fa_attn_merge_f32_##isa, fa_attn_merge_f64_##isa},                        \
         {fa_weights_item_f32_##isa, fa_weights_item_f64_##isa},                    \
         {fa_softmax_row_f32_##isa, fa_softmax_row_f64_##isa},                      \

@@ -100,6 +100,13 @@ typedef struct {
 
 typedef void (*fa_attn_item_fn)(const fa_attention_args *a, const fa_tiles *t,
                                 const fa_item *it, void *scratch);
+/* The row kernel over n <= FA_GROUP_MAX items whose K and V rows interleave
+ * (kernel_body.h, fa_attn_group_rows); scratch: fa_group_scratch_elems. */
+typedef void (*fa_attn_group_fn)(const fa_attention_args *a, const fa_tiles *t,
+                                 const fa_item *its, int64_t n, void *scratch);
+#define FA_GROUP_MAX 64
+/* Key tile of fa_attn_group_rows (attention.c, run). */
+#define FA_GROUP_BK 4
 /* fa_attention_weights: it->out is (bq, nk), row stride a->o_rs, zero-filled. */
 /* Merge nparts partial results (nparts, bq, dv + 2) of one item into its out
  * and lse.  scratch: dv + 2 elements. */
@@ -131,6 +138,7 @@ typedef struct {
                                        * measured faster (see dispatch.c) */
     fa_attn_item_fn attn_item[2];      /* tiled: many query rows */
     fa_attn_item_fn attn_item_rows[2]; /* few query rows (decode) */
+    fa_attn_group_fn attn_group_rows[2]; /* ... over interleaved items (a (B, n, H, d) cache) */
     fa_attn_merge_fn attn_merge[2];
     fa_attn_item_fn weights_item[2];   /* probabilities (attention_weights) */
     fa_softmax_row_fn softmax_row[2];
@@ -166,6 +174,11 @@ static inline int64_t fa_rows_scratch_elems(const fa_tiles *t, int64_t dk, int64
 {
     return t->bq * (dk + FA_LANES_MAX + t->bk + dv + 2) + t->bk; /* + the decode loop's Sn */
 }
+static inline int64_t fa_group_scratch_elems(const fa_tiles *t, int64_t dk, int64_t dv, int64_t n)
+{
+    const int64_t dkp = (dk + FA_LANES_MAX - 1) / FA_LANES_MAX * FA_LANES_MAX;
+    return n * t->bq * (dkp + dv + 2) + t->bq * t->bk;
+}
 static inline int64_t fa_softmax_scratch_elems(int64_t n)
 {
     return FA_SOFTMAX_CHUNK + (n + FA_SOFTMAX_CHUNK - 1) / FA_SOFTMAX_CHUNK + 1;
@@ -181,6 +194,10 @@ static inline int64_t fa_softmax_scratch_elems(int64_t n)
                                      const fa_item *, void *);                        \
     void fa_attn_item_rows_f64_##isa(const fa_attention_args *, const fa_tiles *,     \
                                      const fa_item *, void *);                        \
+    void fa_attn_group_rows_f32_##isa(const fa_attention_args *, const fa_tiles *,    \
+                                      const fa_item *, int64_t, void *);              \
+    void fa_attn_group_rows_f64_##isa(const fa_attention_args *, const fa_tiles *,    \
+                                      const fa_item *, int64_t, void *);              \
     void fa_weights_item_f32_##isa(const fa_attention_args *, const fa_tiles *,       \
                                    const fa_item *, void *);                          \
     void fa_weights_item_f64_##isa(const fa_attention_args *, const fa_tiles *,       \

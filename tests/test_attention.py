@@ -1985,6 +1985,88 @@ def test_layout_blhd(isa, rng, dtype, nq, threads):
     assert_close(w, ref.attention_weights(qh.astype(F64), kh.astype(F64), causal=True), dtype, "weights")
 
 
+@pytest.fixture
+def group():
+    """Force the row kernel over the interleaved heads of a (B, n, H, d) cache (on
+    by default only when K and V exceed 48 MiB); restore the default after."""
+    yield _core._set_group
+    _core._set_group(-1)
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("B,nk", [(1, 2), (2, 7), (1, 150), (1, 1030), (3, 1100)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_group_rows(isa, rng, group, dtype, B, nk, threads):
+    """Decoding from a (B, n, H, d) cache with the heads of a batch entry taken
+    together, key tile by key tile (forced on: by default only from memory):
+    against the reference with every option that moves a row's keys (causal, a
+    window, kv_lengths per batch entry and per head, q_lengths that leave a row
+    out), masks of both kinds, softcap, ALiBi and the lse; a key tile past the
+    last whole one (nk 1, 7, 150, 1030), split keys (one batch entry, or three on
+    two threads) and a dv that is no whole number of vectors.  inf and NaN values
+    where a row sees them and where only a mask hides them (the careful redo).
+    130 heads run as three groups (at most 64 a group), whose keys two threads
+    split when there are 1024 or more.  Not with more than one
+    query row an item, nor head-major K and V: counted by _take_group_count."""
+    group(1)
+    H, d, dv = 5, 24, 12
+    qh, kh, vh = rand(rng, (B, H, 1, d), dtype), rand(rng, (B, H, nk, d), dtype), rand(rng, (B, H, nk, dv), dtype)
+    q, k, v = _heads_last(qh), _heads_last(kh), _heads_last(vh)
+
+    def both(**kw):
+        _core._take_group_count()
+        out, lse = fastattn.attention(q, k, v, layout="blhd", return_lse=True, num_threads=threads, **kw)
+        assert _core._take_group_count() >= 1
+        want, want_lse = reference64(qh, kh, vh, **kw)
+        assert_close(out, _heads_last(want), dtype)
+        assert_close(lse, want_lse, dtype, "lse")
+
+    both()
+    both(causal=True, alibi_slopes=np.linspace(0.01, 0.5, H))
+    both(window=(nk // 3, 0), softcap=3.0, kv_lengths=rng.integers(0, nk + 1, (B, 1)))
+    both(kv_lengths=rng.integers(0, nk + 1, (B, H)), q_lengths=np.array([[1], [0], [1]])[:B])
+    both(mask=rng.random((B, 1, 1, nk)) < 0.7)
+    both(mask=np.where(rng.random((B, H, 1, nk)) < 0.6, 0.0, -np.inf).astype(dtype))
+    hide = rng.random((B, 1, 1, nk)) < 0.5
+    hide[..., 0] = False
+    vh[..., hide[0, 0, 0], 1] = np.inf                                  # only hidden keys: the result is finite
+    v = _heads_last(vh)
+    both(mask=~hide)
+    vh[0, 1, -1, 0] = np.nan                                            # a row sees it: NaN there
+    v = _heads_last(vh)
+    both()
+
+    qw, kw_, vw = rand(rng, (1, 1, 130, 8), dtype), rand(rng, (1, nk, 130, 8), dtype), rand(rng, (1, nk, 130, 8), dtype)
+    _core._take_group_count()
+    out = fastattn.attention(qw, kw_, vw, layout="blhd", num_threads=threads)
+    assert _core._take_group_count() == 3 * (2 if threads == 2 and nk >= 1024 else 1)   # 3 groups: split in 2
+    want = reference64(*(np.swapaxes(a, 1, 2) for a in (qw, kw_, vw)))[0]
+    assert_close(out, np.swapaxes(want, 1, 2), dtype)
+
+    for qq, kk, vv, lay in ((rand(rng, (B, 2, H, d), dtype), k, v, "blhd"), (qh, kh, vh, "bhld")):
+        _core._take_group_count()
+        fastattn.attention(qq, kk, vv, layout=lay, num_threads=threads)
+        assert _core._take_group_count() == 0
+    group(0)
+    _core._take_group_count()
+    fastattn.attention(q, k, v, layout="blhd", num_threads=threads)
+    assert _core._take_group_count() == 0
+
+
+def test_group_rows_default(rng):
+    """By default the heads of a (B, n, H, d) cache are taken together only when
+    K and V come from memory (beyond 48 MiB): then against the reference."""
+    q, k, v = rand(rng, (1, 1, 16, 64)), rand(rng, (1, 6200, 16, 64)), rand(rng, (1, 6200, 16, 64))
+    _core._take_group_count()
+    out = fastattn.attention(q, k, v, layout="blhd", num_threads=2)
+    assert _core._take_group_count() == 2                    # one group, its keys split between the threads
+    want = reference64(*(np.swapaxes(a, 1, 2) for a in (q, k, v)))[0]
+    assert_close(out, np.swapaxes(want, 1, 2), F32)
+    _core._take_group_count()
+    fastattn.attention(q, k[:, :1000], v[:, :1000], layout="blhd", num_threads=2)
+    assert _core._take_group_count() == 0
+
+
 def test_layout_errors(rng):
     """A layout other than "bhld" and "blhd" (any case), an input of fewer than 3
     dims with "blhd", and out= in the other layout raise, naming what was wrong."""
