@@ -667,13 +667,14 @@ static int run(const fa_attention_args *a, int weights)
      * K and V from memory, the row kernel takes the heads of each group
      * together (fa_attn_group_rows), key tile by key tile of FA_GROUP_BK keys,
      * so that it reads K and V in address order, not 512-byte pieces 16 KiB
-     * apart.  Against item by item, in one process (two threads): H32 Nk4096
-     * d128 float32 1.20-1.37x, d64 Nk8192 1.37x, B4 1.35x, H8 Nk16384 1.23x,
-     * float64 d64 1.22x, float64 d128 and d256 1.01-1.05x.  Tiles of 2 and 8
-     * keys measured alike, 16 keys 0.93x.  Not for more rows an item (4 rows
-     * 0.71x, GQA 32/8's four 0.70x: each key tile then costs more than the
-     * reads it saves), nor in cache (H32 Nk512 0.45x: the old kernel's rows
-     * come from the L3 fast enough). */
+     * apart.  Against item by item, in one process (two threads), float32:
+     * H32 Nk4096 d128 1.35-1.70x (with a bool or float mask 1.36-1.44x, causal
+     * 1.58x, ALiBi 1.40x), d64 Nk8192 2.11x, B4 Nk2048 1.60x, B3 1.68x, H8
+     * Nk16384 1.50x, H16 d256 1.17x; float64 d128 1.14-1.18x, d64 1.56x.  Tiles
+     * of 2 and 8 keys measured alike, 16 keys 0.93x (before group_step).  Not
+     * for more rows an item (4 rows 0.71x, GQA 32/8's four 0.70x: each key tile
+     * then costs more than the reads it saves), nor in cache (H32 Nk512 0.60x:
+     * the item-by-item kernel's rows come from the L3 fast enough). */
     int64_t group = 0, n_groups = 0;
     if (rows_kernel && a->nq == 1 && !a->q_start && !a->kv_start && a->n_lead >= 1 && forced_group != 0) {
         const int d = a->n_lead - 1;
@@ -696,8 +697,8 @@ static int run(const fa_attention_args *a, int weights)
         if (n_splits > a->nk / 512) n_splits = a->nk / 512;
     }
     /* Groups, few and long: split too where the threads would not get as many
-     * each (B3 H32 Nk2048 d128 on two threads: 1.11x against the build before
-     * the groups, 1.35x at B4). */
+     * each (B3 H32 Nk2048 d128 on two threads, before group_step: 1.11x against
+     * item by item unsplit, 1.35x at B4, where the two threads get two each). */
     if (group && n_work >= want && n_work % want != 0 && n_work < 4 * (int64_t)want && a->nk >= 1024) {
         n_splits = want;
         if (n_splits > a->nk / 512) n_splits = a->nk / 512;

@@ -13,8 +13,8 @@ too), float16 to float64, NaN and inf planted in q, k and v, transposed (B, N,
 H, d) views, out=, attention_weights, layout="blhd" on the same arrays (bit
 for bit), and the batch again as packed sequences of random lengths
 (attention_varlen); on a random SIMD path and thread count, with
-the tiles, the fused exp, the far prefetch, the row kernel's limit and the bool
-mask's packing forced at random.
+the tiles, the fused exp, the far prefetch, the row kernel's limit, the bool
+mask's packing and the row kernel over a (B, n, H, d) cache's heads forced at random.
 Each failure prints its seed; a seed reproduces its case exactly.  Three bugs
 were found this way (in 443c525 and f48d0b1).  The suite runs seeds 0-149
 (test_properties.py: test_fuzz_cases).
@@ -121,7 +121,7 @@ def settings(rng):
                 rows_max=int(rng.choice([0, 0, 1, 8, 24])), float_masks_as_bool=bool(rng.random() < 0.7),
                 out=bool(rng.random() < 0.2), weights=bool(rng.random() < 0.1),
                 varlen=bool(rng.random() < 0.25), mask_pack=int(rng.choice([-1, 0, 1])),
-                layout=bool(rng.random() < 0.2))
+                layout=bool(rng.random() < 0.2), group=int(rng.choice([-1, -1, 0, 1])))
 
 
 def packed_problem(rng, q, k, v, kw):
@@ -156,6 +156,8 @@ def run_case(seed, verbose=False):
     s = settings(rng)
     if kw.get("causal") and rng.random() < 0.3:
         kw["causal"] = "upper_left"
+    if s["group"] == 1 and min(k.ndim, v.ndim) >= 3 and rng.random() < 0.7:   # K, V: views of a (..., n, H, d) cache
+        k, v = (np.swapaxes(np.ascontiguousarray(np.swapaxes(a, -2, -3)), -2, -3) for a in (k, v))
     if verbose:
         shapes = {n: (a.shape, str(a.dtype)) if isinstance(a, np.ndarray) else a for n, a in kw.items()}
         print(f"seed {seed}: q {q.shape} k {k.shape} v {v.shape} {q.dtype} {shapes} {s}")
@@ -166,6 +168,7 @@ def run_case(seed, verbose=False):
     _core._set_stream(s["stream"])
     _core._set_rows_max(s["rows_max"])
     _core._set_mask_pack(s["mask_pack"])
+    _core._set_group(s["group"])
     _api._FLOAT_MASKS_AS_BOOL = s["float_masks_as_bool"]
     try:
         out, lse = fastattn.attention(q, k, v, return_lse=True, num_threads=s["threads"], **kw)
@@ -191,6 +194,7 @@ def run_case(seed, verbose=False):
         _core._set_stream(-1)
         _core._set_rows_max(0)
         _core._set_mask_pack(-1)
+        _core._set_group(-1)
         _api._FLOAT_MASKS_AS_BOOL = True
     with warnings.catch_warnings(), np.errstate(all="ignore"):
         warnings.simplefilter("ignore")
