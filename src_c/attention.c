@@ -672,9 +672,11 @@ static int run(const fa_attention_args *a, int weights)
      * 1.58x, ALiBi 1.40x), d64 Nk8192 2.11x, B4 Nk2048 1.60x, B3 1.68x, H8
      * Nk16384 1.50x, H16 d256 1.17x; float64 d128 1.14-1.18x, d64 1.56x.  Tiles
      * of 2 and 8 keys measured alike, 16 keys 0.93x (before group_step).  Not
-     * for more rows an item (4 rows 0.71x, GQA 32/8's four 0.70x: each key tile
-     * then costs more than the reads it saves), nor in cache (H32 Nk512 0.60x:
-     * the item-by-item kernel's rows come from the L3 fast enough). */
+     * for more rows an item: each key tile then costs more than the reads it
+     * saves (with a step for several rows like group_step's, 2 rows 1.12x but
+     * 4 rows 0.88x, GQA 32/8's four 0.85x, 32/4's eight 0.64x); nor in cache
+     * (H32 Nk512 0.60x: the item-by-item kernel's rows come from the L3 fast
+     * enough). */
     int64_t group = 0, n_groups = 0;
     if (rows_kernel && a->nq == 1 && !a->q_start && !a->kv_start && a->n_lead >= 1 && forced_group != 0) {
         const int d = a->n_lead - 1;
