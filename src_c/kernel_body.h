@@ -1908,6 +1908,22 @@ static void rows_softmax(const fa_attention_args *a, const fa_item *it, const ba
     }
 }
 
+/* One row's A (dv) += p0 v0 + p1 v1 + p2 v2 + p3 v3 for four V rows v0..v3 (dv),
+ * dvv = dv rounded down to whole vectors (decode_step, group_step). */
+INLINE void pv_1x4(T *restrict A, T p0, T p1, T p2, T p3, const T *restrict v0, const T *restrict v1,
+                   const T *restrict v2, const T *restrict v3, int64_t dv, int64_t dvv)
+{
+    for (int64_t c = 0; c < dvv; c += L) {
+        vec acc = vload(A + c);
+        acc += p0 * vload(v0 + c);
+        acc += p1 * vload(v1 + c);
+        acc += p2 * vload(v2 + c);
+        acc += p3 * vload(v3 + c);
+        vstore(A + c, acc);
+    }
+    for (int64_t c = dvv; c < dv; c++) A[c] += p0 * v0[c] + p1 * v1[c] + p2 * v2[c] + p3 * v3[c];
+}
+
 /* One decode step, K and V read side by side: the scores of the next key
  * tile (Sn[j] = Qs . K[j], j < nk) and A += P . V over this tile (j < nv),
  * four keys of each at a time.  Reading K and V as two streams at once, not one
@@ -1939,16 +1955,7 @@ static void decode_step(T *restrict Sn, const T *restrict Qs, const T *restrict 
         if (j + 4 <= nv) {
             const T *v0 = V + j * vrs, *v1 = v0 + vrs, *v2 = v1 + vrs, *v3 = v2 + vrs;
             for (int64_t r = j + pfv; r < j + pfv + 4 && r < npv; r++) prefetch_row(V + r * vrs, dv, far, vrs != dv);
-            const T p0 = P[j], p1 = P[j + 1], p2 = P[j + 2], p3 = P[j + 3];
-            for (int64_t c = 0; c < dvv; c += L) {
-                vec acc = vload(A + c);
-                acc += p0 * vload(v0 + c);
-                acc += p1 * vload(v1 + c);
-                acc += p2 * vload(v2 + c);
-                acc += p3 * vload(v3 + c);
-                vstore(A + c, acc);
-            }
-            for (int64_t c = dvv; c < dv; c++) A[c] += p0 * v0[c] + p1 * v1[c] + p2 * v2[c] + p3 * v3[c];
+            pv_1x4(A, P[j], P[j + 1], P[j + 2], P[j + 3], v0, v1, v2, v3, dv, dvv);
         } else if (j < nv) { /* the last 1-3 keys */
             rows_pv(A, P + j, 0, 1, V + j * vrs, vrs, dv, nv - j, 0, 0, NULL);
         }
@@ -2172,16 +2179,7 @@ INLINE void group_step(const T *restrict Qs, const T *restrict K, int64_t krs, i
         rows_pv(A, p, 0, 1, V, vrs, dv, nb, 0, 0, NULL);
         return;
     }
-    const T *v0 = V, *v1 = v0 + vrs, *v2 = v1 + vrs, *v3 = v2 + vrs;
-    for (int64_t c = 0; c < dvv; c += L) {
-        vec acc = vload(A + c);
-        acc += p0 * vload(v0 + c);
-        acc += p1 * vload(v1 + c);
-        acc += p2 * vload(v2 + c);
-        acc += p3 * vload(v3 + c);
-        vstore(A + c, acc);
-    }
-    for (int64_t c = dvv; c < dv; c++) A[c] += p0 * v0[c] + p1 * v1[c] + p2 * v2[c] + p3 * v3[c];
+    pv_1x4(A, p0, p1, p2, p3, V, V + vrs, V + 2 * vrs, V + 3 * vrs, dv, dvv);
 }
 void FN(fa_attn_group_rows)(const fa_attention_args *a, const fa_tiles *tl, const fa_item *its, int64_t n,
                             void *scratch)
