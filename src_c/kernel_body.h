@@ -2181,6 +2181,7 @@ INLINE void group_step(const T *restrict Qs, const T *restrict K, int64_t krs, i
     }
     pv_1x4(A, p0, p1, p2, p3, V, V + vrs, V + 2 * vrs, V + 3 * vrs, dv, dvv);
 }
+
 void FN(fa_attn_group_rows)(const fa_attention_args *a, const fa_tiles *tl, const fa_item *its, int64_t n,
                             void *scratch)
 {
