@@ -1980,25 +1980,35 @@ static __attribute__((noinline)) void decode_step_runs(const key_runs *kr, T *Sn
  * as the mean so far (P / l before P . V, A rescaled by l_old alpha / l), not
  * the sum: a sum of many values near the dtype's limit overflows where their
  * mean does not, and such a row comes here after the fast kernels overflow. */
-static void item_rows(const fa_attention_args *a, const fa_tiles *tl, const fa_item *it, void *scratch,
-                      int careful)
+/* The row kernel's start on an item: Qs (bq, dkp) <- its rows times scale,
+ * zero-padded; A (bq, dv) <- 0; m, l (bq) <- -inf, 0.  Returns the keys its
+ * rows may see (item_band), less the ends a mask hides from all (mask_trim). */
+static band_t rows_begin(const fa_attention_args *a, const fa_item *it, T *restrict Qs, int64_t dkp,
+                         T *restrict A, T *restrict m, T *restrict l)
 {
-    const int64_t bq = it->bq, bk = tl->bk, dk = a->dk, dv = a->dv;
-    const int64_t dkp = (dk + L - 1) / L * L;
-    const T *q = it->q, *k = it->k, *v = it->v;
-    T *Qs = scratch, *S = Qs + bq * dkp, *A = S + bq * bk, *m = A + bq * dv, *l = m + bq;
-    const T scale = (T)a->scale;
-    const int far = tl->far; /* K and V from memory: prefetch into L2, further ahead */
+    const int64_t bq = it->bq, dk = a->dk;
+    const T *q = it->q, scale = (T)a->scale;
     for (int64_t i = 0; i < bq; i++) {
         for (int64_t c = 0; c < dk; c++) Qs[i * dkp + c] = q[i * a->q_rs + c] * scale;
         for (int64_t c = dk; c < dkp; c++) Qs[i * dkp + c] = 0;
         m[i] = -INFINITY;
         l[i] = 0;
     }
-    memset(A, 0, (size_t)(bq * dv) * sizeof(T));
-
+    memset(A, 0, (size_t)(bq * a->dv) * sizeof(T));
     band_t b = item_band(a, it);
     mask_trim(&b, a, it, Qs, dkp);
+    return b;
+}
+
+static void item_rows(const fa_attention_args *a, const fa_tiles *tl, const fa_item *it, void *scratch,
+                      int careful)
+{
+    const int64_t bq = it->bq, bk = tl->bk, dk = a->dk, dv = a->dv;
+    const int64_t dkp = (dk + L - 1) / L * L;
+    const T *k = it->k, *v = it->v;
+    T *Qs = scratch, *S = Qs + bq * dkp, *A = S + bq * bk, *m = A + bq * dv, *l = m + bq;
+    const int far = tl->far; /* K and V from memory: prefetch into L2, further ahead */
+    band_t b = rows_begin(a, it, Qs, dkp, A, m, l);
     if (bq == 1 && !careful && b.j_lo < b.j_hi) {
         /* Decoding, one row: software-pipelined over the key tiles, so that the
          * scores of tile t + 1 and P . V of tile t read K and V together
@@ -2188,23 +2198,13 @@ void FN(fa_attn_group_rows)(const fa_attention_args *a, const fa_tiles *tl, cons
     const int64_t bk = tl->bk, dk = a->dk, dv = a->dv, dkp = (dk + L - 1) / L * L;
     const int64_t st = tl->bq * (dkp + dv + 2); /* one item's state */
     T *S = (T *)scratch + n * st;
-    const T scale = (T)a->scale;
     const int plain = a->softcap <= 0 && a->mask_kind == FA_MASK_NONE;
     band_t band[FA_GROUP_MAX];
     int64_t lo = INT64_MAX, hi = 0;
     for (int64_t g = 0; g < n; g++) {
         const fa_item *it = &its[g];
         T *Qs = (T *)scratch + g * st, *A = Qs + it->bq * dkp, *m = A + it->bq * dv, *l = m + it->bq;
-        const T *q = it->q;
-        for (int64_t i = 0; i < it->bq; i++) {
-            for (int64_t c = 0; c < dk; c++) Qs[i * dkp + c] = q[i * a->q_rs + c] * scale;
-            for (int64_t c = dk; c < dkp; c++) Qs[i * dkp + c] = 0;
-            m[i] = -INFINITY;
-            l[i] = 0;
-        }
-        memset(A, 0, (size_t)(it->bq * dv) * sizeof(T));
-        band[g] = item_band(a, it);
-        mask_trim(&band[g], a, it, Qs, dkp);
+        band[g] = rows_begin(a, it, Qs, dkp, A, m, l);
         if (band[g].j_lo < band[g].j_hi) {
             lo = band[g].j_lo < lo ? band[g].j_lo : lo;
             hi = band[g].j_hi > hi ? band[g].j_hi : hi;
