@@ -663,30 +663,48 @@ static int run(const fa_attention_args *a, int weights)
 
     /* Decoding from a (B, n, H, d) cache: the last leading dim's indices h
      * (the heads) have their K and V rows at h k_lead (v_lead) within key rows
-     * that hold all of them (k_rs = H k_lead).  With one query row an item and
-     * K and V from memory, the row kernel takes the heads of each group
-     * together (fa_attn_group_rows), key tile by key tile of FA_GROUP_BK keys,
-     * so that it reads K and V in address order, not 512-byte pieces 16 KiB
-     * apart.  Against item by item, in one process (two threads), float32:
-     * H32 Nk4096 d128 1.35-1.70x (with a bool or float mask 1.36-1.44x, causal
+     * that hold all of them (k_rs = H k_lead).  With one query row an item
+     * (and up to FA_GROUP_ROWS, below) and K and V from memory, the row kernel
+     * takes the heads of each group together (fa_attn_group_rows), key tile by
+     * key tile of FA_GROUP_BK keys, so that it reads K and V in address order,
+     * not 512-byte pieces 16 KiB apart.  Against item by item, in one
+     * process (two threads), float32: H32 Nk4096 d128 1.35-1.70x (with a bool or float mask 1.36-1.44x, causal
      * 1.58x, ALiBi 1.40x), d64 Nk8192 2.11x, B4 Nk2048 1.60x, B3 1.68x, H8
      * Nk16384 1.50x, H16 d256 1.17x; float64 d128 1.14-1.18x, d64 1.56x.  Tiles
-     * of 2 and 8 keys measured alike, 16 keys 0.93x (before group_step).  Not
-     * for more rows an item: each key tile then costs more than the reads it
-     * saves (with a step for several rows like group_step's, 2 rows 1.12x but
-     * 4 rows 0.88x, GQA 32/8's four 0.85x, 32/4's eight 0.64x); nor in cache
-     * (H32 Nk512 0.60x: the item-by-item kernel's rows come from the L3 fast
-     * enough). */
+     * of 2 and 8 keys measured alike, 16 keys 0.93x (before group_step).
+     * Items of up to FA_GROUP_ROWS rows too (GQA's folded heads, a few new
+     * tokens: speculative decoding), with groups of at most FA_GROUP_MAX rows
+     * and tiles of about FA_GROUP_TILE_BYTES of the group's K and V (8 to 64
+     * keys), the next tile prefetched in step with the work (kernel_body.h).
+     * Against item by item, in one process (two threads), float32 d128
+     * unless noted: GQA 32/8 Nk16384 1.27x (a bool mask 1.07x, B4 Nk4096
+     * 1.16x, d64 Nk32768 1.26x, float64 Nk8192 1.10x), GQA 32/4 1.26x, GQA
+     * 32/16 Nk8192 1.36x; H32 Nk4096 with 2, 4 and 8 new tokens a head 1.21,
+     * 1.09 and 1.04x (float64, 2 tokens: 1.19x); H8 Nk16384 2 tokens 1.27x;
+     * one row unchanged (1.01-1.05x).  AVX2: GQA 32/8 1.28x, 2 tokens 1.64x,
+     * 8 tokens, GQA 32/4 and float64 GQA 32/8 0.99-1.02x.  Tiles of 4 keys
+     * (as for one row) with the prefetch at a tile's start: 0.66-0.78x; groups
+     * of all 32 heads at 4 and 8 tokens (8-key tiles) 0.92 and 0.71x; tiles of
+     * 512 KiB 0.94-1.07x against 256.  Not for 9-12 rows (GQA 32/8 with 3
+     * tokens, 32/16 with 6): 1.07-1.10x AVX-512, 1.00x AVX2.  Not in cache
+     * (H32 Nk512 0.60x for one row: the item-by-item kernel's rows come from
+     * the L3 fast enough). */
     int64_t group = 0, n_groups = 0;
-    if (rows_kernel && a->nq == 1 && !a->q_start && !a->kv_start && a->n_lead >= 1 && forced_group != 0) {
+    if (rows_kernel && a->nq <= FA_GROUP_ROWS && !a->q_start && !a->kv_start && a->n_lead >= 1 &&
+        forced_group != 0) {
         const int d = a->n_lead - 1;
         const int64_t hn = a->lead_shape[d];
         if (hn >= 2 && a->k_lead[d] > 0 && a->k_lead[d] * hn == a->k_rs && a->v_lead[d] > 0 &&
             a->v_lead[d] * hn == a->v_rs && (forced_group == 1 || from_memory)) {
-            const int64_t n_sub = (hn + FA_GROUP_MAX - 1) / FA_GROUP_MAX;
+            const int64_t n_sub = (hn * a->nq + FA_GROUP_MAX - 1) / FA_GROUP_MAX; /* rows a group */
             group = (hn + n_sub - 1) / n_sub;
             n_groups = n_lead_total / hn * n_sub;
-            if (!forced_bk) tiles.bk = a->nk < FA_GROUP_BK ? (a->nk < 1 ? 1 : a->nk) : FA_GROUP_BK;
+            int64_t gbk = FA_GROUP_BK;
+            if (a->nq > 1) {
+                gbk = FA_GROUP_TILE_BYTES / (group * (a->dk + a->dv) * (int64_t)esz) / 4 * 4;
+                gbk = gbk < 8 ? 8 : gbk > 64 ? 64 : gbk;
+            }
+            if (!forced_bk) tiles.bk = a->nk < gbk ? (a->nk < 1 ? 1 : a->nk) : gbk;
         }
     }
     const int64_t n_work = group ? n_groups : n_items; /* units before any split */

@@ -104,9 +104,13 @@ typedef void (*fa_attn_item_fn)(const fa_attention_args *a, const fa_tiles *t,
  * (kernel_body.h, fa_attn_group_rows); scratch: fa_group_scratch_elems. */
 typedef void (*fa_attn_group_fn)(const fa_attention_args *a, const fa_tiles *t,
                                  const fa_item *its, int64_t n, void *scratch);
-#define FA_GROUP_MAX 64
-/* Key tile of fa_attn_group_rows (attention.c, run). */
+#define FA_GROUP_MAX 64 /* items a group; with several rows an item, rows */
+/* Key tile of fa_attn_group_rows for items of one row (attention.c, run);
+ * for items of up to FA_GROUP_ROWS rows, as many keys (8 to 64) as hold about
+ * FA_GROUP_TILE_BYTES of the group's K and V. */
 #define FA_GROUP_BK 4
+#define FA_GROUP_ROWS 8
+#define FA_GROUP_TILE_BYTES 262144
 /* fa_attention_weights: it->out is (bq, nk), row stride a->o_rs, zero-filled. */
 /* Merge nparts partial results (nparts, bq, dv + 2) of one item into its out
  * and lse.  scratch: dv + 2 elements. */

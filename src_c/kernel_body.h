@@ -584,6 +584,8 @@ typedef struct {
                         * first tile: (nk, dk) row stride krs */
     const T *q;        /* the next item's query rows: (nq, dk) row stride qrs */
     int64_t nv, nk, nq, vrs, krs, qrs, dv, dk;
+    int per_key;       /* rows_pv: row j with key j of the first column tile
+                        * (fa_attn_group_rows), not in step with the column tiles */
 } tile_pf;
 
 /* Software prefetch into L2 of a row p[0..n): a line every 64 bytes from p on,
@@ -1602,10 +1604,11 @@ static void rows_scores(T *restrict S, int64_t ls, const T *restrict Qs, int64_t
  *   A (R, lda)   S (R, ls)   V (nb, NV*L) row stride vrs
  * An R x NV register tile: each V vector, loaded once, serves R rows.
  * Rows j < npf of V exist and may be prefetched: pfn elements of the row pf
- * rows ahead (far: into L2; tail: see prefetch_l2). */
+ * rows ahead (far: into L2; tail: see prefetch_l2); and kp's row j with key j
+ * (NULL: none). */
 INLINE void rows_pv_tile(const int R, const int NV, T *restrict A, int64_t lda, const T *restrict S,
                          int64_t ls, const T *restrict V, int64_t vrs, int64_t nb, int64_t npf, int64_t pf,
-                         int64_t pfn, int far, int tail)
+                         int64_t pfn, int far, int tail, const tile_pf *kp)
 {
     vec acc[RP_MAX][8];
     UNROLL(8) for (int i = 0; i < R; i++)
@@ -1613,6 +1616,7 @@ INLINE void rows_pv_tile(const int R, const int NV, T *restrict A, int64_t lda, 
     for (int64_t j = 0; j < nb; j++) {
         const T *vj = V + j * vrs;
         if (j + pf < npf) prefetch_row(vj + pf * vrs, pfn, far, tail);
+        if (kp) tile_prefetch(kp, j, 1);
         vec vv[8];
         UNROLL(8) for (int x = 0; x < NV; x++) vv[x] = vload(vj + x * L);
         UNROLL(8) for (int i = 0; i < R; i++) {
@@ -1629,8 +1633,9 @@ INLINE void rows_pv_tile(const int R, const int NV, T *restrict A, int64_t lda, 
  * over each V row, as decoding streams V from memory) and one narrower tile,
  * then the last dv % L columns.  The first tile prefetches whole V rows (the
  * later ones find them in cache); xpf's rows (NULL: none) are prefetched in
- * step with the tiles. */
-#define PV_TILE(NV) rows_pv_tile(R, NV, A + c, lda, S, ls, V + c, vrs, nb, (R == 1 || c == 0) ? npf : 0, pf, R == 1 ? NV * L : dv, far, vrs != dv)
+ * step with the tiles, or with xpf->per_key key by key in the first tile. */
+#define PV_TILE(NV) rows_pv_tile(R, NV, A + c, lda, S, ls, V + c, vrs, nb, (R == 1 || c == 0) ? npf : 0, pf, R == 1 ? NV * L : dv, far, vrs != dv, \
+                                 (xpf && xpf->per_key && c == 0) ? xpf : NULL)
 INLINE void rows_pv_r(const int R, T *restrict A, int64_t lda, const T *restrict S, int64_t ls,
                       const T *restrict V, int64_t vrs, int64_t dv, int64_t nb, int64_t npf, int far,
                       const tile_pf *xpf)
@@ -1639,10 +1644,10 @@ INLINE void rows_pv_r(const int R, T *restrict A, int64_t lda, const T *restrict
     const int64_t nvec = dv / L, pf = prefetch_dist(dv, far);
     int64_t c = 0;
     for (; c + NVM * L <= nvec * L; c += NVM * L) {
-        if (xpf) prefetch_in_step(xpf, c, c + NVM * L, dv);
+        if (xpf && !xpf->per_key) prefetch_in_step(xpf, c, c + NVM * L, dv);
         PV_TILE(NVM);
     }
-    if (xpf) prefetch_in_step(xpf, c, dv, dv); /* the rest */
+    if (xpf && !xpf->per_key) prefetch_in_step(xpf, c, dv, dv); /* the rest */
     switch (nvec - c / L) { /* < NVM: the tests below are constants */
     case 7: if (7 < NVM) PV_TILE(7); break;
     case 6: if (6 < NVM) PV_TILE(6); break;
@@ -2138,8 +2143,17 @@ void FN(fa_attn_item_rows)(const fa_attention_args *a, const fa_tiles *tl, const
  * through in address order; each item keeps its own state.  The rows
  * GROUP_PF_BYTES of K and V ahead are prefetched into L2 in step (64-512 KiB
  * alike; none 0.83x, into L1 0.66-0.88x, non-temporal 0.80x).
+ * Items of several rows (GQA's folded heads, a few new tokens) take longer
+ * tiles (attention.c), and their work on a tile is long enough that a burst
+ * of prefetches at its start stalls it (the group then ran at 0.66-0.78x item
+ * by item): there the rows of the tile ahead are prefetched in step with the
+ * work, V's with the scores and K's key by key in P . V (tile_pf.per_key).
+ * All of them with the scores, as item_rows does, measured 0.94-1.45x item
+ * by item; K's in step with P . V's column tiles 0.80-1.71x (bursts where
+ * dv is one or two tiles).
  *   its   (n) the items: the same rows i0 and at most tl->bq of them, keys
  *         [j_lo, j_hi) each; K and V rows of item g at it[g].k, it[g].v
+ *         (row strides a->k_rs, a->v_rs)
  * Scratch, in elements of T: per item Qs (bq, dkp), A (bq, dv), m, l (bq)
  * (bq = tl->bq), then S (bq, bk): fa_group_scratch_elems.
  * ------------------------------------------------------------------------- */
@@ -2218,20 +2232,27 @@ void FN(fa_attn_group_rows)(const fa_attention_args *a, const fa_tiles *tl, cons
             const fa_item *it = &its[g];
             const band_t *b = &band[g];
             const T *K = it->k, *V = it->v;
-            for (int64_t r = j0 + ahead; r < j0 + ahead + bk && r < b->j_hi; r++) {
-                prefetch_l2(K + r * a->k_rs, dk, 1);
-                prefetch_l2(V + r * a->v_rs, dv, 1);
-            }
             const int64_t jl = j0 > b->j_lo ? j0 : b->j_lo, jh = j0 + bk < b->j_hi ? j0 + bk : b->j_hi;
+            const int64_t ja = j0 + ahead, na = b->j_hi - ja < bk ? b->j_hi - ja : bk; /* rows ahead */
+            const int in_step = it->bq > 1 && jl < jh; /* several rows: prefetch in step */
+            if (!in_step)
+                for (int64_t r = ja; r < ja + na; r++) {
+                    prefetch_l2(K + r * a->k_rs, dk, 1);
+                    prefetch_l2(V + r * a->v_rs, dv, 1);
+                }
             if (jl >= jh) continue;
             T *Qs = (T *)scratch + g * st, *A = Qs + it->bq * dkp, *m = A + it->bq * dv, *l = m + it->bq;
             if (plain && it->slope == 0 && it->bq == 1 && jh - jl <= 4 && L >= 4) {
                 group_step(Qs, K + jl * a->k_rs, a->k_rs, dk, V + jl * a->v_rs, a->v_rs, dv, jh - jl, A, m, l);
                 continue;
             }
-            rows_scores(S, bk, Qs, dkp, it->bq, K + jl * a->k_rs, a->k_rs, dk, jh - jl, 0, 0, NULL);
+            const tile_pf pf_v = {.v = V + ja * a->v_rs, .nv = na > 0 ? na : 0, .vrs = a->v_rs, .dv = dv};
+            const tile_pf pf_k = {.k = K + ja * a->k_rs, .nk = na > 0 ? na : 0, .krs = a->k_rs, .dk = dk,
+                                  .per_key = 1};
+            rows_scores(S, bk, Qs, dkp, it->bq, K + jl * a->k_rs, a->k_rs, dk, jh - jl, 0, 0,
+                        in_step ? &pf_v : NULL);
             rows_softmax(a, it, b, S, bk, A, m, l, jl, jh - jl, 0);
-            rows_pv(A, S, bk, it->bq, V + jl * a->v_rs, a->v_rs, dv, jh - jl, 0, 0, NULL);
+            rows_pv(A, S, bk, it->bq, V + jl * a->v_rs, a->v_rs, dv, jh - jl, 0, 0, in_step ? &pf_k : NULL);
         }
     }
     for (int64_t g = 0; g < n; g++) {

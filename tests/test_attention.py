@@ -2006,8 +2006,9 @@ def test_group_rows(isa, rng, group, dtype, B, nk, threads):
     two threads) and a dv that is no whole number of vectors.  inf and NaN values
     where a row sees them and where only a mask hides them (the careful redo).
     130 heads run as three groups (at most 64 a group), whose keys two threads
-    split when there are 1024 or more.  Not with more than one
-    query row an item, nor head-major K and V: counted by _take_group_count."""
+    split when there are 1024 or more.  Not with more than 8 query rows an
+    item (test_group_rows_several), nor head-major K and V: counted by
+    _take_group_count."""
     group(1)
     H, d, dv = 5, 24, 12
     qh, kh, vh = rand(rng, (B, H, 1, d), dtype), rand(rng, (B, H, nk, d), dtype), rand(rng, (B, H, nk, dv), dtype)
@@ -2043,7 +2044,7 @@ def test_group_rows(isa, rng, group, dtype, B, nk, threads):
     want = reference64(*(np.swapaxes(a, 1, 2) for a in (qw, kw_, vw)))[0]
     assert_close(out, np.swapaxes(want, 1, 2), dtype)
 
-    for qq, kk, vv, lay in ((rand(rng, (B, 2, H, d), dtype), k, v, "blhd"), (qh, kh, vh, "bhld")):
+    for qq, kk, vv, lay in ((rand(rng, (B, 9, H, d), dtype), k, v, "blhd"), (qh, kh, vh, "bhld")):
         _core._take_group_count()
         fastattn.attention(qq, kk, vv, layout=lay, num_threads=threads)
         assert _core._take_group_count() == 0
@@ -2051,6 +2052,65 @@ def test_group_rows(isa, rng, group, dtype, B, nk, threads):
     _core._take_group_count()
     fastattn.attention(q, k, v, layout="blhd", num_threads=threads)
     assert _core._take_group_count() == 0
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("B,nk", [(1, 2), (2, 7), (1, 150), (1, 1030), (3, 1100)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_group_rows_several(isa, rng, group, rows_max, dtype, B, nk, threads):
+    """The group row kernel (forced on) for items of several query rows: a few
+    new tokens a head (2, 3 and 8, the most it takes; causal, so that the rows
+    see different keys) and GQA's heads folded into one item's rows (2 and 4
+    query heads a key/value head).  Against the reference with the options of
+    test_group_rows (q_lengths leave rows out), inf only a mask hides and NaN a
+    row sees.  Its key tiles hold 64 keys here: nk 150, 1030 and 1100 end in a
+    partial one.  The heads go into groups of at most 64 rows: 40 heads of 3
+    rows run as two groups.  The row kernel is forced up to 8 rows (some paths
+    give 8 rows the tiled kernel by default)."""
+    group(1)
+    rows_max(8)
+    H, d, dv = 5, 24, 12
+
+    def check(nq, hq=H, nkv=nk, **kw):
+        qh = rand(rng, (B, hq, nq, d), dtype)
+        kh, vh = rand(rng, (B, H, nkv, d), dtype), rand(rng, (B, H, nkv, dv), dtype)
+        if kw.pop("inf_hidden", False):                     # only hidden keys hold inf: finite results
+            hide = rng.random((B, 1, 1, nkv)) < 0.5
+            hide[..., 0] = False
+            vh[..., hide[0, 0, 0], 1] = np.inf
+            kw["mask"] = ~hide
+        if kw.pop("nan_seen", False):
+            vh[0, 1, -1, 0] = np.nan
+        _core._take_group_count()
+        out, lse = fastattn.attention(_heads_last(qh), _heads_last(kh), _heads_last(vh), layout="blhd",
+                                      return_lse=True, num_threads=threads, enable_gqa=hq != H, **kw)
+        count = _core._take_group_count()
+        assert count >= 1
+        want, want_lse = reference64(qh, kh, vh, enable_gqa=hq != H, **kw)
+        assert_close(out, _heads_last(want), dtype)
+        assert_close(lse, want_lse, dtype, "lse")
+
+    check(3)
+    check(2, causal=True)
+    check(8, causal=True, alibi_slopes=np.linspace(0.01, 0.5, H))
+    check(3, causal=True, window=(nk // 3, 0), softcap=3.0, kv_lengths=rng.integers(0, nk + 1, (B, 1)))
+    check(3, causal=True, kv_lengths=rng.integers(0, nk + 1, (B, H)), q_lengths=np.array([[2], [0], [3]])[:B])
+    check(3, mask=rng.random((B, 1, 3, nk)) < 0.7)
+    check(2, mask=np.where(rng.random((B, H, 2, nk)) < 0.6, 0.0, -np.inf).astype(dtype))
+    check(3, causal=True, inf_hidden=True)
+    check(2, nan_seen=True)
+    check(1, hq=2 * H)                                      # GQA: 2 rows an item
+    check(1, hq=4 * H, causal=True, kv_lengths=rng.integers(0, nk + 1, (B, 1)))
+    check(2, hq=4 * H, causal=True)                         # 8 rows an item
+    check(1, hq=2 * H, mask=rng.random((B, 1, 1, nk)) < 0.7)
+    check(1, hq=2 * H, inf_hidden=True)
+
+    qw, kw_, vw = rand(rng, (1, 3, 40, 8), dtype), rand(rng, (1, nk, 40, 8), dtype), rand(rng, (1, nk, 40, 8), dtype)
+    _core._take_group_count()
+    out = fastattn.attention(qw, kw_, vw, layout="blhd", causal=True, num_threads=threads)
+    assert _core._take_group_count() == 2                   # 120 rows: 2 groups (a thread each)
+    want = reference64(*(np.swapaxes(a, 1, 2) for a in (qw, kw_, vw)), causal=True)[0]
+    assert_close(out, np.swapaxes(want, 1, 2), dtype)
 
 
 def test_group_rows_default(rng):
