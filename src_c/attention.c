@@ -683,9 +683,9 @@ static int run(const fa_attention_args *a, int weights)
      * 1.09 and 1.04x (float64, 2 tokens: 1.19x); H8 Nk16384 2 tokens 1.27x;
      * one row unchanged (1.01-1.05x).  AVX2: GQA 32/8 1.28x, 2 tokens 1.64x,
      * 8 tokens, GQA 32/4 and float64 GQA 32/8 0.99-1.02x.  Tiles of 4 keys
-     * (as for one row) with the prefetch at a tile's start: 0.66-0.78x; groups
+     * (as for one row) with the prefetch at a tile's start: 0.43-0.66x; groups
      * of all 32 heads at 4 and 8 tokens (8-key tiles) 0.92 and 0.71x; tiles of
-     * 512 KiB 0.94-1.07x against 256.  Not for 9-12 rows (GQA 32/8 with 3
+     * 512 KiB 0.90-1.04x against 256.  Not for 9-12 rows (GQA 32/8 with 3
      * tokens, 32/16 with 6): 1.07-1.10x AVX-512, 1.00x AVX2.  Not in cache
      * (H32 Nk512 0.60x for one row: the item-by-item kernel's rows come from
      * the L3 fast enough). */

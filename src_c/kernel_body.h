@@ -2145,8 +2145,8 @@ void FN(fa_attn_item_rows)(const fa_attention_args *a, const fa_tiles *tl, const
  * alike; none 0.83x, into L1 0.66-0.88x, non-temporal 0.80x).
  * Items of several rows (GQA's folded heads, a few new tokens) take longer
  * tiles (attention.c), and their work on a tile is long enough that a burst
- * of prefetches at its start stalls it (the group then ran at 0.66-0.78x item
- * by item): there the rows of the tile ahead are prefetched in step with the
+ * of prefetches at its start stalls it (the group then ran at 0.43-0.78x item
+ * by item, tiles of 4-64 keys): there the rows of the tile ahead are prefetched in step with the
  * work, V's with the scores and K's key by key in P . V (tile_pf.per_key).
  * All of them with the scores, as item_rows does, measured 0.94-1.45x item
  * by item; K's in step with P . V's column tiles 0.80-1.71x (bursts where
