@@ -92,6 +92,9 @@ WORKLOADS = [
     _w("decode B8 H8 Nk4096 pad mask", (8, 8, 1, 4096, 128), mask="keys"),
     # GQA decoding: 32 query heads on 8 K and V heads (as Llama 3 8B), as many bytes as the decode row
     _w("decode GQA 32/8 Nk16k d128", (1, 32, 1, 16384, 128), gqa=8),
+    # ... from a (B, n_k, H_kv, d) cache: each K and V head's rows H_kv*d apart, a group's 4 query
+    # heads one item's rows (the same values as the row above)
+    _w("  ...(B, n, H_kv, d) layout", (1, 32, 1, 16384, 128), gqa=8, layout="blhd"),
     # ... verifying 8 speculative tokens there (causal: bottom-right, as KV-cache decoding)
     _w("8 rows GQA 32/8 Nk16k causal", (1, 32, 8, 16384, 128), causal=True, gqa=8),
 ]

@@ -185,16 +185,20 @@ def test_stream_read_helper():
             _core._stream_read(bad)
 
 
-def test_bench_blhd_decode_row():
-    """The benchmark's (B, n, H, d) decoding row holds the decode row's values in that
-    layout, and each peer's call on it (fastattn, the reference, PyTorch when installed)
-    returns the decode row's result in that layout."""
+@pytest.mark.parametrize("head_name,row_name", [("decode H32 Nk4096 d128", "(B, n, H, d) layout"),
+                                                ("decode GQA 32/8 Nk16k d128", "(B, n, H_kv, d) layout")])
+def test_bench_blhd_decode_row(head_name, row_name):
+    """The benchmark's (B, n, H, d) decoding rows (one head per K and V head, and
+    GQA 32/8) hold the row above's values in that layout, and each peer's call on
+    them (fastattn, the reference, PyTorch when installed) returns the row above's
+    result in that layout."""
     from fastattn import bench
     names = [w["name"] for w in bench.WORKLOADS]
-    i = names.index("decode H32 Nk4096 d128")
+    i = names.index(head_name)
     head, row = bench.WORKLOADS[i], bench.WORKLOADS[i + 1]
-    assert row["name"].strip(" .") == "(B, n, H, d) layout" and row["shape"] == head["shape"]
-    small = (1, 4, 1, 300, 16)
+    assert row["name"].strip(" .") == row_name and row["shape"] == head["shape"]
+    assert row["options"].get("gqa") == head["options"].get("gqa")
+    small = (1, 32, 1, 300, 16)
     a, b = (bench.make_inputs(dict(w, shape=small)) for w in (head, row))
     for x, y in zip(a[:3], b[:3]):
         assert y.shape == x.swapaxes(1, 2).shape and np.array_equal(y, x.swapaxes(1, 2))
@@ -219,7 +223,8 @@ def test_bench_decode_bytes(monkeypatch):
     from fastattn import bench
     monkeypatch.setattr(bench, "_median_times", lambda fns, repeats, min_time=0.05: [1e-3] * len(fns))
     monkeypatch.setattr(bench, "_stream_buffer", lambda: np.ones(1 << 16, np.uint8))
-    for name in ("decode H32 Nk4096 d128", "  ...(B, n, H, d) layout", "decode GQA 32/8 Nk16k d128"):
+    for name in ("decode H32 Nk4096 d128", "  ...(B, n, H, d) layout", "decode GQA 32/8 Nk16k d128",
+                 "  ...(B, n, H_kv, d) layout"):
         w = next(x for x in bench.WORKLOADS if x["name"] == name)
         B, H, _, nk, d = w["shape"]
         rows = B * w["options"].get("gqa", H) * nk
