@@ -384,8 +384,8 @@ def _set_mask_pack(int mode=-1):
 def _set_group(int mode=-1):
     """Force the row kernel over interleaved items (the heads of a (B, n, H, d)
     cache, read key tile by key tile across the heads) on (1) or off (0) where the
-    items interleave and hold at most 8 query rows each; -1: on when K and V exceed 48 MiB.  Tuning and tests only;
-    not thread-safe."""
+    items interleave and hold at most 8 query rows each; -1: on when K and V exceed
+    48 MiB.  Tuning and tests only; not thread-safe."""
     fa_set_group(mode)
 
 

@@ -668,8 +668,8 @@ static int run(const fa_attention_args *a, int weights)
      * takes the heads of each group together (fa_attn_group_rows), key tile by
      * key tile of FA_GROUP_BK keys, so that it reads K and V in address order,
      * not 512-byte pieces 16 KiB apart.  Against item by item, in one
-     * process (two threads), float32: H32 Nk4096 d128 1.35-1.70x (with a bool or float mask 1.36-1.44x, causal
-     * 1.58x, ALiBi 1.40x), d64 Nk8192 2.11x, B4 Nk2048 1.60x, B3 1.68x, H8
+     * process (two threads), float32: H32 Nk4096 d128 1.35-1.70x (with a bool
+     * or float mask 1.36-1.44x, causal 1.58x, ALiBi 1.40x), d64 Nk8192 2.11x, B4 Nk2048 1.60x, B3 1.68x, H8
      * Nk16384 1.50x, H16 d256 1.17x; float64 d128 1.14-1.18x, d64 1.56x.  Tiles
      * of 2 and 8 keys measured alike, 16 keys 0.93x (before group_step).
      * Items of up to FA_GROUP_ROWS rows too (GQA's folded heads, a few new

@@ -164,8 +164,8 @@ void fa_set_mask_pack(int mode);
 /* Force the row kernel over interleaved items (the heads of a (B, n, H, d)
  * cache: fa_attn_group_rows in kernel_body.h) on (1) or off (0) where the
  * items interleave and hold at most FA_GROUP_ROWS (8) query rows each (that
- * many rows the row kernel takes); -1 restores the default (on
- * when K and V exceed FA_KV_MEM_BYTES).  Not thread-safe: for tuning and tests only. */
+ * many rows the row kernel takes); -1 restores the default (on when K and V
+ * exceed FA_KV_MEM_BYTES).  Not thread-safe: for tuning and tests only. */
 void fa_set_group(int mode);
 /* The number of item groups that kernel ran since the last call of this; for tests. */
 int64_t fa_take_group_count(void);

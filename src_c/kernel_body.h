@@ -2146,8 +2146,9 @@ void FN(fa_attn_item_rows)(const fa_attention_args *a, const fa_tiles *tl, const
  * Items of several rows (GQA's folded heads, a few new tokens) take longer
  * tiles (attention.c), and their work on a tile is long enough that a burst
  * of prefetches at its start stalls it (the group then ran at 0.43-0.78x item
- * by item, tiles of 4-64 keys): there the rows of the tile ahead are prefetched in step with the
- * work, V's with the scores and K's key by key in P . V (tile_pf.per_key).
+ * by item, tiles of 4-64 keys): there the rows of the tile ahead are
+ * prefetched in step with the work, V's with the scores and K's key by key in
+ * P . V (tile_pf.per_key).
  * All of them with the scores, as item_rows does, measured 0.94-1.45x item
  * by item; K's in step with P . V's column tiles 0.80-1.71x (bursts where
  * dv is one or two tiles).
@@ -2246,8 +2247,9 @@ void FN(fa_attn_group_rows)(const fa_attention_args *a, const fa_tiles *tl, cons
                 group_step(Qs, K + jl * a->k_rs, a->k_rs, dk, V + jl * a->v_rs, a->v_rs, dv, jh - jl, A, m, l);
                 continue;
             }
-            const tile_pf pf_v = {.v = V + ja * a->v_rs, .nv = na > 0 ? na : 0, .vrs = a->v_rs, .dv = dv};
-            const tile_pf pf_k = {.k = K + ja * a->k_rs, .nk = na > 0 ? na : 0, .krs = a->k_rs, .dk = dk,
+            const int64_t jp = na > 0 ? ja : jl; /* (no pointer past the item's keys) */
+            const tile_pf pf_v = {.v = V + jp * a->v_rs, .nv = na > 0 ? na : 0, .vrs = a->v_rs, .dv = dv};
+            const tile_pf pf_k = {.k = K + jp * a->k_rs, .nk = na > 0 ? na : 0, .krs = a->k_rs, .dk = dk,
                                   .per_key = 1};
             rows_scores(S, bk, Qs, dkp, it->bq, K + jl * a->k_rs, a->k_rs, dk, jh - jl, 0, 0,
                         in_step ? &pf_v : NULL);

@@ -2115,12 +2115,20 @@ def test_group_rows_several(isa, rng, group, rows_max, dtype, B, nk, threads):
 
 def test_group_rows_default(rng):
     """By default the heads of a (B, n, H, d) cache are taken together only when
-    K and V come from memory (beyond 48 MiB): then against the reference."""
+    K and V come from memory (beyond 48 MiB): then against the reference, with one
+    query row a head and with GQA's two query heads a key/value head folded into
+    one item's rows (d64: whole vectors, and the next tiles prefetched in step)."""
     q, k, v = rand(rng, (1, 1, 16, 64)), rand(rng, (1, 6200, 16, 64)), rand(rng, (1, 6200, 16, 64))
     _core._take_group_count()
     out = fastattn.attention(q, k, v, layout="blhd", num_threads=2)
     assert _core._take_group_count() == 2                    # one group, its keys split between the threads
     want = reference64(*(np.swapaxes(a, 1, 2) for a in (q, k, v)))[0]
+    assert_close(out, np.swapaxes(want, 1, 2), F32)
+    q2 = rand(rng, (1, 1, 32, 64))
+    _core._take_group_count()
+    out = fastattn.attention(q2, k, v, layout="blhd", enable_gqa=True, causal=True, num_threads=2)
+    assert _core._take_group_count() == 2                    # 16 items of 2 rows: one group, split
+    want = reference64(*(np.swapaxes(a, 1, 2) for a in (q2, k, v)), enable_gqa=True, causal=True)[0]
     assert_close(out, np.swapaxes(want, 1, 2), F32)
     _core._take_group_count()
     fastattn.attention(q, k[:, :1000], v[:, :1000], layout="blhd", num_threads=2)
