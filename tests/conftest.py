@@ -9,9 +9,17 @@ import os
 
 import numpy as np
 import pytest
+from threadpoolctl import threadpool_limits
 
 from fastattn import ISA_NAMES, _core
 from fastattn import reference as ref
+
+# The reference's matrix products (NumPy's BLAS) on one thread, for the whole session:
+# OpenBLAS keeps its threads spinning for 75-100 ms after each product (README:
+# Environment variables), and each test's next fastattn call shared the cores with them.
+# The suite took 98 s so and takes 86 s now (under CI's sanitizers 307 s, now 278 s).
+# fastattn's own threads are not limited by this (user_api "blas" only).
+_BLAS_ON_ONE_THREAD = threadpool_limits(limits=1, user_api="blas")
 
 ISAS = [name for name in ISA_NAMES if _core.isa_available(name)]
 # FASTATTN_TEST_ISAS=avx2,generic: only those paths (CI's Python-version runs
