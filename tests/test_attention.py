@@ -1279,6 +1279,7 @@ def test_row_kernel_choice(isa, rng, rows_max, dtype, kv_mib, d):
     h_kv = 2
     nk = (kv_mib << 20) // (2 * h_kv * d * np.dtype(dtype).itemsize)
     k, v = rand(rng, (h_kv, nk, d), dtype), rand(rng, (h_kv, nk, d), dtype)
+    k64, v64 = k.astype(F64), v.astype(F64)   # the reference's inputs, converted once (not per check)
     kind = 1 if kv_mib > 48 else 2 if d >= 128 else 0
     limit = ROWS_MAX[isa][kind][dtype == F64]
     full = ROWS_FULL[isa][dtype == F64]
@@ -1286,7 +1287,9 @@ def test_row_kernel_choice(isa, rng, rows_max, dtype, kv_mib, d):
         full = None
     for nq in (2, 3, 4, 6, 7, 9, 11, 13, 14, 15, 16, 17, 20, 21, 24):
         q = rand(rng, (2, h_kv, nq, d), dtype)
-        out = fastattn.attention(q, k, v, num_threads=2)
+        _core._take_tail_count()
+        out, lse = fastattn.attention(q, k, v, num_threads=2, return_lse=True)
+        tails = _core._take_tail_count()
         rows_max(24)
         by_rows = fastattn.attention(q, k, v, num_threads=2)
         rows_max(1)
@@ -1300,10 +1303,11 @@ def test_row_kernel_choice(isa, rng, rows_max, dtype, kv_mib, d):
                                       err_msg=f"{nq} rows")
         if tail:
             assert not np.array_equal(out[..., main:, :], tiled[..., main:, :]), f"{nq} rows"
+        assert tails == q.size // (nq * d) * tail, f"{nq} rows"
         if nq in (13, 16, 24) or tail:
-            _core._take_tail_count()
-            check(q, k, v, dtype, num_threads=2)
-            assert _core._take_tail_count() == q.size // (nq * d) * tail, f"{nq} rows"
+            want, want_lse = ref.attention(q.astype(F64), k64, v64, return_lse=True)
+            assert_close(out, want, dtype, f"{nq} rows")
+            assert_close(lse, want_lse, dtype, f"{nq} rows, lse")
 
 
 @pytest.mark.parametrize("dtype", [F32, F64])
