@@ -700,8 +700,9 @@ static int run(const fa_attention_args *a, int weights)
             group = (hn + n_sub - 1) / n_sub;
             n_groups = n_lead_total / hn * n_sub;
             int64_t gbk = FA_GROUP_BK;
+            const int64_t key_bytes = group * (a->dk + a->dv) * (int64_t)esz; /* 0: d_k = d_v = 0 (forced) */
             if (a->nq > 1) {
-                gbk = FA_GROUP_TILE_BYTES / (group * (a->dk + a->dv) * (int64_t)esz) / 4 * 4;
+                gbk = key_bytes > 0 ? FA_GROUP_TILE_BYTES / key_bytes / 4 * 4 : 64;
                 gbk = gbk < 8 ? 8 : gbk > 64 ? 64 : gbk;
             }
             if (!forced_bk) tiles.bk = a->nk < gbk ? (a->nk < 1 ? 1 : a->nk) : gbk;

@@ -2117,6 +2117,23 @@ def test_group_rows_several(isa, rng, group, rows_max, dtype, B, nk, threads):
     assert_close(out, np.swapaxes(want, 1, 2), dtype)
 
 
+@pytest.mark.parametrize("nq", [1, 3])
+def test_group_rows_empty_head_dims(isa, group, nq):
+    """d_k = d_v = 0 from views whose heads lie apart (slices of a wider cache),
+    with the group kernel forced: every key scores 0, so the lse is log(n_k) and
+    the output has no columns (as the reference), and no key tile is sized by
+    zero bytes a key."""
+    group(1)
+    wide = np.ones((1, 5, 4, 8), F32)
+    q, k, v = np.ones((1, nq, 4, 8), F32)[..., :0], wide[..., :0], wide[..., 1:1]
+    _core._take_group_count()
+    out, lse = fastattn.attention(q, k, v, layout="blhd", return_lse=True, causal=nq > 1)
+    assert _core._take_group_count() == 1
+    want, want_lse = reference64(*(np.swapaxes(a, 1, 2) for a in (q, k, v)), causal=nq > 1)
+    assert out.shape == (1, nq, 4, 0)
+    assert_close(lse, want_lse, F32, "lse")
+
+
 def test_group_rows_default(rng):
     """By default the heads of a (B, n, H, d) cache are taken together only when
     K and V come from memory (beyond 48 MiB): then against the reference, with one
