@@ -100,5 +100,9 @@ def show_config() -> None:
           f"{', '.join(n for n in ISA_NAMES if _core.isa_available(n))}; "
           f"FASTATTN_ISA={_os.environ.get('FASTATTN_ISA', 'auto')})")
     print(f"  OpenMP:         {_core.openmp_library() if _core.openmp_enabled() else 'no (single-threaded build)'}")
-    print(f"  threads:        {_core.max_threads()} (OMP_NUM_THREADS="
-          f"{_os.environ.get('OMP_NUM_THREADS', 'unset')})")
+    if _core.fork_serial():
+        print("  threads:        1 (a process forked after fastattn had started OpenMP threads, "
+              "which GNU libgomp cannot start again: README, 'fork')")
+    else:
+        print(f"  threads:        {_core.max_threads()} (OMP_NUM_THREADS="
+              f"{_os.environ.get('OMP_NUM_THREADS', 'unset')})")

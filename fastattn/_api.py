@@ -1007,7 +1007,9 @@ attention.__doc__ = """Exact scaled dot-product attention, softmax(q k^T * scale
     num_threads : int, optional
         Threads for this call.  None uses the OpenMP default (OMP_NUM_THREADS,
         threadpoolctl); a negative n uses that default plus n + 1 (-1 all of
-        it, -2 one fewer; at least 1), as in scikit-learn.  Not 0.""" + _SHARED_DOC + """
+        it, -2 one fewer; at least 1), as in scikit-learn.  Not 0.  One in a
+        process forked after fastattn ran threads under GNU libgomp, which
+        cannot start them there (README, "fork").""" + _SHARED_DOC + """
     layout : {"bhld", "blhd"}, default "bhld"
         The axes of q, k, v, out and the result: "bhld" (..., H, n, d), as
         PyTorch and the shapes here; "blhd" (..., n, H, d), as flash-attn and

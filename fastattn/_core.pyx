@@ -95,6 +95,7 @@ cdef extern from "fastattn.h" nogil:
                      double pad_floor, unsigned char *pad, int num_threads, int *all_ok)
     int fa_abs_max(int dtype, const void *x, int64_t n, int num_threads, double *out)
     int fa_last_threads()
+    int fa_fork_serial()
     const char *fa_openmp_library()
     const char *fa_build_info()
 
@@ -442,5 +443,12 @@ def build_info():
 
 
 def max_threads():
-    """The OpenMP default team size of the calling thread (1 without OpenMP)."""
+    """The OpenMP default team size of the calling thread (1 without OpenMP, and in a
+    process forked after a team under GNU libgomp: see fork_serial)."""
     return fa_max_threads()
+
+
+def fork_serial():
+    """True in a process forked from one that had started an OpenMP team, under a runtime
+    (GNU libgomp) that cannot start one again there: every call runs on one thread."""
+    return bool(fa_fork_serial())

@@ -28,6 +28,10 @@
 #include <dlfcn.h>
 #define FA_HAVE_DLADDR 1
 #endif
+#if defined(_OPENMP) && (defined(__unix__) || defined(__APPLE__))
+#include <pthread.h>
+#define FA_HAVE_ATFORK 1
+#endif
 #ifndef FA_BUILD_CFLAGS
 #define FA_BUILD_CFLAGS "unknown"
 #endif
@@ -101,20 +105,66 @@ int fa_openmp_enabled(void)
 #endif
 }
 
+/* ---------------------------------------------------------------------------
+ * fork.  GNU libgomp cannot run a team in a child forked from a process that
+ * had started one: the child's team waits for the parent's pool threads,
+ * which fork did not copy, and never returns (multiprocessing's "fork" start
+ * method, the default on Linux before Python 3.14, hung in the first call).
+ * So the first team of two or more threads registers a child handler, and a
+ * child forked after it runs every call on its calling thread.  A team of
+ * one thread, or none, works in such a child, and so do LLVM's and Intel's
+ * runtimes, which restart their pools after fork (they have
+ * __kmpc_fork_call): with them nothing is registered.
+ * ------------------------------------------------------------------------- */
+static volatile int fork_serial = 0; /* 1: a child forked after a team; one thread */
+
+int fa_fork_serial(void) { return fork_serial; }
+
+#ifdef FA_HAVE_ATFORK
+static void after_fork_child(void) { fork_serial = 1; }
+
+static void register_fork_handler(void)
+{
+#ifdef FA_HAVE_DLADDR
+    Dl_info di;
+    if (dladdr((void *)&omp_get_max_threads, &di) && di.dli_fname) {
+        void *h = dlopen(di.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
+        const int restarts = h && dlsym(h, "__kmpc_fork_call");
+        if (h) dlclose(h);
+        if (restarts) return;
+    }
+#endif
+    pthread_atfork(NULL, NULL, after_fork_child);
+}
+#endif
+
+/* Before a team of two or more threads starts. */
+static void team_starting(void)
+{
+#ifdef FA_HAVE_ATFORK
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, register_fork_handler);
+#endif
+}
+
 int fa_max_threads(void)
 {
 #ifdef _OPENMP
-    return omp_get_max_threads();
+    return fork_serial ? 1 : omp_get_max_threads();
 #else
     return 1;
 #endif
 }
 
-/* Team size: the caller's request or the OpenMP default, no more than the work
- * items, and one thread when the work is too small to pay for a team. */
+/* Threads for a call: the caller's request (> 0) or the OpenMP default; one
+ * in a child forked after a team (above). */
+static int threads_wanted(int requested) { return fork_serial ? 1 : requested > 0 ? requested : fa_max_threads(); }
+
+/* Team size: threads_wanted, no more than the work items, and one thread when
+ * the work is too small to pay for a team. */
 static int team_size(int requested, int64_t items, double work)
 {
-    int n = requested > 0 ? requested : fa_max_threads();
+    int n = threads_wanted(requested);
     if ((int64_t)n > items) n = (int)items;
     if (work < 1.5e5) n = 1;
     return n < 1 ? 1 : n;
@@ -153,6 +203,7 @@ static void run_parallel(void (*body)(void *), void *arg, int nthreads)
         body(arg);
         return;
     }
+    team_starting();
 #pragma omp parallel num_threads(nthreads)
     body(arg);
 }
@@ -620,7 +671,7 @@ static int run(const fa_attention_args *a, int weights)
     const fa_attn_merge_fn merge_fn = isa->attn_merge[a->dtype];
     const size_t esz = a->dtype == FA_F32 ? sizeof(float) : sizeof(double);
     const size_t msz = a->mask_kind == FA_MASK_BOOL ? 1 : esz;
-    const int want = a->num_threads > 0 ? a->num_threads : fa_max_threads();
+    const int want = threads_wanted(a->num_threads);
     fa_tiles tiles;
     choose_tiles(a, isa->lanes[a->dtype], rows_max, rows_kernel, from_memory, n_lead_total, want, &tiles);
     tiles.fuse = forced_fuse >= 0 ? forced_fuse : isa->fuse;
@@ -1102,8 +1153,9 @@ uint64_t fa_stream_read(const void *x, int64_t n, int num_threads)
     typedef uint64_t u2 __attribute__((vector_size(16)));
     const u2 *p = x;
     const int64_t nv = n / 16;
-    const int nthreads = num_threads > 0 ? num_threads : fa_max_threads();
+    const int nthreads = threads_wanted(num_threads);
     (void)nthreads; /* unused without OpenMP */
+    if (nthreads > 1) team_starting();
     uint64_t total = 0;
 #pragma omp parallel num_threads(nthreads) reduction(^ : total)
     {

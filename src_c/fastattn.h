@@ -200,6 +200,9 @@ int fa_openmp_enabled(void);
 uint64_t fa_stream_read(const void *x, int64_t n, int num_threads);
 int fa_max_threads(void);
 int fa_last_threads(void);
+/* 1 in a process forked from one that had started an OpenMP team, where
+ * GNU libgomp cannot start one again: every call then runs on one thread. */
+int fa_fork_serial(void);
 const char *fa_openmp_library(void);
 const char *fa_build_info(void);
 

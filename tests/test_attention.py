@@ -1,5 +1,9 @@
 """fastattn.attention against the float64 NumPy reference."""
 
+import json
+import os
+import subprocess
+import sys
 import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -1000,6 +1004,92 @@ def test_gil_released(rng):
         stop.set()
         t.join()
     assert during > 1000, f"the other thread advanced only {during} steps during the call"
+
+
+# A fresh process: forks a child before any team, calls on two threads (a team),
+# forks a child again; each child calls on two threads and reports.  A child that
+# does not report within 60 s is killed: None; one that exits without a report
+# gives its exit status.
+_FORK_SCRIPT = r"""
+import contextlib, io, json, os, signal, time, warnings
+import numpy as np
+import fastattn
+from fastattn import _core
+from fastattn import reference as ref
+warnings.simplefilter("ignore", DeprecationWarning)  # Python >= 3.12 on fork with threads
+rng = np.random.default_rng(1)
+q, k, v = (rng.standard_normal((2, 4, 256, 32)) for _ in range(3))
+want = ref.attention(q, k, v, causal=True)
+
+def err():
+    out = fastattn.attention(q, k, v, causal=True, num_threads=2)
+    return float(np.max(np.abs(out - want)))
+
+def in_child():
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(r)
+            e = err()
+            buf = io.StringIO()
+            with contextlib.redirect_stdout(buf):
+                fastattn.show_config()
+            rep = dict(err=e, threads=_core.last_threads(), serial=_core.fork_serial(),
+                       max=_core.max_threads(), config=buf.getvalue())
+            os.write(w, json.dumps(rep).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    end = time.monotonic() + 60
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > end:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return None
+        time.sleep(0.02)
+    data = b""
+    while True:
+        chunk = os.read(r, 65536)
+        if not chunk:
+            break
+        data += chunk
+    os.close(r)
+    return json.loads(data) if data else dict(died=status)
+
+rep = dict(before=in_child(), parent_err=err(), parent_threads=_core.last_threads())
+rep.update(after=in_child(), parent_err_after=err(), parent_threads_after=_core.last_threads())
+print(json.dumps(rep))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_fork_after_threads():
+    """A child forked after fastattn ran on two threads still computes (GNU libgomp's
+    team would wait for the parent's threads forever: multiprocessing's fork hung): on
+    one thread under libgomp, on a team under runtimes that restart after fork."""
+    proc = subprocess.run([sys.executable, "-c", _FORK_SCRIPT], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    rep = json.loads(proc.stdout.splitlines()[-1])
+    before, after = rep["before"], rep["after"]
+    assert before is not None, "a child forked before any team hung"
+    assert after is not None, "a child forked after a team hung"
+    assert "died" not in before and "died" not in after, rep
+    team = 2 if _core.openmp_enabled() else 1
+    serial = team == 2 and "gomp" in _core.openmp_library()   # libgomp: one thread after fork
+    assert rep["parent_threads"] == rep["parent_threads_after"] == team
+    assert before["threads"] == team and not before["serial"] and before["max"] == _core.max_threads()
+    assert after["serial"] == serial
+    assert after["threads"] == (1 if serial else team)
+    assert after["max"] == (1 if serial else _core.max_threads())
+    assert ("forked" in after["config"]) == serial and "forked" not in before["config"]
+    for e in (before["err"], after["err"], rep["parent_err"], rep["parent_err_after"]):
+        assert e < 1e-12
 
 
 # ---------------------------------------------------------------------------
