@@ -329,8 +329,9 @@ def _check_out(out, shape, dtype):
         raise TypeError(f"out must be a numpy.ndarray, got {type(out).__name__}")
     if out.shape != tuple(shape):
         raise ValueError(f"out has shape {out.shape}, the result has shape {tuple(shape)}")
-    if out.dtype != dtype:
-        raise TypeError(f"out has dtype {out.dtype}, the result has dtype {dtype}")
+    if not np.can_cast(dtype, out.dtype, "same_kind"):   # NumPy's rule for out=
+        raise TypeError(f"out has dtype {out.dtype}, which the result's dtype {dtype} does not cast to "
+                        "under NumPy's same_kind rule (any float or complex dtype does)")
     if not out.flags.writeable:
         raise ValueError("out is read-only")
 
@@ -363,7 +364,8 @@ def softmax(x: ArrayLike, axis: Union[int, Tuple[int, ...], None] = -1, *,
         of those axes together sum to 1 (None: all axes, as in
         scipy.special.softmax; (): each entry alone).
     out : ndarray, optional
-        Array of the result's exact shape and dtype (any strides) to fill.
+        Array of the result's exact shape (any strides, any dtype the result
+        casts to under NumPy's same_kind rule) to fill.
 
     Returns
     -------
@@ -375,7 +377,8 @@ def softmax(x: ArrayLike, axis: Union[int, Tuple[int, ...], None] = -1, *,
     Raises
     ------
     TypeError
-        For complex, object, string or datetime input, or an `out` of the wrong dtype.
+        For complex, object, string or datetime input, or an `out` whose dtype the
+        result does not cast to (same_kind: an integer or bool out).
     numpy.exceptions.AxisError
         For an axis out of range (a ValueError and an IndexError).
     ValueError
@@ -396,7 +399,7 @@ def softmax(x: ArrayLike, axis: Union[int, Tuple[int, ...], None] = -1, *,
         if len(set(axes)) < len(axes):
             raise ValueError(f"duplicate value in axis {axis}")
         if len(axes) != 1:
-            return _softmax_axes(x, axes, res, out)
+            return _softmax_axes(x, axes, res, comp, out)
         axis = axes[0]
     if x.ndim == 0:
         raise ValueError("softmax needs at least one axis; x is a scalar")
@@ -418,15 +421,19 @@ def softmax(x: ArrayLike, axis: Union[int, Tuple[int, ...], None] = -1, *,
     return result.astype(res, copy=False)
 
 
-def _softmax_axes(x: np.ndarray, axes: Tuple[int, ...], res: np.dtype, out: Optional[np.ndarray]) -> NDArray[Any]:
+def _softmax_axes(x: np.ndarray, axes: Tuple[int, ...], res: np.dtype, comp: np.dtype,
+                  out: Optional[np.ndarray]) -> NDArray[Any]:
     """softmax over several axes (or none) of x: those axes moved last and
-    flattened into one (a copy where the layout needs it), then put back."""
+    flattened into one (a copy where the layout needs it), then put back.
+    Into out: the compute dtype's values, cast once."""
     if out is not None:
         _check_out(out, x.shape, res)
     rest = [i for i in range(x.ndim) if i not in axes]
     perm = rest + sorted(axes)
     xt = np.transpose(x, perm)
     rows = xt.reshape(xt.shape[:len(rest)] + (math.prod(xt.shape[len(rest):]),))
+    if out is not None:
+        rows = _as_compute(rows, comp, unit_last=False)
     result = np.transpose(softmax(rows).reshape(xt.shape), np.argsort(perm))
     if out is None:
         return result
@@ -999,8 +1006,9 @@ attention.__doc__ = """Exact scaled dot-product attention, softmax(q k^T * scale
         Multiplies q k^T; default 1/sqrt(d_k).  0 gives the plain mean of the
         visible values.
     out : ndarray, optional
-        Array of the result's exact shape and dtype (any strides), filled and
-        returned.
+        Array of the result's exact shape (any strides), filled and returned.
+        Any dtype the result casts to under NumPy's same_kind rule (float32
+        for a float64 result, say): the compute dtype's values, cast once.
     return_lse : bool, default False
         Also return lse = log(sum_j exp(scaled, masked score)), shape
         (..., n_q), in the compute dtype (float32 or float64).
@@ -1048,9 +1056,9 @@ attention.__doc__ = """Exact scaled dot-product attention, softmax(q k^T * scale
         string other than "lower_right" and "upper_left", a layout other than
         "bhld" and "blhd", an input of fewer than 3 dims with "blhd".
     TypeError
-        Complex, object, string inputs; an integer mask; out of the wrong dtype;
-        a causal that is neither a bool nor a string; a scale or softcap that is
-        not a real number.
+        Complex, object, string inputs; an integer mask; an out whose dtype the
+        result does not cast to (same_kind); a causal that is neither a bool
+        nor a string; a scale or softcap that is not a real number.
 
     Examples
     --------
@@ -1267,7 +1275,8 @@ attention_varlen.__doc__ = """Attention over packed sequences of different lengt
     scale : float, optional
         Default 1/sqrt(d_k).
     out : ndarray, optional
-        (total_q, H, d_v) of the result's dtype (any strides), filled and returned.
+        (total_q, H, d_v), any strides and any dtype the result casts to under
+        NumPy's same_kind rule, filled and returned.
     return_lse : bool, default False
         Also return lse, shape (H, total_q) (flash-attn's layout), in the
         compute dtype.

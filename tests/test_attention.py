@@ -737,6 +737,62 @@ def test_out_strided_and_float16(rng):
     assert_close(out16, reference64(q16, k16, v16)[0], np.float16)
 
 
+# (inputs, out): out's dtype differs from the result's, and the result casts to it under
+# NumPy's same_kind rule
+_OUT_CASTS = [(F32, F64), (F64, F32), (F32, ">f4"), (F64, ">f8"), (np.float16, F32), (np.float16, F64),
+              (F32, np.float16), (F64, np.complex128), (np.int16, F32)]
+
+
+def _compute_dtype(dt):
+    return F32 if np.dtype(dt) in (np.dtype(F32), np.dtype(np.float16)) else F64
+
+
+@pytest.mark.parametrize("in_dt,out_dt", _OUT_CASTS)
+@pytest.mark.parametrize("form", ["bhld", "blhd", "gqa", "decode"])
+def test_out_casts_same_kind(rng, in_dt, out_dt, form):
+    """out= takes any dtype the result casts to (same_kind, as NumPy's out=): the compute
+    dtype's values cast once, bitwise the call without out cast to out's dtype."""
+    nq, hkv = (1, 2) if form == "decode" else (37, 2 if form == "gqa" else 4)
+    shape = {"q": (2, 4, nq, 24), "kv": (2, hkv, 50, 24)}
+    q = (rand(rng, shape["q"]) * 4).astype(in_dt)
+    k, v = ((rand(rng, shape["kv"]) * 4).astype(in_dt) for _ in range(2))
+    kw = dict(causal=True, enable_gqa=hkv != 4)
+    if form == "blhd":
+        q, k, v = (np.ascontiguousarray(a.swapaxes(1, 2)) for a in (q, k, v))
+        kw["layout"] = "blhd"
+    comp = _compute_dtype(np.result_type(q, k, v))
+    plain = fastattn.attention(*(a.astype(comp) for a in (q, k, v)), **kw)
+    out = np.full(plain.shape, 7, out_dt)
+    res = fastattn.attention(q, k, v, out=out, **kw)
+    assert res is out and out.dtype == np.dtype(out_dt)
+    np.testing.assert_array_equal(out, plain.astype(out_dt))
+    if form == "blhd":
+        q, k, v = (a.swapaxes(1, 2) for a in (q, k, v))
+        out = out.swapaxes(1, 2)
+    low = F32 if F32 in (comp, np.dtype(out_dt).newbyteorder("=")) else F64
+    if np.dtype(out_dt) == np.dtype(np.float16):
+        low = np.float16
+    assert_close(out.real.astype(F64), reference64(q, k, v, causal=True, enable_gqa=hkv != 4)[0], low)
+
+
+@pytest.mark.parametrize("in_dt,out_dt", _OUT_CASTS)
+def test_out_casts_same_kind_softmax_varlen(rng, in_dt, out_dt):
+    x = (rand(rng, (3, 5, 40)) * 4).astype(in_dt)
+    comp = _compute_dtype(x.dtype)
+    out = np.empty(x.shape, out_dt)
+    assert fastattn.softmax(x, out=out) is out
+    np.testing.assert_array_equal(out, fastattn.softmax(x.astype(comp)).astype(out_dt))
+    out2 = np.empty((3, 40, 5), out_dt).transpose(0, 2, 1)   # strided, and several axes
+    assert fastattn.softmax(x, axis=(0, 2), out=out2) is out2
+    np.testing.assert_array_equal(out2, fastattn.softmax(x.astype(comp), axis=(0, 2)).astype(out_dt))
+    q, k, v = ((rand(rng, (n, 4, 16)) * 4).astype(in_dt) for n in (9, 12, 12))
+    cq, ck = np.array([0, 4, 9]), np.array([0, 5, 12])
+    out3 = np.empty((9, 4, 16), out_dt)
+    assert fastattn.attention_varlen(q, k, v, cq, ck, causal=True, out=out3) is out3
+    want = fastattn.attention_varlen(q.astype(comp), k.astype(comp), v.astype(comp), cq, ck, causal=True)
+    np.testing.assert_array_equal(out3, want.astype(out_dt))
+
+
 def test_out_aliasing_an_input(rng):
     q, k, v = rand(rng, (2, 20, 8)), rand(rng, (2, 20, 8)), rand(rng, (2, 20, 8))
     want = reference64(q, k, v, causal=True)[0]
@@ -839,23 +895,24 @@ def test_plain_out_recognised(rng):
     ro.flags.writeable = False
     not_plain = [
         np.empty((2, 5, 4), F32).view(Sub),                   # a subclass
-        np.empty((2, 5, 4), F64),                             # another dtype
-        np.empty((2, 5, 4), ">f4"),                           # byte-swapped
+        np.empty((2, 5, 4), F64),                             # another dtype (cast to)
+        np.empty((2, 5, 4), ">f4"),                           # byte-swapped (cast to)
         np.empty((2, 4, 5), F32).transpose(0, 2, 1),          # not C-contiguous
         np.empty((2, 5, 8), F32)[..., :4],                    # not contiguous
         np.empty((5, 4), F32),                                # another shape
         ro,                                                   # read-only
         [[0.0] * 4] * 5,                                      # not an ndarray
+        np.empty((2, 5, 4), np.int32),                        # a dtype the result does not cast to
     ]
     for out in not_plain:
         assert not _plain_out(out, q, k, v)
-    for bad, exc in [(not_plain[1], TypeError), (not_plain[5], ValueError), (ro, ValueError),
+    for bad, exc in [(not_plain[8], TypeError), (not_plain[5], ValueError), (ro, ValueError),
                      (not_plain[7], TypeError)]:
         with pytest.raises(exc):
             fastattn.attention(q, k, v, out=bad)
-    for out in not_plain[3:5]:
+    for out in not_plain[1:5]:
         assert fastattn.attention(q, k, v, out=out) is out
-        np.testing.assert_array_equal(out, want)
+        np.testing.assert_array_equal(out, want.astype(out.dtype))
     # an out that overlaps an input (q, k or v): the general path computes into
     # a temporary, so the input is read whole before out is written
     for i in range(3):
@@ -1146,7 +1203,8 @@ def _qkv(rng):
     (dict(softcap=True), TypeError, "softcap must be None or a positive number, got bool"),
     (dict(softcap=1j), TypeError, "softcap must be None or a positive number, got complex"),
     (dict(out=np.empty((2, 5, 5), F32)), ValueError, "out has shape"),
-    (dict(out=np.empty((2, 5, 4), F64)), TypeError, "out has dtype"),
+    (dict(out=np.empty((2, 5, 4), np.int32)), TypeError, "out has dtype int32, which the result's dtype float32"),
+    (dict(out=np.empty((2, 5, 4), bool)), TypeError, "out has dtype bool"),
     (dict(out=[[0.0]]), TypeError, "out must be a numpy.ndarray"),
 ])
 def test_bad_input(rng, change, exc, msg):

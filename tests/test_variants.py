@@ -531,7 +531,7 @@ def test_varlen_decode_folds_heads(rng, core_calls):
     (dict(alibi_slopes=np.ones(3)), ValueError, r"does not broadcast to \(B, H\) = \(2, 4\)"),
     (dict(alibi_slopes=np.ones(4, complex)), TypeError, "alibi_slopes must be real"),
     (dict(out=np.ones((5, 4, 7), F32)), ValueError, "out has shape"),
-    (dict(out=np.ones((5, 4, 8), F64)), TypeError, "out has dtype"),
+    (dict(out=np.ones((5, 4, 8), np.int64)), TypeError, "out has dtype int64"),
     (dict(q=np.ones((5, 4, 16), complex)), TypeError, "q has dtype complex128"),
     (dict(num_threads=0), ValueError, "num_threads"),
     (dict(softcap=-1.0), ValueError, "softcap"),
