@@ -172,10 +172,16 @@ def run_case(seed, verbose=False):
     _api._FLOAT_MASKS_AS_BOOL = s["float_masks_as_bool"]
     try:
         out, lse = fastattn.attention(q, k, v, return_lse=True, num_threads=s["threads"], **kw)
-        if s["out"]:
-            o = np.full(out.shape[::-1], 7, out.dtype).T
+        if s["out"]:   # any strides; the result's dtype, or another it casts to (same_kind),
+            # drawn apart so that the case's own draws stay those of earlier versions
+            dtypes = [str(out.dtype)] * 3 + ["<f2", ">f4", ">f8", "<f4", "<f8"]
+            o_dtype = np.random.default_rng([seed, 1]).choice(dtypes)
+            o = np.full(out.shape[::-1], 7, o_dtype).T
             assert fastattn.attention(q, k, v, num_threads=s["threads"], out=o, **kw) is o
-            np.testing.assert_array_equal(o, out)
+            if o.dtype.itemsize >= out.dtype.itemsize:   # o holds the compute dtype's values, cast once
+                np.testing.assert_array_equal(o.astype(out.dtype), out)
+            else:
+                np.testing.assert_array_equal(o, out.astype(o.dtype))
         if s["layout"] and min(q.ndim, k.ndim, v.ndim) >= 3:   # the same arrays as (..., n, H, d) views
             t = lambda a: np.swapaxes(a, -3, -2)  # noqa: E731
             o, ls = fastattn.attention(t(q), t(k), t(v), return_lse=True, num_threads=s["threads"], layout="blhd", **kw)
