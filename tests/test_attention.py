@@ -1126,11 +1126,15 @@ print(json.dumps(rep))
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
-def test_fork_after_threads():
+def test_fork_after_threads(tmp_path):
     """A child forked after fastattn ran on two threads still computes (GNU libgomp's
     team would wait for the parent's threads forever: multiprocessing's fork hung): on
     one thread under libgomp, on a team under runtimes that restart after fork."""
-    proc = subprocess.run([sys.executable, "-c", _FORK_SCRIPT], capture_output=True, text=True, timeout=300)
+    # the fastattn these tests import (not a source folder in the working directory)
+    where = os.path.dirname(os.path.dirname(os.path.abspath(fastattn.__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([where] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    proc = subprocess.run([sys.executable, "-c", _FORK_SCRIPT], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr
     rep = json.loads(proc.stdout.splitlines()[-1])
     before, after = rep["before"], rep["after"]
