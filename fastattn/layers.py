@@ -32,6 +32,22 @@ def _weight(w: Any, name: str, rows: Optional[int] = None, cols: Optional[int] =
     return w
 
 
+def _bias(b: Any, name: str, size: int, of: str) -> Optional[np.ndarray]:
+    """An optional bias: None, or a 1-D array of `size` entries (the columns of `of`)."""
+    if b is None:
+        return None
+    b = _as_array(b, name)
+    if b.shape != (size,):
+        raise ValueError(f"{name} has shape {b.shape}; it must be ({size},), as {of} has {size} columns")
+    return b
+
+
+def _project(x: np.ndarray, w: np.ndarray, b: Optional[np.ndarray]) -> np.ndarray:
+    """x @ w (+ b)."""
+    t = x @ w
+    return t if b is None else t + b
+
+
 def _tokens(x: Any) -> np.ndarray:
     x = _as_array(x, "x")
     if x.ndim < 2:
@@ -56,9 +72,10 @@ def _seq_lengths(seq_lengths: Any, x: np.ndarray) -> Optional[np.ndarray]:
 
 
 def self_attention(x: ArrayLike, w_q: ArrayLike, w_k: ArrayLike, w_v: ArrayLike, *,
-                   mask: Optional[ArrayLike] = None, causal: Causal = False,
+                   b_q: Optional[ArrayLike] = None, b_k: Optional[ArrayLike] = None,
+                   b_v: Optional[ArrayLike] = None, mask: Optional[ArrayLike] = None, causal: Causal = False,
                    scale: Optional[float] = None, seq_lengths: Optional[ArrayLike] = None) -> NDArray[Any]:
-    """Single-head self-attention: attention(x W_Q, x W_K, x W_V).
+    """Single-head self-attention: attention(x W_Q + b_Q, x W_K + b_K, x W_V + b_V).
 
     Parameters
     ----------
@@ -66,6 +83,9 @@ def self_attention(x: ArrayLike, w_q: ArrayLike, w_k: ArrayLike, w_v: ArrayLike,
         Token vectors.
     w_q, w_k : array_like, shape (d_model, d_k)
     w_v : array_like, shape (d_model, d_v)
+    b_q, b_k : array_like, shape (d_k,), optional
+    b_v : array_like, shape (d_v,), optional
+        Biases of the projections (None: none).
     mask, causal, scale
         As for `fastattn.attention` (causal: a token sees itself and earlier ones).
     seq_lengths : array_like of int, optional
@@ -91,13 +111,18 @@ def self_attention(x: ArrayLike, w_q: ArrayLike, w_k: ArrayLike, w_v: ArrayLike,
     w_q = _weight(w_q, "w_q", d_model)
     w_k = _weight(w_k, "w_k", d_model, w_q.shape[1])
     w_v = _weight(w_v, "w_v", d_model)
+    b_q = _bias(b_q, "b_q", w_q.shape[1], "w_q")
+    b_k = _bias(b_k, "b_k", w_k.shape[1], "w_k")
+    b_v = _bias(b_v, "b_v", w_v.shape[1], "w_v")
     lengths = _seq_lengths(seq_lengths, x)
-    return attention(x @ w_q, x @ w_k, x @ w_v, mask=mask, causal=causal, scale=scale,
-                     q_lengths=lengths, kv_lengths=lengths)
+    return attention(_project(x, w_q, b_q), _project(x, w_k, b_k), _project(x, w_v, b_v), mask=mask,
+                     causal=causal, scale=scale, q_lengths=lengths, kv_lengths=lengths)
 
 
 def multihead_attention(x: ArrayLike, w_q: ArrayLike, w_k: ArrayLike, w_v: ArrayLike, w_o: ArrayLike, *,
-                        num_heads: int, num_kv_heads: Optional[int] = None, mask: Optional[ArrayLike] = None,
+                        num_heads: int, num_kv_heads: Optional[int] = None, b_q: Optional[ArrayLike] = None,
+                        b_k: Optional[ArrayLike] = None, b_v: Optional[ArrayLike] = None,
+                        b_o: Optional[ArrayLike] = None, mask: Optional[ArrayLike] = None,
                         causal: Causal = False, scale: Optional[float] = None,
                         seq_lengths: Optional[ArrayLike] = None) -> NDArray[Any]:
     """Multi-head self-attention with an output projection.
@@ -108,6 +133,10 @@ def multihead_attention(x: ArrayLike, w_q: ArrayLike, w_k: ArrayLike, w_v: Array
     w_q : array_like, shape (d_model, num_heads * d_head)
     w_k, w_v : array_like, shape (d_model, num_kv_heads * d_head)
     w_o : array_like, shape (num_heads * d_head, d_model)
+    b_q, b_k, b_v, b_o : array_like, optional
+        Biases of the projections (None: none), one entry per column of the
+        matching weight: as PyTorch's in_proj_bias (split in three) and
+        out_proj.bias, and the attention layers of BERT, GPT-2 and ViT.
     num_heads : int
         Head h uses columns h * d_head to (h + 1) * d_head of the projections.
     num_kv_heads : int, optional
@@ -119,12 +148,12 @@ def multihead_attention(x: ArrayLike, w_q: ArrayLike, w_k: ArrayLike, w_v: Array
         As for `fastattn.attention`; scale defaults to 1/sqrt(d_head).
     seq_lengths : array_like of int, optional
         Broadcastable to x's leading dims (...), in [0, n]: as for
-        `self_attention`; padding tokens give zeros.
+        `self_attention`; padding tokens give zeros (b_o too is left out).
 
     Returns
     -------
     ndarray, shape (..., n, d_model)
-        concat_h(attention_h) @ w_o.
+        concat_h(attention_h) @ w_o + b_o.
 
     Examples
     --------
@@ -153,13 +182,17 @@ def multihead_attention(x: ArrayLike, w_q: ArrayLike, w_k: ArrayLike, w_v: Array
     w_k = _weight(w_k, "w_k", d_model, Hkv * d_head)
     w_v = _weight(w_v, "w_v", d_model, Hkv * d_head)
     w_o = _weight(w_o, "w_o", H * d_head, d_model)
+    b_q = _bias(b_q, "b_q", H * d_head, "w_q")
+    b_k = _bias(b_k, "b_k", Hkv * d_head, "w_k")
+    b_v = _bias(b_v, "b_v", Hkv * d_head, "w_v")
+    b_o = _bias(b_o, "b_o", d_model, "w_o")
 
     lead, n = x.shape[:-2], x.shape[-2]
 
     def heads(t, h):  # (..., n, h * d_head) -> (..., h, n, d_head), a view
         return np.swapaxes(t.reshape(lead + (n, h, d_head)), -2, -3)
 
-    q, k, v = heads(x @ w_q, H), heads(x @ w_k, Hkv), heads(x @ w_v, Hkv)
+    q, k, v = heads(_project(x, w_q, b_q), H), heads(_project(x, w_k, b_k), Hkv), heads(_project(x, w_v, b_v), Hkv)
     dtype = np.result_type(q, k, v)
     dtype = dtype if dtype.kind == "f" else np.dtype(np.float64)
     lengths = _seq_lengths(seq_lengths, x)
@@ -168,4 +201,7 @@ def multihead_attention(x: ArrayLike, w_q: ArrayLike, w_k: ArrayLike, w_v: Array
     concat = np.empty(lead + (n, H * d_head), dtype)                 # (..., n, H * d_head)
     attention(q, k, v, mask=mask, causal=causal, scale=scale, enable_gqa=Hkv < H,
               q_lengths=lengths, kv_lengths=lengths, out=heads(concat, H))   # written through strides
-    return concat @ w_o
+    out = _project(concat, w_o, b_o)
+    if b_o is not None and lengths is not None:                      # padding tokens stay zeros
+        np.copyto(out, 0, where=(np.arange(n) >= lengths)[..., None])
+    return out

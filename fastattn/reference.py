@@ -367,14 +367,20 @@ def merge_attention(outs: Sequence[ArrayLike], lses: Sequence[ArrayLike],
     return _heads_first(layout, out)[0], lse
 
 
-def self_attention(x: ArrayLike, w_q: Any, w_k: Any, w_v: Any, *, mask: Optional[ArrayLike] = None,
-                   causal: Any = False, scale: Optional[float] = None, seq_lengths: Optional[ArrayLike] = None) -> Any:
-    """attention(x W_Q, x W_K, x W_V).
+def _plus(t: Any, b: Any) -> Any:
+    return t if b is None else t + np.asarray(b)
+
+
+def self_attention(x: ArrayLike, w_q: Any, w_k: Any, w_v: Any, *, b_q: Any = None, b_k: Any = None,
+                   b_v: Any = None, mask: Optional[ArrayLike] = None, causal: Any = False,
+                   scale: Optional[float] = None, seq_lengths: Optional[ArrayLike] = None) -> Any:
+    """attention(x W_Q + b_Q, x W_K + b_K, x W_V + b_V).
 
     Parameters
     ----------
     x : array_like, (..., n, d_model)
     w_q, w_k : (d_model, d_k);  w_v : (d_model, d_v)
+    b_q, b_k : (d_k,);  b_v : (d_v,);  optional biases
     mask, causal, scale
         As for `fastattn.attention`.
     seq_lengths : array_like of int, optional
@@ -390,15 +396,16 @@ def self_attention(x: ArrayLike, w_q: Any, w_k: Any, w_v: Any, *, mask: Optional
     array([1., 0., 0.])
     """
     x = np.asarray(x)
-    return attention(x @ w_q, x @ w_k, x @ w_v, mask=mask, causal=causal, scale=scale,
-                     q_lengths=seq_lengths, kv_lengths=seq_lengths)
+    return attention(_plus(x @ w_q, b_q), _plus(x @ w_k, b_k), _plus(x @ w_v, b_v), mask=mask, causal=causal,
+                     scale=scale, q_lengths=seq_lengths, kv_lengths=seq_lengths)
 
 
 def multihead_attention(x: ArrayLike, w_q: Any, w_k: Any, w_v: Any, w_o: Any, *, num_heads: int,
-                        num_kv_heads: Optional[int] = None, mask: Optional[ArrayLike] = None,
-                        causal: Any = False, scale: Optional[float] = None,
-                        seq_lengths: Optional[ArrayLike] = None) -> Any:
-    """concat over heads h of attention(x W_Q[:, h], x W_K[:, g(h)], x W_V[:, g(h)]) @ W_O.
+                        num_kv_heads: Optional[int] = None, b_q: Any = None, b_k: Any = None, b_v: Any = None,
+                        b_o: Any = None, mask: Optional[ArrayLike] = None, causal: Any = False,
+                        scale: Optional[float] = None, seq_lengths: Optional[ArrayLike] = None) -> Any:
+    """concat over heads h of attention(x W_Q[:, h] + b_Q[h], x W_K[:, g(h)] + b_K[g(h)],
+    x W_V[:, g(h)] + b_V[g(h)]) @ W_O + b_O.
 
     Head h takes columns h*d_head:(h+1)*d_head and g(h) = h // (H // H_kv).
 
@@ -406,11 +413,13 @@ def multihead_attention(x: ArrayLike, w_q: Any, w_k: Any, w_v: Any, w_o: Any, *,
     ----------
     x : array_like, (..., n, d_model)
     w_q : (d_model, H * d_head);  w_k, w_v : (d_model, H_kv * d_head);  w_o : (H * d_head, d_model)
+    b_q, b_k, b_v, b_o : optional biases, one entry per column of w_q, w_k, w_v, w_o
     num_heads, num_kv_heads : int
     mask, causal, scale
         As for `fastattn.attention`; the mask broadcasts to (..., H, n, n).
     seq_lengths : array_like of int, optional
-        As for `self_attention`, the same for every head.
+        As for `self_attention`, the same for every head; padding tokens give
+        zeros (without b_O).
 
     Returns
     -------
@@ -435,6 +444,14 @@ def multihead_attention(x: ArrayLike, w_q: Any, w_k: Any, w_v: Any, w_o: Any, *,
             m = np.asarray(mask)
             if m.ndim >= 3:
                 m = m[..., h if m.shape[-3] > 1 else 0, :, :]
-        heads.append(attention(x @ w_q[:, cols_q], x @ w_k[:, cols_kv], x @ w_v[:, cols_kv],
-                               mask=m, causal=causal, scale=scale, q_lengths=seq_lengths, kv_lengths=seq_lengths))
-    return np.concatenate(heads, axis=-1) @ w_o
+        bias = lambda b, cols: None if b is None else np.asarray(b)[cols]  # noqa: E731
+        qh = _plus(x @ w_q[:, cols_q], bias(b_q, cols_q))
+        kh = _plus(x @ w_k[:, cols_kv], bias(b_k, cols_kv))
+        vh = _plus(x @ w_v[:, cols_kv], bias(b_v, cols_kv))
+        heads.append(attention(qh, kh, vh, mask=m, causal=causal, scale=scale,
+                               q_lengths=seq_lengths, kv_lengths=seq_lengths))
+    out = _plus(np.concatenate(heads, axis=-1) @ w_o, b_o)
+    if seq_lengths is not None:   # padding tokens: zeros
+        real = np.arange(x.shape[-2]) < np.asarray(seq_lengths)[..., None]
+        out = np.where(real[..., None], out, 0)
+    return out

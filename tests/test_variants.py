@@ -726,11 +726,14 @@ def test_reference_layout_blhd(rng):
 def test_self_attention(rng, dtype):
     x = rand(rng, (2, 13, 24), dtype)
     wq, wk, wv = rand(rng, (24, 16), dtype, 0.3), rand(rng, (24, 16), dtype, 0.3), rand(rng, (24, 10), dtype, 0.3)
-    for kw in (dict(), dict(causal=True), dict(mask=rng.random((13, 13)) < 0.7, scale=0.5)):
+    biases = dict(b_q=rand(rng, (16,), dtype), b_k=rand(rng, (16,), dtype), b_v=rand(rng, (10,), dtype))
+    c = lambda a: a.astype(F64)  # noqa: E731
+    for kw in (dict(), dict(causal=True), dict(mask=rng.random((13, 13)) < 0.7, scale=0.5),
+               dict(biases, causal=True), dict(b_v=biases["b_v"])):
         got = fastattn.self_attention(x, wq, wk, wv, **kw)
-        assert got.shape == (2, 13, 10)
-        c = lambda a: a.astype(F64)  # noqa: E731
-        assert_close(got, ref.self_attention(c(x), c(wq), c(wk), c(wv), **kw), dtype)
+        assert got.shape == (2, 13, 10) and got.dtype == dtype
+        kw64 = {n: c(a) if n.startswith("b_") else a for n, a in kw.items()}
+        assert_close(got, ref.self_attention(c(x), c(wq), c(wk), c(wv), **kw64), dtype)
 
 
 @pytest.mark.parametrize("dtype", [F32, F64])
@@ -742,11 +745,21 @@ def test_multihead_attention(rng, dtype, H, Hkv):
     wq, wo = rand(rng, (d_model, H * d_head), dtype, 0.3), rand(rng, (H * d_head, d_model), dtype, 0.3)
     wk, wv = rand(rng, (d_model, kv * d_head), dtype, 0.3), rand(rng, (d_model, kv * d_head), dtype, 0.3)
     c = lambda a: a.astype(F64)  # noqa: E731
-    for kw in (dict(), dict(causal=True), dict(mask=rng.random((H, 11, 11)) < 0.7)):
+    biases = dict(b_q=rand(rng, (H * d_head,), dtype), b_k=rand(rng, (kv * d_head,), dtype),
+                  b_v=rand(rng, (kv * d_head,), dtype), b_o=rand(rng, (d_model,), dtype))
+    for kw in (dict(), dict(causal=True), dict(mask=rng.random((H, 11, 11)) < 0.7), dict(biases, causal=True),
+               dict(b_k=biases["b_k"], b_o=biases["b_o"])):
         got = fastattn.multihead_attention(x, wq, wk, wv, wo, num_heads=H, num_kv_heads=Hkv, **kw)
         assert got.shape == (2, 11, d_model) and got.dtype == dtype
-        want = ref.multihead_attention(c(x), c(wq), c(wk), c(wv), c(wo), num_heads=H, num_kv_heads=Hkv, **kw)
+        kw64 = {n: c(a) if n.startswith("b_") else a for n, a in kw.items()}
+        want = ref.multihead_attention(c(x), c(wq), c(wk), c(wv), c(wo), num_heads=H, num_kv_heads=Hkv, **kw64)
         assert_close(got, want, dtype)
+    if Hkv is None:   # the biases are those of y = x W + b, per head: two heads' columns swapped swap their outputs
+        p = np.r_[d_head:2 * d_head, 0:d_head, 2 * d_head:H * d_head]
+        got = fastattn.multihead_attention(x, wq, wk, wv, wo, num_heads=H, **biases)
+        swapped = dict(biases, b_q=biases["b_q"][p], b_k=biases["b_k"][p], b_v=biases["b_v"][p])
+        assert_close(fastattn.multihead_attention(x, wq[:, p], wk[:, p], wv[:, p], wo[p], num_heads=H, **swapped),
+                     got.astype(F64), dtype)
 
 
 @pytest.mark.parametrize("dtype", [F32, F64])
@@ -763,12 +776,23 @@ def test_layers_seq_lengths(rng, dtype):
     xp = x.copy()
     for b, m in enumerate(lengths):
         xp[b, m:] = np.nan                                 # padding tokens are never read
+    b_o = rand(rng, (d_model,), dtype)
     for causal in (False, True):
         got = fastattn.multihead_attention(xp, wq, wk, wv, wo, num_heads=H, num_kv_heads=2, causal=causal,
                                            seq_lengths=lengths)
         want = ref.multihead_attention(c(x), c(wq), c(wk), c(wv), c(wo), num_heads=H, num_kv_heads=2,
                                        causal=causal, seq_lengths=lengths)
         assert_close(got, want, dtype)
+        got_b = fastattn.multihead_attention(xp, wq, wk, wv, wo, num_heads=H, num_kv_heads=2, causal=causal,
+                                             seq_lengths=lengths, b_o=b_o, b_v=wv[0])
+        want_b = ref.multihead_attention(c(x), c(wq), c(wk), c(wv), c(wo), num_heads=H, num_kv_heads=2,
+                                         causal=causal, seq_lengths=lengths, b_o=c(b_o), b_v=c(wv[0]))
+        assert_close(got_b, want_b, dtype)
+        got_v = fastattn.multihead_attention(xp, wq, wk, wv, wo, num_heads=H, num_kv_heads=2, causal=causal,
+                                             seq_lengths=lengths, b_v=wv[0])
+        for b, m in enumerate(lengths):   # the output bias on real tokens only
+            assert np.all(got_b[b, m:] == 0)
+            assert_close(got_b[b, :m], got_v[b, :m].astype(F64) + c(b_o), dtype)
         one = fastattn.self_attention(xp, wq, wo.T, wv, causal=causal, seq_lengths=lengths)
         assert_close(one, ref.self_attention(c(x), c(wq), c(wo.T), c(wv), causal=causal, seq_lengths=lengths), dtype)
         for b, m in enumerate(lengths):
@@ -810,6 +834,26 @@ def test_multihead_errors(change, exc, msg):
     with pytest.raises(exc, match=msg):
         fastattn.multihead_attention(args.pop("x"), args.pop("w_q"), args.pop("w_k"), args.pop("w_v"),
                                      args.pop("w_o"), **args)
+
+
+@pytest.mark.parametrize("name,shape,msg", [
+    ("b_q", (23,), r"b_q has shape \(23,\); it must be \(24,\), as w_q has 24 columns"),
+    ("b_k", (24,), r"b_k has shape \(24,\); it must be \(12,\)"),
+    ("b_v", (1, 12), r"b_v has shape \(1, 12\)"),
+    ("b_o", (24,), r"b_o has shape \(24,\); it must be \(20,\), as w_o has 20 columns"),
+])
+def test_layer_bias_errors(name, shape, msg):
+    args = dict(w_q=np.ones((20, 24)), w_k=np.ones((20, 12)), w_v=np.ones((20, 12)), w_o=np.ones((24, 20)))
+    with pytest.raises(ValueError, match=msg):
+        fastattn.multihead_attention(np.ones((5, 20)), *args.values(), num_heads=4, num_kv_heads=2,
+                                     **{name: np.ones(shape)})
+    if name != "b_o":
+        with pytest.raises(ValueError, match=name + " has shape"):
+            fastattn.self_attention(np.ones((5, 20)), np.ones((20, 12)), np.ones((20, 12)), np.ones((20, 12)),
+                                    **{name: np.ones((13,))})
+    with pytest.raises(TypeError, match=name):
+        fastattn.multihead_attention(np.ones((5, 20)), *args.values(), num_heads=4, num_kv_heads=2,
+                                     **{name: np.ones(shape, complex)})
 
 
 def test_self_attention_errors():
