@@ -74,7 +74,8 @@ def _seq_lengths(seq_lengths: Any, x: np.ndarray) -> Optional[np.ndarray]:
 def self_attention(x: ArrayLike, w_q: ArrayLike, w_k: ArrayLike, w_v: ArrayLike, *,
                    b_q: Optional[ArrayLike] = None, b_k: Optional[ArrayLike] = None,
                    b_v: Optional[ArrayLike] = None, mask: Optional[ArrayLike] = None, causal: Causal = False,
-                   scale: Optional[float] = None, seq_lengths: Optional[ArrayLike] = None) -> NDArray[Any]:
+                   scale: Optional[float] = None, seq_lengths: Optional[ArrayLike] = None,
+                   num_threads: Optional[int] = None) -> NDArray[Any]:
     """Single-head self-attention: attention(x W_Q + b_Q, x W_K + b_K, x W_V + b_V).
 
     Parameters
@@ -93,6 +94,9 @@ def self_attention(x: ArrayLike, w_q: ArrayLike, w_k: ArrayLike, w_v: ArrayLike,
         batch, only the first seq_lengths[...] tokens of each sequence real.
         Tokens attend only to real ones, and padding tokens give zeros
         (fastattn.attention's q_lengths and kv_lengths).
+    num_threads : int, optional
+        Threads for the attention, as for `fastattn.attention` (the
+        projections are NumPy's products, on BLAS's threads).
 
     Returns
     -------
@@ -116,7 +120,7 @@ def self_attention(x: ArrayLike, w_q: ArrayLike, w_k: ArrayLike, w_v: ArrayLike,
     b_v = _bias(b_v, "b_v", w_v.shape[1], "w_v")
     lengths = _seq_lengths(seq_lengths, x)
     return attention(_project(x, w_q, b_q), _project(x, w_k, b_k), _project(x, w_v, b_v), mask=mask,
-                     causal=causal, scale=scale, q_lengths=lengths, kv_lengths=lengths)
+                     causal=causal, scale=scale, q_lengths=lengths, kv_lengths=lengths, num_threads=num_threads)
 
 
 def multihead_attention(x: ArrayLike, w_q: ArrayLike, w_k: ArrayLike, w_v: ArrayLike, w_o: ArrayLike, *,
@@ -124,7 +128,7 @@ def multihead_attention(x: ArrayLike, w_q: ArrayLike, w_k: ArrayLike, w_v: Array
                         b_k: Optional[ArrayLike] = None, b_v: Optional[ArrayLike] = None,
                         b_o: Optional[ArrayLike] = None, mask: Optional[ArrayLike] = None,
                         causal: Causal = False, scale: Optional[float] = None,
-                        seq_lengths: Optional[ArrayLike] = None) -> NDArray[Any]:
+                        seq_lengths: Optional[ArrayLike] = None, num_threads: Optional[int] = None) -> NDArray[Any]:
     """Multi-head self-attention with an output projection.
 
     Parameters
@@ -149,6 +153,8 @@ def multihead_attention(x: ArrayLike, w_q: ArrayLike, w_k: ArrayLike, w_v: Array
     seq_lengths : array_like of int, optional
         Broadcastable to x's leading dims (...), in [0, n]: as for
         `self_attention`; padding tokens give zeros (b_o too is left out).
+    num_threads : int, optional
+        As for `self_attention`.
 
     Returns
     -------
@@ -200,7 +206,7 @@ def multihead_attention(x: ArrayLike, w_q: ArrayLike, w_k: ArrayLike, w_v: Array
         lengths = lengths[..., None]                                 # (..., 1): the same for every head
     concat = np.empty(lead + (n, H * d_head), dtype)                 # (..., n, H * d_head)
     attention(q, k, v, mask=mask, causal=causal, scale=scale, enable_gqa=Hkv < H,
-              q_lengths=lengths, kv_lengths=lengths, out=heads(concat, H))   # written through strides
+              q_lengths=lengths, kv_lengths=lengths, out=heads(concat, H), num_threads=num_threads)   # through strides
     out = _project(concat, w_o, b_o)
     if b_o is not None and lengths is not None:                      # padding tokens stay zeros
         np.copyto(out, 0, where=(np.arange(n) >= lengths)[..., None])

@@ -856,6 +856,25 @@ def test_layer_bias_errors(name, shape, msg):
                                      **{name: np.ones(shape, complex)})
 
 
+def test_layers_num_threads(rng):
+    """num_threads reaches the attention (the call's team), with the same result."""
+    x = rand(rng, (4, 256, 64))
+    w = [rand(rng, (64, 64), F32, 0.2) for _ in range(4)]
+    for nt in (1, 2):
+        got = fastattn.multihead_attention(x, *w, num_heads=4, causal=True, num_threads=nt)
+        assert _core.last_threads() == (nt if _core.openmp_enabled() else 1)
+        want = ref.multihead_attention(x.astype(F64), *(a.astype(F64) for a in w), num_heads=4, causal=True)
+        assert_close(got, want, F32)
+        one = fastattn.self_attention(x, *w[:3], causal=True, num_threads=nt)
+        assert _core.last_threads() == (nt if _core.openmp_enabled() else 1)
+        assert_close(one, ref.self_attention(x.astype(F64), *(a.astype(F64) for a in w[:3]), causal=True), F32)
+    for bad in (0, 1.5):
+        with pytest.raises((ValueError, TypeError), match="num_threads"):
+            fastattn.multihead_attention(x, *w, num_heads=4, num_threads=bad)
+        with pytest.raises((ValueError, TypeError), match="num_threads"):
+            fastattn.self_attention(x, *w[:3], num_threads=bad)
+
+
 def test_self_attention_errors():
     with pytest.raises(ValueError, match="w_k has 5 columns"):
         fastattn.self_attention(np.ones((3, 4)), np.ones((4, 6)), np.ones((4, 5)), np.ones((4, 2)))
