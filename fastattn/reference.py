@@ -435,6 +435,7 @@ def multihead_attention(x: ArrayLike, w_q: Any, w_k: Any, w_v: Any, w_o: Any, *,
     Hkv = num_kv_heads or H
     d_head = np.shape(w_q)[1] // H
     heads = []
+    bias = lambda b, cols: None if b is None else np.asarray(b)[cols]  # noqa: E731  (a head's columns)
     for h in range(H):
         g = h // (H // Hkv)
         cols_q = slice(h * d_head, (h + 1) * d_head)
@@ -444,7 +445,6 @@ def multihead_attention(x: ArrayLike, w_q: Any, w_k: Any, w_v: Any, w_o: Any, *,
             m = np.asarray(mask)
             if m.ndim >= 3:
                 m = m[..., h if m.shape[-3] > 1 else 0, :, :]
-        bias = lambda b, cols: None if b is None else np.asarray(b)[cols]  # noqa: E731
         qh = _plus(x @ w_q[:, cols_q], bias(b_q, cols_q))
         kh = _plus(x @ w_k[:, cols_kv], bias(b_k, cols_kv))
         vh = _plus(x @ w_v[:, cols_kv], bias(b_v, cols_kv))

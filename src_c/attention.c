@@ -126,13 +126,10 @@ static void after_fork_child(void) { fork_serial = 1; }
 static void register_fork_handler(void)
 {
 #ifdef FA_HAVE_DLADDR
-    Dl_info di;
-    if (dladdr((void *)&omp_get_max_threads, &di) && di.dli_fname) {
-        void *h = dlopen(di.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
-        const int restarts = h && dlsym(h, "__kmpc_fork_call");
-        if (h) dlclose(h);
-        if (restarts) return;
-    }
+    void *h = dlopen(fa_openmp_library(), RTLD_LAZY | RTLD_NOLOAD); /* NULL for "unknown" */
+    const int restarts = h && dlsym(h, "__kmpc_fork_call");
+    if (h) dlclose(h);
+    if (restarts) return;
 #endif
     pthread_atfork(NULL, NULL, after_fork_child);
 }
@@ -157,8 +154,8 @@ int fa_max_threads(void)
 }
 
 /* Threads for a call: the caller's request (> 0) or the OpenMP default; one
- * in a child forked after a team (above). */
-static int threads_wanted(int requested) { return fork_serial ? 1 : requested > 0 ? requested : fa_max_threads(); }
+ * in a child forked after a team (above; fa_max_threads says 1 there). */
+static int threads_wanted(int requested) { return requested > 0 && !fork_serial ? requested : fa_max_threads(); }
 
 /* Team size: threads_wanted, no more than the work items, and one thread when
  * the work is too small to pay for a team. */
