@@ -101,8 +101,8 @@ def show_config() -> None:
           f"FASTATTN_ISA={_os.environ.get('FASTATTN_ISA', 'auto')})")
     print(f"  OpenMP:         {_core.openmp_library() if _core.openmp_enabled() else 'no (single-threaded build)'}")
     if _core.fork_serial():
-        print("  threads:        1 (a process forked after fastattn had started OpenMP threads, "
-              "which GNU libgomp cannot start again: README, 'fork')")
+        print("  threads:        1 (a process forked while GNU libgomp's threads could not be "
+              "freed: README, 'fork')")
     else:
         print(f"  threads:        {_core.max_threads()} (OMP_NUM_THREADS="
-              f"{_os.environ.get('OMP_NUM_THREADS', 'unset')})")
+              f"{_os.environ.get('OMP_NUM_THREADS', 'unset')}; at most {_core.thread_cap()})")

@@ -36,6 +36,52 @@ _F16, _F32, _F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float
 _BOOL = np.dtype(bool)
 
 
+def _asarray(x: Any, name: str) -> np.ndarray:
+    """np.asarray(x), refusing a np.ma.MaskedArray: asarray would drop its mask and
+    compute with the data under it."""
+    if isinstance(x, np.ma.MaskedArray):
+        raise TypeError(f"{name} is a numpy.ma.MaskedArray, whose mask fastattn would ignore: pass "
+                        f"{name}.filled(value) (a plain array), or express the masked entries as a bool "
+                        f"mask= (True = may attend)")
+    return np.asarray(x)
+
+
+def _broadcast_shapes(*shapes: Tuple[int, ...]) -> Tuple[int, ...]:
+    """np.broadcast_shapes for any number of dims (NumPy's stops at 32 with a
+    RuntimeError); a ValueError when they do not broadcast."""
+    n = max(map(len, shapes), default=0)
+    out = [1] * n
+    for sh in shapes:
+        for i, x in enumerate(sh, n - len(sh)):
+            if x != 1:
+                if out[i] not in (1, x):
+                    raise ValueError(f"shapes {shapes} do not broadcast")
+                out[i] = x
+    return tuple(out)
+
+
+def _self_overlapping(a: np.ndarray) -> bool:
+    """Do two elements of `a` share memory (a stride-0 view, overlapping strides)?
+    Checked by the strides from the smallest: each dim's copies of the block below
+    it are apart when its stride is at least that block's extent; otherwise (a rare
+    interleaved layout) by the elements' byte offsets."""
+    dims = sorted((abs(st), n) for st, n in zip(a.strides, a.shape) if n > 1)
+    if a.size == 0:
+        return False
+    extent = a.itemsize
+    for st, n in dims:
+        if st < extent:
+            break
+        extent += st * (n - 1)
+    else:
+        return False
+    offs = np.zeros(1, np.int64)
+    for st, n in dims:
+        offs = (offs[:, None] + np.arange(n, dtype=np.int64) * st).ravel()
+    offs.sort()
+    return bool((np.diff(offs) < a.itemsize).any())
+
+
 # ---------------------------------------------------------------------------
 # dtypes
 # ---------------------------------------------------------------------------
@@ -286,7 +332,7 @@ def _num_threads(n):
         raise ValueError(f"{what}, got 0")
     if n < 0:
         n = max(1, _core.max_threads() + n + 1)  # read per call: OMP_NUM_THREADS, threadpoolctl
-    return min(n, 1 << 16)
+    return min(n, _core.thread_cap())
 
 
 def _causal(causal):
@@ -309,7 +355,7 @@ def _slopes(alibi_slopes, comp):
     a scalar stays 0-d), checked to be real numbers."""
     if alibi_slopes is None:
         return None
-    s = np.asarray(alibi_slopes)
+    s = _asarray(alibi_slopes, "alibi_slopes")
     if s.dtype.kind not in "fiu" or s.dtype.itemsize > 8:
         raise TypeError(f"alibi_slopes must be real numbers, got dtype {s.dtype}")
     return np.asarray(s, dtype=comp, order="C")
@@ -334,6 +380,9 @@ def _check_out(out, shape, dtype):
                         "under NumPy's same_kind rule (any float or complex dtype does)")
     if not out.flags.writeable:
         raise ValueError("out is read-only")
+    if _self_overlapping(out):
+        raise ValueError(f"out's elements overlap one another (strides {out.strides} for shape {out.shape}, "
+                         "a view such as np.broadcast_to or as_strided gives): each result needs its own memory")
 
 
 def _overlaps(out, *arrays):
@@ -391,7 +440,7 @@ def softmax(x: ArrayLike, axis: Union[int, Tuple[int, ...], None] = -1, *,
     >>> fastattn.softmax(np.array([1.0, 2.0, 3.0])).round(4)
     array([0.09  , 0.2447, 0.6652])
     """
-    x = np.asarray(x)
+    x = _asarray(x, "x")
     _check_input_dtype(x, "x")
     res, comp = _dtypes(x)
     if isinstance(axis, tuple) or axis is None:
@@ -464,7 +513,7 @@ def _same_view(a, b):
 def _as_array(a: Any, name: str) -> np.ndarray:
     if a is None:
         raise TypeError(f"{name} must be an array, got None")
-    a = np.asarray(a)
+    a = _asarray(a, name)
     _check_input_dtype(a, name)
     return a
 
@@ -501,7 +550,7 @@ def _lengths(x, name, axis, n):
     in [0, n] (n = n_k or n_q, named `axis`)."""
     if x is None:
         return None
-    a = np.asarray(x)
+    a = _asarray(x, name)
     if a.dtype.kind not in "iu":
         raise TypeError(f"{name} must be integers, got dtype {a.dtype}")
     if a.size and (a.min() < 0 or a.max() > n):
@@ -583,7 +632,7 @@ def _prepare(q, k, v, mask, causal, scale, enable_gqa, window, softcap, alibi_sl
     p.mask_kind = _core.MASK_NONE
     mm = None
     if mask is not None:
-        mm = np.asarray(mask)
+        mm = _asarray(mask, "mask")
         if mm.dtype == bool:
             p.mask_kind = _core.MASK_BOOL
         elif mm.dtype.kind == "f" and mm.dtype.itemsize <= 8:
@@ -635,7 +684,7 @@ def _prepare(q, k, v, mask, causal, scale, enable_gqa, window, softcap, alibi_sl
         if lq == lk == lv and mm is None:
             lead = lq
         else:
-            lead = np.broadcast_shapes(lq, lk, lv, mm.shape[:-2] if mm is not None else ())
+            lead = _broadcast_shapes(lq, lk, lv, mm.shape[:-2] if mm is not None else ())
     except ValueError:
         shapes = f"q {sh(q)}, k {sh(k)}" + (f", v {sh(v)}" if v is not None else "") + \
             (f", mask {np.shape(mask)}" if mask is not None else "")
@@ -649,7 +698,7 @@ def _prepare(q, k, v, mask, causal, scale, enable_gqa, window, softcap, alibi_sl
     for arr, name in ((slopes, "alibi_slopes"), (kvl, "kv_lengths"), (qln, "q_lengths")):
         if arr is not None:
             try:
-                ok = np.broadcast_shapes(arr.shape, lead) == lead
+                ok = _broadcast_shapes(arr.shape, lead) == lead
             except ValueError:
                 ok = False
             if not ok:
@@ -912,7 +961,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, mask: Optional[ArrayL
         q, k, v = _heads_first((q, k, v), "qkv")
     if (not blhd and type(causal) is bool and not enable_gqa and window is None and softcap is None
             and alibi_slopes is None and kv_lengths is None and q_lengths is None and _plain(q, k, v)
-            and (out is None or _plain_out(out, q, k, v))):
+            and (out is None or _plain_out(out, q, k, v) and not _overlaps(out, mask))):
         mask_kind = _core.MASK_NONE if mask is None else _plain_mask(mask, q, k)  # type: ignore[arg-type]
         if mask is None or mask_kind != _core.MASK_NONE:
             return _attention_plain(q, k, v, mask, mask_kind, causal, scale,  # type: ignore[arg-type]
@@ -1015,9 +1064,9 @@ attention.__doc__ = """Exact scaled dot-product attention, softmax(q k^T * scale
     num_threads : int, optional
         Threads for this call.  None uses the OpenMP default (OMP_NUM_THREADS,
         threadpoolctl); a negative n uses that default plus n + 1 (-1 all of
-        it, -2 one fewer; at least 1), as in scikit-learn.  Not 0.  One in a
-        process forked after fastattn ran threads under GNU libgomp, which
-        cannot start them there (README, "fork").""" + _SHARED_DOC + """
+        it, -2 one fewer; at least 1), as in scikit-learn.  Not 0.  At most
+        fastattn._core.thread_cap() (4 a CPU, at least 8; README, "Thread
+        cap").""" + _SHARED_DOC + """
     layout : {"bhld", "blhd"}, default "bhld"
         The axes of q, k, v, out and the result: "bhld" (..., H, n, d), as
         PyTorch and the shapes here; "blhd" (..., n, H, d), as flash-attn and
@@ -1126,7 +1175,7 @@ def _cu_seqlens(cu, name, total, rows):
     `total` (the packed rows of `rows`) last."""
     if cu is None:
         raise TypeError(f"{name} must be an array of B + 1 integers, got None")
-    a = np.asarray(cu)
+    a = _asarray(cu, name)
     if a.ndim != 1 or a.size == 0:
         raise ValueError(f"{name} must be 1-D, B + 1 offsets for B sequences, got shape {a.shape}")
     if a.dtype.kind not in "iu":
@@ -1203,7 +1252,7 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
     # The C core's view: leading dims (B, H_kv, G), a sequence's rows from its start
     # (q_start, kv_start), max_q and max_k rows at most (q_len, kv_len cut them).
     qc, kc, vc = _as_compute(q, comp), _as_compute(k, comp), _as_compute(v, comp)
-    direct = out is not None and _direct_out(out, comp) and not _overlaps(out, q, k, v)
+    direct = out is not None and _direct_out(out, comp) and not _overlaps(out, q, k, v, slopes)
     target: np.ndarray = out if direct and out is not None else np.empty((T_q, H, d_v), comp)
     lse = np.empty((H, T_q), comp) if return_lse else None
     if T_q and H and d_v or lse is not None and lse.size:
@@ -1362,8 +1411,8 @@ def merge_attention(outs: Sequence[ArrayLike], lses: Sequence[ArrayLike], *,
     True
     """
     blhd = _blhd(layout)
-    parts = [np.asarray(o) for o in outs]
-    part_lses = [np.asarray(x) for x in lses]
+    parts = [_asarray(o, f"output {i}") for i, o in enumerate(outs)]
+    part_lses = [_asarray(x, f"lse {i}") for i, x in enumerate(lses)]
     if not parts:
         raise ValueError("merge_attention needs at least one part")
     if len(parts) != len(part_lses):

@@ -7,7 +7,10 @@ strides, and calls the C core with the GIL released.  Nothing here checks
 shapes: _api.py does.
 """
 from libc.stdint cimport int64_t, uint64_t
+from cpython.exc cimport PyErr_CheckSignals
+from cpython.pythread cimport PyThread_get_thread_ident
 cimport numpy as cnp
+import threading
 
 cnp.import_array()
 
@@ -17,6 +20,7 @@ cdef extern from "fastattn.h" nogil:
         FA_OK
         FA_ENOMEM
         FA_EINVAL
+        FA_EINTR
         FA_F32
         FA_F64
         FA_MASK_NONE
@@ -61,6 +65,7 @@ cdef extern from "fastattn.h" nogil:
         const int64_t *kv_start
         int64_t kst_lead[FA_MAX_DIMS]
         int num_threads
+        const int *stop
 
     ctypedef struct fa_softmax_args:
         int n_lead
@@ -72,6 +77,7 @@ cdef extern from "fastattn.h" nogil:
         void *out
         int dtype
         int num_threads
+        const int *stop
 
     int fa_attention(const fa_attention_args *a)
     int fa_attention_weights(const fa_attention_args *a)
@@ -87,6 +93,7 @@ cdef extern from "fastattn.h" nogil:
     int64_t fa_take_redo_count()
     int64_t fa_take_tail_count()
     void fa_set_group(int mode)
+    void fa_set_long_split(int64_t keys, int64_t parts_bytes)
     int64_t fa_take_group_count()
     int fa_openmp_enabled()
     int fa_max_threads()
@@ -96,11 +103,17 @@ cdef extern from "fastattn.h" nogil:
     int fa_abs_max(int dtype, const void *x, int64_t n, int num_threads, double *out)
     int fa_last_threads()
     int fa_fork_serial()
+    void fa_init()
+    const int *fa_interrupt_begin()
+    void fa_interrupt_end()
+    int fa_thread_cap()
     const char *fa_openmp_library()
     const char *fa_build_info()
 
 cdef extern from "internal.h" nogil:
     int fa_exp(int dtype, int which, const void *x, void *y, int64_t n)
+
+fa_init()
 
 MASK_NONE = FA_MASK_NONE
 MASK_BOOL = FA_MASK_BOOL
@@ -126,6 +139,41 @@ cdef int _check(int status) except -1:
     if status == FA_ENOMEM:
         raise MemoryError("fastattn: could not allocate the per-thread scratch")
     raise ValueError(f"fastattn: the C core rejected its arguments (status {status})")
+
+
+# Calls of at least this much work (rows x keys x (d_k + d_v)), about a millisecond,
+# made from the main thread, can be stopped by Ctrl-C (fa_interrupt_begin): the two
+# sigaction calls that takes cost about a microsecond.
+cdef double _INTERRUPTIBLE_WORK = 1 << 26
+cdef unsigned long _main_ident = threading.main_thread().ident
+
+
+cdef int _run(void *args, int which, double work) except -1:
+    """Run a C entry point (0 attention, 1 its weights, 2 softmax) with the GIL
+    released; a long call from the main thread stops on Ctrl-C, and the SIGINT
+    handler's exception (KeyboardInterrupt) is raised.  A handler that returns
+    without raising lets the call run again from the start."""
+    cdef const int *stop
+    cdef int status
+    cdef bint watch = work >= _INTERRUPTIBLE_WORK and PyThread_get_thread_ident() == _main_ident
+    while True:
+        stop = fa_interrupt_begin() if watch else NULL
+        if which == 2:
+            (<fa_softmax_args *>args).stop = stop
+        else:
+            (<fa_attention_args *>args).stop = stop
+        with nogil:
+            if which == 0:
+                status = fa_attention(<fa_attention_args *>args)
+            elif which == 1:
+                status = fa_attention_weights(<fa_attention_args *>args)
+            else:
+                status = fa_softmax(<fa_softmax_args *>args)
+        if stop != NULL:
+            fa_interrupt_end()
+        if status != FA_EINTR:
+            return _check(status)
+        PyErr_CheckSignals()
 
 
 cdef inline void _lead_strides(cnp.ndarray a, int nl, int core, int64_t *out):
@@ -240,13 +288,10 @@ def attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask
     a.win_left = win_left
     a.win_right = win_right
     a.num_threads = num_threads
-    cdef int status
-    with nogil:
-        if weights:
-            status = fa_attention_weights(&a)
-        else:
-            status = fa_attention(&a)
-    _check(status)
+    cdef double work = float(a.nq) * float(a.nk) * float(a.dk + a.dv + 1)
+    for d in range(nl):
+        work *= a.lead_shape[d]
+    _run(&a, 1 if weights else 0, work)
 
 
 def softmax(cnp.ndarray x, cnp.ndarray out, int num_threads):
@@ -268,10 +313,7 @@ def softmax(cnp.ndarray x, cnp.ndarray out, int num_threads):
     a.out = cnp.PyArray_DATA(out)
     a.dtype = _dtype_code(x)
     a.num_threads = num_threads
-    cdef int status
-    with nogil:
-        status = fa_softmax(&a)
-    _check(status)
+    _run(&a, 2, float(x.size) * 8)
 
 
 def mask_keep(cnp.ndarray x, cnp.ndarray keep, double floor, int num_threads, cnp.ndarray pad=None,
@@ -382,6 +424,12 @@ def _set_mask_pack(int mode=-1):
     fa_set_mask_pack(mode)
 
 
+def _set_long_split(int64_t keys=0, int64_t parts_bytes=0):
+    """Tests: split rows of more than `keys` keys (0: the default, 2^20)
+    and run their items in waves of at most parts_bytes of partials (0: 256 MiB)."""
+    fa_set_long_split(keys, parts_bytes)
+
+
 def _set_group(int mode=-1):
     """Force the row kernel over interleaved items (the heads of a (B, n, H, d)
     cache, read key tile by key tile across the heads) on (1) or off (0) where the
@@ -443,12 +491,21 @@ def build_info():
 
 
 def max_threads():
-    """The OpenMP default team size of the calling thread (1 without OpenMP, and in a
-    process forked after a team under GNU libgomp: see fork_serial)."""
+    """The OpenMP default team size of the calling thread, at most thread_cap() (1
+    without OpenMP, and in a process forked where GNU libgomp's pool could not be
+    freed: see fork_serial)."""
     return fa_max_threads()
 
 
+def thread_cap():
+    """The most threads a call starts: 4 a CPU (at least 8), at most 1024 and the
+    OpenMP runtime's thread limit.  A larger num_threads or OMP_NUM_THREADS is
+    capped to it (a runtime asked for tens of thousands of threads crashes)."""
+    return fa_thread_cap()
+
+
 def fork_serial():
-    """True in a process forked from one that had started an OpenMP team, under a runtime
-    (GNU libgomp) that cannot start one again there: every call runs on one thread."""
+    """True in a process forked while GNU libgomp had a pool of threads that could not
+    be freed before the fork (a libgomp older than GCC 9, or a fork from inside a
+    team): libgomp cannot start a team there, so every call runs on one thread."""
     return bool(fa_fork_serial())

@@ -10,13 +10,12 @@ strides (no copy into a per-head layout).
 
 from __future__ import annotations
 
-import operator
 from typing import Any, Optional
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from ._api import Causal, _as_array, _lengths, attention
+from ._api import Causal, _as_array, _broadcast_shapes, _int_or_none, _lengths, attention
 
 __all__ = ["self_attention", "multihead_attention"]
 
@@ -63,7 +62,7 @@ def _seq_lengths(seq_lengths: Any, x: np.ndarray) -> Optional[np.ndarray]:
         return None
     lead = x.shape[:-2]
     try:
-        ok = np.broadcast_shapes(a.shape, lead) == lead
+        ok = _broadcast_shapes(a.shape, lead) == lead
     except ValueError:
         ok = False
     if not ok:
@@ -172,11 +171,11 @@ def multihead_attention(x: ArrayLike, w_q: ArrayLike, w_k: ArrayLike, w_v: Array
     """
     x = _tokens(x)
     d_model = x.shape[-1]
-    try:
-        H = operator.index(num_heads)
-        Hkv = H if num_kv_heads is None else operator.index(num_kv_heads)
-    except TypeError:
-        raise TypeError("num_heads and num_kv_heads must be ints") from None
+    H = _int_or_none(num_heads, "num_heads must be an int")
+    if H is None:
+        raise TypeError("num_heads must be an int, got None")
+    Hkv = _int_or_none(num_kv_heads, "num_kv_heads must be None or an int")
+    Hkv = H if Hkv is None else Hkv
     if H <= 0 or Hkv <= 0:
         raise ValueError(f"num_heads ({H}) and num_kv_heads ({Hkv}) must be positive")
     if H % Hkv:

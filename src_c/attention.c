@@ -32,6 +32,10 @@
 #include <pthread.h>
 #define FA_HAVE_ATFORK 1
 #endif
+#if defined(__unix__) || defined(__APPLE__)
+#include <signal.h>
+#define FA_HAVE_SIGACTION 1
+#endif
 #ifndef FA_BUILD_CFLAGS
 #define FA_BUILD_CFLAGS "unknown"
 #endif
@@ -106,56 +110,143 @@ int fa_openmp_enabled(void)
 }
 
 /* ---------------------------------------------------------------------------
- * fork.  GNU libgomp cannot run a team in a child forked from a process that
+ * fork.  GNU libgomp cannot run a team in a child forked from a thread that
  * had started one: the child's team waits for the parent's pool threads,
- * which fork did not copy, and never returns (multiprocessing's "fork" start
- * method, the default on Linux before Python 3.14, hung in the first call).
- * So the first team of two or more threads registers a child handler, and a
- * child forked after it runs every call on its calling thread.  A team of
- * one thread, or none, works in such a child, and so do LLVM's and Intel's
- * runtimes, which restart their pools after fork (they have
- * __kmpc_fork_call): with them nothing is registered.
+ * which fork did not copy, and never returns.  Any library on the same
+ * libgomp can have started that pool (PyTorch's bundled libgomp shares its
+ * soname with the system's), so fa_init, at import, registers fork handlers:
+ * before the fork, omp_pause_resource_all frees the forking thread's pool
+ * (the parent's next team starts new threads; the child starts its own); where
+ * that cannot be done (a libgomp before GCC 9, a fork from inside a team) the
+ * child runs every call on its calling thread.  LLVM's and Intel's runtimes
+ * restart their pools after fork (they have __kmpc_fork_call): with them
+ * nothing is registered.
  * ------------------------------------------------------------------------- */
-static volatile int fork_serial = 0; /* 1: a child forked after a team; one thread */
+static volatile int fork_serial = 0; /* 1: a child whose parent's pool may be stale; one thread */
 
 int fa_fork_serial(void) { return fork_serial; }
 
 #ifdef FA_HAVE_ATFORK
-static void after_fork_child(void) { fork_serial = 1; }
+typedef int (*pause_all_fn)(int);
+static pause_all_fn pause_all = NULL; /* libgomp's omp_pause_resource_all, or NULL */
+static volatile int pool_freed = 0;   /* the last fork's prepare handler freed the pool */
 
-static void register_fork_handler(void)
+static void before_fork(void) { pool_freed = pause_all && pause_all(1 /* omp_pause_soft */) == 0; }
+static void after_fork_child(void)
+{
+    if (!pool_freed) fork_serial = 1;
+}
+
+static void register_fork_handlers(void)
 {
 #ifdef FA_HAVE_DLADDR
     void *h = dlopen(fa_openmp_library(), RTLD_LAZY | RTLD_NOLOAD); /* NULL for "unknown" */
     const int restarts = h && dlsym(h, "__kmpc_fork_call");
-    if (h) dlclose(h);
+    if (h && !restarts) pause_all = (pause_all_fn)dlsym(h, "omp_pause_resource_all");
+    if (h) dlclose(h); /* the extension links the runtime: it stays loaded */
     if (restarts) return;
 #endif
-    pthread_atfork(NULL, NULL, after_fork_child);
+    pthread_atfork(before_fork, NULL, after_fork_child);
 }
 #endif
 
-/* Before a team of two or more threads starts. */
-static void team_starting(void)
+void fa_init(void)
 {
 #ifdef FA_HAVE_ATFORK
     static pthread_once_t once = PTHREAD_ONCE_INIT;
-    pthread_once(&once, register_fork_handler);
+    pthread_once(&once, register_fork_handlers);
+#endif
+}
+
+/* ---------------------------------------------------------------------------
+ * Ctrl-C.  Python runs its SIGINT handler only when the call returns to it, so
+ * a long call installs, for its duration, a handler that sets stop_flag (which
+ * the drivers and kernels read between items and key tiles) and then calls the
+ * handler it replaced, so that Python still sees the signal and raises
+ * KeyboardInterrupt once the call has stopped.
+ * ------------------------------------------------------------------------- */
+#ifdef FA_HAVE_SIGACTION
+static volatile int stop_flag = 0;
+static struct sigaction replaced;
+
+static void on_sigint(int sig, siginfo_t *info, void *ctx)
+{
+    stop_flag = 1;
+    if (replaced.sa_flags & SA_SIGINFO) {
+        if (replaced.sa_sigaction) replaced.sa_sigaction(sig, info, ctx);
+    } else if (replaced.sa_handler != SIG_DFL && replaced.sa_handler != SIG_IGN) {
+        replaced.sa_handler(sig);
+    }
+}
+#endif
+
+const volatile int *fa_interrupt_begin(void)
+{
+#ifdef FA_HAVE_SIGACTION
+    struct sigaction now, mine;
+    if (sigaction(SIGINT, NULL, &now) != 0) return NULL;
+    if (!(now.sa_flags & SA_SIGINFO) && (now.sa_handler == SIG_DFL || now.sa_handler == SIG_IGN)) return NULL;
+    memset(&mine, 0, sizeof mine);
+    mine.sa_sigaction = on_sigint;
+    mine.sa_flags = SA_SIGINFO | (now.sa_flags & SA_ONSTACK);
+    sigemptyset(&mine.sa_mask);
+    stop_flag = 0;
+    replaced = now;
+    if (sigaction(SIGINT, &mine, NULL) != 0) return NULL;
+    return &stop_flag;
+#else
+    return NULL;
+#endif
+}
+
+void fa_interrupt_end(void)
+{
+#ifdef FA_HAVE_SIGACTION
+    sigaction(SIGINT, &replaced, NULL);
+#endif
+}
+
+/* The largest team fastattn starts: a runtime asked for far more threads than
+ * CPUs overflows its stack setting them up (libgomp allocates their start
+ * data on the caller's stack) or exits the process when it cannot create
+ * them, and threads beyond the CPUs only share them.  Four a CPU (at least
+ * 8, so that the tests can run teams larger than a small machine's), at most
+ * FA_THREADS_MAX and the runtime's thread limit. */
+int fa_thread_cap(void)
+{
+#ifdef _OPENMP
+    static int cap = 0;
+    if (!cap) {
+        int n = 4 * omp_get_num_procs();
+        if (n < 8) n = 8;
+        if (n > FA_THREADS_MAX) n = FA_THREADS_MAX;
+        if (n > omp_get_thread_limit()) n = omp_get_thread_limit();
+        cap = n < 1 ? 1 : n;
+    }
+    return cap;
+#else
+    return 1;
 #endif
 }
 
 int fa_max_threads(void)
 {
 #ifdef _OPENMP
-    return fork_serial ? 1 : omp_get_max_threads();
+    if (fork_serial) return 1;
+    const int n = omp_get_max_threads();
+    return n < fa_thread_cap() ? n : fa_thread_cap();
 #else
     return 1;
 #endif
 }
 
-/* Threads for a call: the caller's request (> 0) or the OpenMP default; one
- * in a child forked after a team (above; fa_max_threads says 1 there). */
-static int threads_wanted(int requested) { return requested > 0 && !fork_serial ? requested : fa_max_threads(); }
+/* Threads for a call: the caller's request (> 0) or the OpenMP default, at
+ * most fa_thread_cap; one in a child forked with a stale pool (above). */
+static int threads_wanted(int requested)
+{
+    if (requested <= 0 || fork_serial) return fa_max_threads();
+    return requested < fa_thread_cap() ? requested : fa_thread_cap();
+}
 
 /* Team size: threads_wanted, no more than the work items, and one thread when
  * the work is too small to pay for a team. */
@@ -200,7 +291,6 @@ static void run_parallel(void (*body)(void *), void *arg, int nthreads)
         body(arg);
         return;
     }
-    team_starting();
 #pragma omp parallel num_threads(nthreads)
     body(arg);
 }
@@ -210,6 +300,17 @@ static void run_parallel(void (*body)(void *), void *arg, int nthreads)
  * thread owns the output rows of its items, so no reduction is needed.
  * Dynamic scheduling evens out causal work (later query blocks see more keys).
  * ------------------------------------------------------------------------- */
+
+/* The long-row split and the partials' budget forced by fa_set_long_split (0:
+ * FA_SPLIT_KEYS, FA_PARTS_BYTES), for the tests: the split and its waves
+ * on rows and items small enough to check. */
+static int64_t forced_split_keys = 0, forced_parts_bytes = 0;
+
+void fa_set_long_split(int64_t keys, int64_t parts_bytes)
+{
+    forced_split_keys = keys > 0 ? keys : 0;
+    forced_parts_bytes = parts_bytes > 0 ? parts_bytes : 0;
+}
 
 /* Tile sizes forced by fa_set_tiles (0: the defaults below).  For tuning and
  * for the tests, which check that results do not depend on the tiling. */
@@ -464,6 +565,8 @@ typedef struct {
     const int64_t *live; /* packed sequences: item k is live[k] (live_items), or NULL: item k is k */
     const mask_pack *mp; /* the bool mask as bits (the team packs it first), or NULL */
     void *parts;  /* (n_items, n_splits, part_elems) partial results, or NULL */
+    int64_t w0;   /* the first item of this wave: items w0 .. w0 + n_items - 1 run (run) */
+    int pack;     /* pack mp's bits first (the first wave) */
     int status;   /* FA_ENOMEM when a thread's scratch could not be allocated */
     int weights;  /* fa_attention_weights: padding rows are left as they are (zero) */
     int64_t claimed; /* units claimed from the shared counter so far */
@@ -500,6 +603,7 @@ static int64_t claim_unit(run_plan *p, int64_t team)
 /* Item k of the plan as fill_item's w = lead * n_qb + qb. */
 static int64_t item_index(const run_plan *p, int64_t k)
 {
+    k += p->w0;
     return p->live ? p->live[k] : k / p->n_main * p->n_qb + k % p->n_main;
 }
 
@@ -554,13 +658,13 @@ static void run_team(void *arg)
     void *raw;
     void *scratch = team_scratch(p->scratch_bytes, &raw, &p->status);
     const int64_t n_units = (p->group ? p->n_groups : p->n_items) * p->n_splits, team = fa_num_threads();
-    if (p->mp) { /* the mask's bits, before any item reads them (the loop's closing barrier) */
+    if (p->mp && p->pack) { /* the mask's bits, before any item reads them (the loop's closing barrier) */
 #pragma omp for schedule(static)
         for (int64_t x = 0; x < p->mp->n_slices * p->mp->rows; x++)
             pack_mask_row(a, p->mp, x / p->mp->rows, x % p->mp->rows);
     }
     int64_t u = scratch ? fa_thread_num() : n_units;
-    while (u < n_units) {
+    while (u < n_units && !fa_stopped(a->stop)) {
         const int64_t un = claim_unit(p, team);
         if (p->group) {
             run_group(p, u, scratch);
@@ -599,7 +703,7 @@ static void run_team(void *arg)
 #pragma omp barrier
 #pragma omp for schedule(static)
         for (int64_t w = 0; w < p->n_items; w++) {
-            if (!scratch) continue;
+            if (!scratch || fa_stopped(a->stop)) continue;
             fa_item it;
             fill_item(a, p->tiles, p->mp, p->n_qb, item_index(p, w), p->esz, p->msz, &it);
             if (it.bq == 0) continue; /* all padding */
@@ -685,8 +789,17 @@ static int run(const fa_attention_args *a, int weights)
      * sequences (their short ones take the row kernel already), nor for the
      * weights, nor when the tests force the row kernel's limit or the tiles,
      * nor when the keys would be split (fewer blocks than threads). */
+    /* Rows of more than FA_SPLIT_KEYS keys: split into partials of at most that
+     * many keys (merged by the logsumexp rule, fa_attn_merge), since a float32
+     * running sum stops taking its increments well before 2^24 of them (all
+     * values 3.0 gave 3.33 at 2^25 keys), and so that Ctrl-C (fa_stopped,
+     * checked between units) stops a long row soon.  No tail and no groups then. */
+    const int64_t split_keys = forced_split_keys ? forced_split_keys : FA_SPLIT_KEYS;
+    const int64_t long_splits = !weights && a->nk > split_keys
+                                    ? (a->nk + split_keys - 1) / split_keys
+                                    : 1;
     int tail = 0;
-    if (!rows_kernel && !weights && !a->q_start && !forced_rows_max && !forced_bq) {
+    if (!rows_kernel && !weights && !a->q_start && !forced_rows_max && !forced_bq && long_splits == 1) {
         const int64_t last = a->nq - (a->nq - 1) / tiles.bq * tiles.bq, r = last % isa->lanes[a->dtype];
         const int64_t blocks = (a->nq - r + tiles.bq - 1) / tiles.bq;
         if (r > 0 && r <= isa->tail_max[a->dtype] && a->nq - r >= 16 && n_lead_total * blocks >= want) {
@@ -739,7 +852,7 @@ static int run(const fa_attention_args *a, int weights)
      * the L3 fast enough). */
     int64_t group = 0, n_groups = 0;
     if (rows_kernel && a->nq <= FA_GROUP_ROWS && !a->q_start && !a->kv_start && a->n_lead >= 1 &&
-        forced_group != 0) {
+        forced_group != 0 && long_splits == 1) {
         const int d = a->n_lead - 1;
         const int64_t hn = a->lead_shape[d];
         if (hn >= 2 && a->k_lead[d] > 0 && a->k_lead[d] * hn == a->k_rs && a->v_lead[d] > 0 &&
@@ -772,11 +885,18 @@ static int run(const fa_attention_args *a, int weights)
         n_splits = want;
         if (n_splits > a->nk / 512) n_splits = a->nk / 512;
     }
+    if (n_splits < long_splits) n_splits = long_splits;
     const int64_t chunk = n_splits > 1 ? ((a->nk + n_splits - 1) / n_splits + tiles.bk - 1) / tiles.bk * tiles.bk : a->nk;
     const int64_t part_elems = tiles.bq * (a->dv + 2);
+    /* Items run in waves whose partial results fit in FA_PARTS_BYTES (one wave
+     * unless long rows are split: see long_splits; groups always one). */
+    int64_t wave = n_items;
     void *parts = NULL;
     if (n_splits > 1) {
-        parts = malloc((size_t)(n_items * n_splits * part_elems) * esz);
+        const int64_t per_item = n_splits * part_elems * (int64_t)esz;
+        const int64_t budget = forced_parts_bytes ? forced_parts_bytes : FA_PARTS_BYTES;
+        if (!group && per_item * n_items > budget) wave = budget / per_item > 0 ? budget / per_item : 1;
+        parts = malloc((size_t)(wave * per_item));
         if (!parts) {
             free(live);
             return FA_ENOMEM;
@@ -832,11 +952,17 @@ static int run(const fa_attention_args *a, int weights)
                      .part_elems = part_elems, .n_main = n_qb - tail, .live = live, .mp = mp, .parts = parts, .status = FA_OK,
                      .weights = weights, .claimed = 0};
     const int nthreads = team_size(a->num_threads, n_work * n_splits, work);
-    run_parallel(run_team, &plan, nthreads);
+    for (int64_t w0 = 0; w0 < n_items && plan.status == FA_OK && !fa_stopped(a->stop); w0 += wave) {
+        plan.w0 = w0;
+        plan.n_items = n_items - w0 < wave ? n_items - w0 : wave;
+        plan.pack = w0 == 0;
+        plan.claimed = 0;
+        run_parallel(run_team, &plan, nthreads);
+    }
     if (mp) free(mp->bits);
     free(parts);
     free(live);
-    return plan.status;
+    return plan.status == FA_OK && fa_stopped(a->stop) ? FA_EINTR : plan.status;
 }
 
 int fa_attention(const fa_attention_args *a) { return run(a, 0); }
@@ -864,7 +990,7 @@ static void softmax_team(void *arg)
     void *scratch = team_scratch(p->scratch_bytes, &raw, &p->status);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < p->rows; r++) {
-        if (!scratch) continue;
+        if (!scratch || fa_stopped(a->stop)) continue;
         int64_t idx = r, ox = 0, oo = 0;
         for (int d = a->n_lead - 1; d >= 0; d--) {
             const int64_t i = idx % a->lead_shape[d];
@@ -891,7 +1017,7 @@ int fa_softmax(const fa_softmax_args *a)
                          .scratch_bytes = (size_t)fa_softmax_scratch_elems(a->n) * esz,
                          .rows = rows, .status = FA_OK};
     run_parallel(softmax_team, &plan, team_size(a->num_threads, rows, 20.0 * (double)rows * (double)a->n));
-    return plan.status;
+    return plan.status == FA_OK && fa_stopped(a->stop) ? FA_EINTR : plan.status;
 }
 
 /* ---------------------------------------------------------------------------
@@ -1152,7 +1278,6 @@ uint64_t fa_stream_read(const void *x, int64_t n, int num_threads)
     const int64_t nv = n / 16;
     const int nthreads = threads_wanted(num_threads);
     (void)nthreads; /* unused without OpenMP */
-    if (nthreads > 1) team_starting();
     uint64_t total = 0;
 #pragma omp parallel num_threads(nthreads) reduction(^ : total)
     {

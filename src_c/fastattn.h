@@ -35,12 +35,15 @@
 #include <stdint.h>
 
 #define FA_MAX_DIMS 64
+/* The most threads a call starts (fa_thread_cap). */
+#define FA_THREADS_MAX 1024
 
 /* Status codes returned by every entry point. */
 enum {
     FA_OK = 0,
     FA_ENOMEM = 1,  /* a scratch allocation failed */
     FA_EINVAL = 2,  /* an argument the Python layer should have rejected */
+    FA_EINTR = 3,   /* stopped by *stop (Ctrl-C): the output is unspecified */
 };
 
 /* Compute dtypes. */
@@ -115,6 +118,7 @@ typedef struct {
     const int64_t *kv_start;            /* first key row per leading index, or NULL */
     int64_t kst_lead[FA_MAX_DIMS];
     int num_threads;                    /* <= 0: the OpenMP default */
+    const volatile int *stop;           /* nonzero: stop soon, return FA_EINTR; NULL: never */
 } fa_attention_args;
 
 /* Arguments of fa_softmax: softmax along the last axis.
@@ -130,6 +134,7 @@ typedef struct {
     void *out;
     int dtype;
     int num_threads;
+    const volatile int *stop;           /* as fa_attention_args' */
 } fa_softmax_args;
 
 int fa_attention(const fa_attention_args *a);
@@ -167,6 +172,9 @@ void fa_set_mask_pack(int mode);
  * many rows the row kernel takes); -1 restores the default (on when K and V
  * exceed FA_KV_MEM_BYTES).  Not thread-safe: for tuning and tests only. */
 void fa_set_group(int mode);
+/* Tests: rows of more than `keys` keys split (0: FA_SPLIT_KEYS),
+ * their partials in waves of at most parts_bytes (0: FA_PARTS_BYTES). */
+void fa_set_long_split(int64_t keys, int64_t parts_bytes);
 /* The number of item groups that kernel ran since the last call of this; for tests. */
 int64_t fa_take_group_count(void);
 /* The number of rows the kernels recomputed in their careful mode (a result
@@ -200,9 +208,20 @@ int fa_openmp_enabled(void);
 uint64_t fa_stream_read(const void *x, int64_t n, int num_threads);
 int fa_max_threads(void);
 int fa_last_threads(void);
-/* 1 in a process forked from one that had started an OpenMP team, where
- * GNU libgomp cannot start one again: every call then runs on one thread. */
+/* 1 in a process forked where GNU libgomp's pool could not be freed before
+ * the fork (it would hang there): every call then runs on one thread. */
 int fa_fork_serial(void);
+/* Once, at import: the fork handlers (attention.c). */
+void fa_init(void);
+/* Ctrl-C for long calls, from the main thread: fa_interrupt_begin installs a
+ * SIGINT handler that sets the flag it returns and then runs the handler it
+ * replaced (Python's), and returns NULL where SIGINT is ignored or default;
+ * fa_interrupt_end puts the replaced handler back.  Not nested. */
+const volatile int *fa_interrupt_begin(void);
+void fa_interrupt_end(void);
+/* The most threads a call starts: 4 a CPU, at least 8, at most FA_THREADS_MAX
+ * and the runtime's thread limit. */
+int fa_thread_cap(void);
 const char *fa_openmp_library(void);
 const char *fa_build_info(void);
 

@@ -15,6 +15,10 @@
 #include <emmintrin.h>
 #endif
 
+/* Has the call been asked to stop (fa_attention_args.stop)?  Checked between
+ * work items and key tiles; a stopped call's output is unspecified. */
+static inline int fa_stopped(const volatile int *stop) { return stop && *stop; }
+
 /* Up to 32 bool-mask bytes as bits: bit j is row[j * cs] != 0, j < len <= 32
  * (a tile's bit words in kernel_body.h, the packed mask in attention.c).  32
  * contiguous bytes by SSE2 compares on x86-64, elsewhere 8 at a time by a
@@ -111,6 +115,13 @@ typedef void (*fa_attn_group_fn)(const fa_attention_args *a, const fa_tiles *t,
 #define FA_GROUP_BK 4
 #define FA_GROUP_ROWS 8
 #define FA_GROUP_TILE_BYTES 262144
+/* Rows of more keys than this are split into partials of at most this many
+ * (attention.c, run: long_splits): no float32 running sum takes more than this
+ * many increments, and a work unit stays short enough for Ctrl-C (the row
+ * kernels check fa_stopped only between units).  The partials of one wave of
+ * items take at most FA_PARTS_BYTES. */
+#define FA_SPLIT_KEYS (INT64_C(1) << 20)
+#define FA_PARTS_BYTES (INT64_C(256) << 20)
 /* fa_attention_weights: it->out is (bq, nk), row stride a->o_rs, zero-filled. */
 /* Merge nparts partial results (nparts, bq, dv + 2) of one item into its out
  * and lse.  scratch: dv + 2 elements. */

@@ -1170,7 +1170,7 @@ void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_i
 
     /* Key tiles outside every row's band (causal, window, kv length) are never visited. */
     const band_t b = item_band(a, it);
-    for (int64_t j0 = b.j_lo; j0 < b.j_hi; j0 += bk) {
+    for (int64_t j0 = b.j_lo; j0 < b.j_hi && !fa_stopped(a->stop); j0 += bk) {
         const int64_t nb = (b.j_hi - j0 < bk) ? b.j_hi - j0 : bk;
 
         /* Passes 2-3: scores with every modifier and mask except a bool mask's bits,
@@ -1236,7 +1236,7 @@ void FN(fa_weights_item)(const fa_attention_args *a, const fa_tiles *tl, const f
     }
     const band_t b = item_band(a, it);
     for (int pass = 0; pass < 2; pass++) {
-        for (int64_t j0 = b.j_lo; j0 < b.j_hi; j0 += bk) {
+        for (int64_t j0 = b.j_lo; j0 < b.j_hi && !fa_stopped(a->stop); j0 += bk) {
             const int64_t nb = (b.j_hi - j0 < bk) ? b.j_hi - j0 : bk;
             key_runs kr;
             const int bits = tile_scores(a, it, &b, St, Qt, &qmax, W, ld, bqp, j0, nb, NULL, NULL, &kr);
@@ -2047,7 +2047,7 @@ static void item_rows(const fa_attention_args *a, const fa_tiles *tl, const fa_i
         write_rows(a, it, A, dv, 1, m, l, 0);
         return;
     }
-    for (int64_t j0 = b.j_lo; j0 < b.j_hi; j0 += bk) {
+    for (int64_t j0 = b.j_lo; j0 < b.j_hi && !fa_stopped(a->stop); j0 += bk) {
         const int64_t nb = (b.j_hi - j0 < bk) ? b.j_hi - j0 : bk;
         /* K and V from memory (tl->stream): this tile's V rows prefetched during
          * its scores, the next tile's K rows during its P . V, so that memory

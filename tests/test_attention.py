@@ -1,5 +1,6 @@
 """fastattn.attention against the float64 NumPy reference."""
 
+import ctypes
 import json
 import os
 import subprocess
@@ -1063,12 +1064,13 @@ def test_gil_released(rng):
     assert during > 1000, f"the other thread advanced only {during} steps during the call"
 
 
-# A fresh process: forks a child before any team, calls on two threads (a team),
-# forks a child again; each child calls on two threads and reports.  A child that
+# A fresh process: forks a child before any team, runs a team of GNU libgomp's
+# own (GOMP_parallel) and forks a child, calls on two threads (a team), forks a
+# child again; each child calls on two threads and reports.  A child that
 # does not report within 60 s is killed: None; one that exits without a report
 # gives its exit status.
 _FORK_SCRIPT = r"""
-import contextlib, io, json, os, signal, time, warnings
+import contextlib, ctypes, io, json, os, signal, time, warnings
 import numpy as np
 import fastattn
 from fastattn import _core
@@ -1119,7 +1121,20 @@ def in_child():
     os.close(r)
     return json.loads(data) if data else dict(died=status)
 
-rep = dict(before=in_child(), parent_err=err(), parent_threads=_core.last_threads())
+def foreign_team():
+    # a team of another library on the same OpenMP runtime, as PyTorch's ops start:
+    # GOMP_parallel(free, NULL, 2, 0) runs free(NULL) on two threads
+    gomp = ctypes.CDLL(_core.openmp_library())
+    if not hasattr(gomp, "GOMP_parallel"):
+        return False
+    free = ctypes.cast(ctypes.CDLL(None).free, ctypes.c_void_p)
+    gomp.GOMP_parallel.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
+    gomp.GOMP_parallel(free, None, 2, 0)
+    return True
+
+rep = dict(before=in_child())
+rep.update(gomp=foreign_team(), foreign=in_child())
+rep.update(parent_err=err(), parent_threads=_core.last_threads())
 rep.update(after=in_child(), parent_err_after=err(), parent_threads_after=_core.last_threads())
 print(json.dumps(rep))
 """
@@ -1127,9 +1142,11 @@ print(json.dumps(rep))
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
 def test_fork_after_threads(tmp_path):
-    """A child forked after fastattn ran on two threads still computes (GNU libgomp's
-    team would wait for the parent's threads forever: multiprocessing's fork hung): on
-    one thread under libgomp, on a team under runtimes that restart after fork."""
+    """A child forked after an OpenMP team ran, fastattn's or another library's on the
+    same runtime (GOMP_parallel through ctypes, as PyTorch's ops run), computes on its
+    own team (GNU libgomp's would wait for the parent's threads forever: multiprocessing's
+    fork hung): fastattn frees the pool before the fork (omp_pause_resource_all), and
+    runtimes without it give the child one thread."""
     # the fastattn these tests import (not a source folder in the working directory)
     where = os.path.dirname(os.path.dirname(os.path.abspath(fastattn.__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([where] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
@@ -1137,20 +1154,55 @@ def test_fork_after_threads(tmp_path):
                           cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr
     rep = json.loads(proc.stdout.splitlines()[-1])
-    before, after = rep["before"], rep["after"]
+    before, foreign, after = rep["before"], rep["foreign"], rep["after"]
     assert before is not None, "a child forked before any team hung"
+    assert foreign is not None, "a child forked after another library's team hung"
     assert after is not None, "a child forked after a team hung"
-    assert "died" not in before and "died" not in after, rep
+    assert "died" not in before and "died" not in after and "died" not in foreign, rep
     team = 2 if _core.openmp_enabled() else 1
-    serial = team == 2 and "gomp" in _core.openmp_library()   # libgomp: one thread after fork
+    lib = _core.openmp_library()
+    # libgomp without omp_pause_resource_all (before GCC 9): one thread after fork
+    serial = team == 2 and "gomp" in lib and not hasattr(ctypes.CDLL(lib), "omp_pause_resource_all")
+    assert rep["gomp"] or "gomp" not in lib
     assert rep["parent_threads"] == rep["parent_threads_after"] == team
     assert before["threads"] == team and not before["serial"] and before["max"] == _core.max_threads()
-    assert after["serial"] == serial
-    assert after["threads"] == (1 if serial else team)
-    assert after["max"] == (1 if serial else _core.max_threads())
-    assert ("forked" in after["config"]) == serial and "forked" not in before["config"]
-    for e in (before["err"], after["err"], rep["parent_err"], rep["parent_err_after"]):
+    for child in (foreign, after):
+        assert child["serial"] == serial
+        assert child["threads"] == (1 if serial else team)
+        assert child["max"] == (1 if serial else _core.max_threads())
+        assert ("forked" in child["config"]) == serial
+    assert "forked" not in before["config"]
+    for e in (before["err"], foreign["err"], after["err"], rep["parent_err"], rep["parent_err_after"]):
         assert e < 1e-12
+
+
+_TORCH_FORK_SCRIPT = """
+import multiprocessing as mp, numpy as np, torch, fastattn
+def f(i):
+    q = np.ones((1, 8, 512, 64), np.float32)
+    return float(fastattn.attention(q, q, q, num_threads=2).sum()), fastattn._core.last_threads()
+if __name__ == "__main__":
+    torch.exp(torch.randn(4_000_000)).sum()          # a PyTorch team on its OpenMP runtime
+    with mp.get_context("fork").Pool(2) as p:
+        print(p.map_async(f, range(2)).get(timeout=60))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_fork_after_torch(tmp_path):
+    """The issue's reproducer: a fork pool's workers after a parallel PyTorch op (its
+    libgomp and the system's load as one) compute, where they hung.  Runs where
+    PyTorch is installed (an optional peer)."""
+    pytest.importorskip("torch")
+    where = os.path.dirname(os.path.dirname(os.path.abspath(fastattn.__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([where] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    path = tmp_path / "torch_fork.py"
+    path.write_text(_TORCH_FORK_SCRIPT)
+    proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=180,
+                          cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = eval(proc.stdout.splitlines()[-1])
+    assert [s for s, _ in got] == [8 * 512 * 64.0] * 2
 
 
 # ---------------------------------------------------------------------------

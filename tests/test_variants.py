@@ -825,7 +825,7 @@ def test_layers_seq_lengths_errors(lengths, exc, msg):
     (dict(w_o=np.ones((24, 21))), ValueError, "w_o has 21 columns"),
     (dict(num_heads=0), ValueError, "positive"),
     (dict(num_kv_heads=3), ValueError, "multiple of num_kv_heads"),
-    (dict(num_heads=2.0), TypeError, "ints"),
+    (dict(num_heads=2.0), TypeError, "num_heads must be an int"),
 ])
 def test_multihead_errors(change, exc, msg):
     args = dict(x=np.ones((5, 20)), w_q=np.ones((20, 24)), w_k=np.ones((20, 12)), w_v=np.ones((20, 12)),
