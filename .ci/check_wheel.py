@@ -36,7 +36,8 @@ def main(sdist, from_sdist, from_tree, repaired):
     with tarfile.open(sdist) as t:
         members = [m.split("/", 1)[1] for m in t.getnames() if "/" in m]
     for needed in ("src_c/fastattn.h", "src_c/kernel_body.h", "src_c/attention.c", "fastattn/_core.pyx",
-                   "setup.py", "pyproject.toml", "README.md", "tests/test_attention.py"):
+                   "setup.py", "pyproject.toml", "README.md", "LICENSE", "tests/test_attention.py",
+                   "tests/requirements.txt"):
         assert needed in members, f"sdist lacks {needed}"
     a, b = names(from_sdist), names(from_tree)
     assert a == b, f"the wheel from the sdist differs from the wheel from the tree: {set(a) ^ set(b)}"
@@ -45,6 +46,11 @@ def main(sdist, from_sdist, from_tree, repaired):
     assert not bad, f"unexpected files in the wheel: {bad}"
     assert any(re.fullmatch(ALLOWED[4], f) for f in files), "the repaired wheel carries no OpenMP runtime"
     assert not any(f.endswith((".c", ".pyx", ".o", ".h")) for f in files)
+    assert any(re.fullmatch(r"fastattn-[^/]+\.dist-info/licenses/LICENSE", f) for f in files), \
+        "the wheel carries no LICENSE"
+    with zipfile.ZipFile(repaired) as z:
+        meta = z.read(next(f for f in files if f.endswith(".dist-info/METADATA"))).decode()
+    assert "License-Expression: BSD-3-Clause" in meta, "the wheel's metadata names no license"
     # every SIMD path is in the core (CI's sanitizer build leaves AVX-512 out with -DFA_NO_AVX512)
     with zipfile.ZipFile(repaired) as z:
         core = z.read(next(f for f in files if re.fullmatch(ALLOWED[1], f)))

@@ -102,7 +102,7 @@ def show_config() -> None:
     print(f"  OpenMP:         {_core.openmp_library() if _core.openmp_enabled() else 'no (single-threaded build)'}")
     if _core.fork_serial():
         print("  threads:        1 (a process forked while GNU libgomp's threads could not be "
-              "freed: README, 'fork')")
+              "freed: docs/guide.md, 'Threads, fork and the thread cap')")
     else:
         print(f"  threads:        {_core.max_threads()} (OMP_NUM_THREADS="
               f"{_os.environ.get('OMP_NUM_THREADS', 'unset')}; at most {_core.thread_cap()})")

@@ -17,17 +17,11 @@ from numpy.typing import ArrayLike, NDArray
 from . import _core
 from .reference import default_scale
 
-# GQA: up to this many query rows, a group's query heads become the rows of one work
-# item over their K and V (see _prepare).  Against one item per head, causal, in one
-# process (H32/8 and /4 Nk4096-16384 d128, H8/2 Nk1024 and H16/4 Nk512 d64, float32
-# and float64): 2-8 rows 1.04-2.8x on avx512 and avx2 (portable path 0.96-1.55x);
-# 12-24 rows 0.68-1.51x, so it stops at 8.
+# GQA: up to _FOLD_ROWS query rows (up to _FOLD_ROWS_BIG where K and V hold at least
+# _FOLD_BIG_BYTES, on the AVX2 and AVX-512 paths), a group's query heads become the rows
+# of one work item over their K and V, read once for the group (see _prepare); beyond
+# that one item per head is the faster (docs/tuning.md: the GQA fold).
 _FOLD_ROWS = 8
-# ... and up to 12 rows where K and V hold at least 4 MiB, on avx512 and avx2.  Against
-# one item per head, in one process (H32/8 Nk4096 d128, H32/4 Nk2048 d64, H16/4 Nk8192
-# and H32/8 Nk16384 d128; float32 and float64; causal or not): 9-12 rows 1.00-1.60x.
-# Smaller K and V (H8/2 Nk1024, H16/4 Nk512 d64) read 0.82-1.59x, the portable path
-# 0.89-1.35x, and 16 rows 0.93-1.28x (large K and V, avx512 and avx2), so not there.
 _FOLD_ROWS_BIG, _FOLD_BIG_BYTES = 12, 4 << 20
 
 __all__ = ["attention", "attention_varlen", "attention_weights", "merge_attention", "softmax"]
@@ -648,8 +642,14 @@ def _prepare(q, k, v, mask, causal, scale, enable_gqa, window, softcap, alibi_sl
             mm = mm.reshape((1,) * (2 - mm.ndim) + mm.shape)
         mq, mk = mm.shape[-2:]
         if mq not in (1, n_q) or mk not in (1, n_k):
+            hint = ""
+            if (not p.q1 and np.ndim(mask) == 2 and mk == n_k and qq.ndim >= 3 and k.ndim >= 3
+                    and mq in (qq.shape[0], k.shape[0])):
+                hint = ("; a key-padding mask of shape (B, n_k), as PyTorch's key_padding_mask, is "
+                        "mask[:, None, None, :] for (B, H, n_q, n_k) scores (True = may attend: "
+                        "~key_padding_mask), or pass the lengths as kv_lengths")
             raise ValueError(f"mask of shape {np.shape(mask)} does not broadcast to the scores "
-                             f"(..., n_q={n_q}, n_k={n_k})" + (" (1-D q: (..., n_k))" if p.q1 else ""))
+                             f"(..., n_q={n_q}, n_k={n_k})" + (" (1-D q: (..., n_k))" if p.q1 else "") + hint)
 
     slopes = _slopes(alibi_slopes, comp)
     kvl = _lengths(kv_lengths, "kv_lengths", "n_k", n_k)
@@ -908,7 +908,7 @@ _SHARED_DOC = """
         mask is applied (Gemma 2).
     alibi_slopes : array_like, optional
         Slopes of shape (H,) or broadcastable to the leading dims; adds
-        -slope * |p - j| to the scaled scores (ALiBi).
+        ``-slope * abs(p - j)`` to the scaled scores (ALiBi).
     kv_lengths : array_like of int, optional
         Broadcastable to the leading dims: only the first kv_lengths[...] keys
         exist for that leading index (a padded KV cache); causal and window
@@ -1065,8 +1065,8 @@ attention.__doc__ = """Exact scaled dot-product attention, softmax(q k^T * scale
         Threads for this call.  None uses the OpenMP default (OMP_NUM_THREADS,
         threadpoolctl); a negative n uses that default plus n + 1 (-1 all of
         it, -2 one fewer; at least 1), as in scikit-learn.  Not 0.  At most
-        fastattn._core.thread_cap() (4 a CPU, at least 8; README, "Thread
-        cap").""" + _SHARED_DOC + """
+        fastattn._core.thread_cap() (4 a CPU, at least 8; docs/guide.md,
+        "Threads, fork and the thread cap").""" + _SHARED_DOC + """
     layout : {"bhld", "blhd"}, default "bhld"
         The axes of q, k, v, out and the result: "bhld" (..., H, n, d), as
         PyTorch and the shapes here; "blhd" (..., n, H, d), as flash-attn and
@@ -1267,9 +1267,7 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
         if G > 1 and T_q == B and max_q == 1 and slopes is None:
             # Decoding, one query per sequence: q is (B, H, d), and a group's G query heads
             # become the G rows of one item over its K and V (row_group G, as attention's
-            # GQA fold), which it then reads once, not once per head.  Against one item per
-            # head, causal, one process: B8 H32/8 d128 up to 4096 keys a sequence 1.68x
-            # (float64 2.43x), B1 H32/8 16384 keys 2.93x, B16 H32/4 1024 keys 1.55x.
+            # GQA fold), which it then reads once, not once per head (docs/tuning.md).
             def group_rows(x):  # (B, H, d) -> (B, H_kv, G, d): a view
                 return x.reshape(B, Hkv, G, x.shape[2])
 

@@ -320,8 +320,8 @@ def _measure(w, threads, torch, repeats, with_reference):
         (times["reference"],) = _median_times([ref], 3, min_time=0)
         _settle()
     t = times["fastattn"]
-    row = dict(name=w["name"], shape=list(w["shape"]), dtype=w["dtype"], causal=w["causal"],
-               mask=w["mask"], ms=t * 1e3, gflops=flops / t / 1e9)
+    row = dict(name=w["name"], B=B, H=H, n_q=nq, n_k=nk, d=d, shape=list(w["shape"]), dtype=w["dtype"],
+               causal=w["causal"], mask=w["mask"], ms=t * 1e3, gflops=flops / t / 1e9, flop=flops)
     if "reference" in times:
         row["reference_ms"] = times["reference"] * 1e3
         row["x_reference"] = times["reference"] / t
@@ -368,7 +368,7 @@ def run(workloads, repeats=5, threads=None, with_reference=True, with_torch=True
         t1, tn = _median_times([lambda: attention(q, k, v, num_threads=1),
                                 lambda: attention(q, k, v, num_threads=threads)], repeats)
         scaling = dict(workload="B1 H8 N2048 d64", one_thread_ms=t1 * 1e3, threads=threads,
-                       threads_ms=tn * 1e3, speedup=t1 / tn)
+                       threads_ms=tn * 1e3, speedup=t1 / tn, beyond_cpus=threads > _cpus())
     # "x NumPy" at B1 H8 N2048 d64 read both ways: the reference in the inputs' float32
     # (the table's column) and in float64 (the tests' oracle)
     oracle = None
@@ -383,10 +383,28 @@ def run(workloads, repeats=5, threads=None, with_reference=True, with_torch=True
         row["pct_mm"] = 100 * row["gflops"] / mm[row["dtype"]]
     return dict(
         fastattn=sys.modules["fastattn"].__version__, isa=_core.isa_name(), threads=threads,
+        cpus=_cpus(),
         thread_scaling=scaling, reference_f64=oracle,
         torch=getattr(torch, "__version__", None), numpy=np.__version__,
         machine=platform.machine(), cpu_count=os.cpu_count(),
         matmul_gflops=mm, matmul_gflops_start=mm_start, matmul_gflops_end=mm_end, rows=rows)
+
+
+def _cpus():
+    """The CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+LEGEND = """\
+fastattn ms: median time of a call; GFLOP/s: 4 n_q n_k d (causal: the keys each query sees)
+over that time.  % mm: that rate as a share of NumPy's own 2048x2048 matrix product in this
+run, in the same dtype (the compute ceiling; decoding rows are bound by memory instead: see
+the Memory lines).  x NumPy: fastattn's speed over fastattn.reference, the plain NumPy
+formula, run in the inputs' own dtype.  x torch: over PyTorch's scaled_dot_product_attention
+on the same arrays and threads.  Peers are timed interleaved with fastattn, in this process."""
 
 
 def _ms(x, width=9):
@@ -409,6 +427,8 @@ HEADER = ("| workload                       | fastattn ms | GFLOP/s | % mm  | Nu
 
 
 def _plot(result, path):
+    """GFLOP/s of fastattn beside PyTorch and the NumPy reference on each row, with the
+    matrix-product ceiling of the row's dtype marked, so that a bar reads against it."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -416,18 +436,21 @@ def _plot(result, path):
     except ImportError:
         raise SystemExit("--plot needs matplotlib: pip install matplotlib") from None
     rows = result["rows"]
-    names = [r["name"] for r in rows]
-    fig, ax = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.5))
+    fig, ax = plt.subplots(figsize=(10, 0.55 * len(rows) + 2))
     y = np.arange(len(rows))
-    if all("x_torch" in r for r in rows):
-        ax.barh(y, [r["x_torch"] for r in rows], color="tab:blue")
-        ax.axvline(1.0, color="k", lw=1)
-        ax.set_xlabel("speed-up over PyTorch SDPA (time ratio, higher is better)")
-    else:
-        ax.barh(y, [r["gflops"] for r in rows], color="tab:blue")
-        ax.set_xlabel("GFLOP/s")
-    ax.set_yticks(y, names)
+    peers = [("fastattn", "ms", "tab:blue"), ("PyTorch SDPA", "torch_ms", "tab:orange"),
+             ("NumPy reference", "reference_ms", "tab:gray")]
+    h = 0.27
+    for i, (label, key, color) in enumerate(peers):
+        vals = [r["flop"] / (r[key] * 1e-3) / 1e9 if key in r else 0.0 for r in rows]
+        if any(vals):
+            ax.barh(y + (i - 1) * h, vals, height=h, color=color, label=label)
+    ceil = [result["matmul_gflops"][r["dtype"]] for r in rows]
+    ax.scatter(ceil, y, marker="|", s=400, color="k", label="NumPy matrix product (ceiling)", zorder=3)
+    ax.set_yticks(y, [r["name"].strip() for r in rows])
     ax.invert_yaxis()
+    ax.set_xlabel("GFLOP/s (higher is better)")
+    ax.legend(loc="lower right", fontsize=8)
     ax.set_title(f"fastattn {result['fastattn']} ({result['isa']}, {result['threads']} threads)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -449,12 +472,12 @@ def main(argv: "list[str] | None" = None) -> int:
     repeats = args.repeats or (3 if args.quick else 5)
     # progress on stderr; the table, whose "% mm" needs the ceiling measured
     # again at the end, on stdout when the run is done
-    log = None if args.json else (lambda r: print(f"  {r['name'].strip()}: {r['ms']:.3f} ms"
-                                                  + (f", {r['x_torch']:.2f}x PyTorch" if "x_torch" in r else ""),
-                                                  file=sys.stderr, flush=True))
-    if log:
-        print(f"measuring {len(workloads)} workloads (progress here, the table when done)",
+    def log(r):
+        print(f"  {r['name'].strip()}: {r['ms']:.3f} ms" + (f", {r['x_torch']:.2f}x PyTorch" if "x_torch" in r else ""),
               file=sys.stderr, flush=True)
+
+    print(f"measuring {len(workloads)} workloads (progress here, the "
+          f"{'JSON' if args.json else 'table'} when done)", file=sys.stderr, flush=True)
     result = run(workloads, repeats, args.threads, not args.no_reference, not args.no_torch, log)
     if args.json:
         print(json.dumps(result, indent=2))
@@ -464,6 +487,7 @@ def main(argv: "list[str] | None" = None) -> int:
         print(HEADER)
         for r in result["rows"]:
             print(_fmt_row(r))
+        print(LEGEND)
         mm = ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in result["matmul_gflops"].items())
         print(f"NumPy matrix product (2048^2) in this run: {mm} (the better of its start and end); "
               f"PyTorch: {result['torch'] or 'not installed'}")
@@ -484,8 +508,11 @@ def main(argv: "list[str] | None" = None) -> int:
                   f"(x NumPy above: the reference in float32)")
         sc = result["thread_scaling"]
         if sc:
+            over = sc["beyond_cpus"]
             print(f"Thread scaling, {sc['workload']}: 1 thread {sc['one_thread_ms']:.1f} ms, "
-                  f"{sc['threads']} threads {sc['threads_ms']:.1f} ms: {sc['speedup']:.2f}x")
+                  f"{sc['threads']} threads {sc['threads_ms']:.1f} ms: {sc['speedup']:.2f}x"
+                  + (f" (more threads than this process's {result['cpus']} CPUs: the threads share them, "
+                     f"so this is noise, not scaling)" if over else ""))
     if args.plot:
         _plot(result, args.plot)
         if not args.json:

@@ -9,7 +9,7 @@ Semantics shared with the fast path:
 
 * scores = (q @ k^T) * scale, with scale = 1/sqrt(d_k) by default;
 * softcap c > 0: scores -> c * tanh(scores / c);
-* ALiBi: scores -= slope * |p_i - j|, where p_i = i + kv - qn is query i's
+* ALiBi: ``scores -= slope * abs(p_i - j)``, where p_i = i + kv - qn is query i's
   bottom-right aligned position, kv the number of keys (kv_lengths or n_k)
   and qn the number of real queries (q_lengths or n_q); with
   causal="upper_left", p_i = i (aligned top-left, PyTorch's is_causal);
@@ -181,7 +181,7 @@ def _heads_first(layout: str, *arrays: Any) -> list[np.ndarray]:
 
 
 def attention_weights(q: ArrayLike, k: ArrayLike, **options: Any) -> NDArray[Any]:
-    """softmax(scores(q, k, **options)): rows sum to 1, zero where nothing is visible.
+    """``softmax(scores(q, k, **options))``: rows sum to 1, zero where nothing is visible.
 
     Parameters
     ----------

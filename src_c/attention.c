@@ -130,11 +130,37 @@ int fa_fork_serial(void) { return fork_serial; }
 typedef int (*pause_all_fn)(int);
 static pause_all_fn pause_all = NULL; /* libgomp's omp_pause_resource_all, or NULL */
 static volatile int pool_freed = 0;   /* the last fork's prepare handler freed the pool */
+/* The forking thread's ICVs, set again after the fork in parent and child, so
+ * that a threadpoolctl limit or omp_set_num_threads outlives a fork whatever
+ * the runtime keeps when its pool is freed (GNU libgomp 12 keeps them). */
+static int saved_threads, saved_dynamic, saved_levels;
 
-static void before_fork(void) { pool_freed = pause_all && pause_all(1 /* omp_pause_soft */) == 0; }
+static void before_fork(void)
+{
+    saved_threads = omp_get_max_threads();
+    saved_dynamic = omp_get_dynamic();
+    saved_levels = omp_get_max_active_levels();
+    pool_freed = pause_all && pause_all(1 /* omp_pause_soft */) == 0;
+}
+
+static void restore_icvs(void)
+{
+    omp_set_num_threads(saved_threads);
+    omp_set_dynamic(saved_dynamic);
+    omp_set_max_active_levels(saved_levels);
+}
+
+static void after_fork_parent(void)
+{
+    if (pool_freed) restore_icvs();
+}
+
 static void after_fork_child(void)
 {
-    if (!pool_freed) fork_serial = 1;
+    if (pool_freed)
+        restore_icvs();
+    else
+        fork_serial = 1;
 }
 
 static void register_fork_handlers(void)
@@ -146,7 +172,7 @@ static void register_fork_handlers(void)
     if (h) dlclose(h); /* the extension links the runtime: it stays loaded */
     if (restarts) return;
 #endif
-    pthread_atfork(before_fork, NULL, after_fork_child);
+    pthread_atfork(before_fork, after_fork_parent, after_fork_child);
 }
 #endif
 
@@ -780,15 +806,10 @@ static int run(const fa_attention_args *a, int weights)
     tiles.far = forced_stream >= 0 ? forced_stream : kvb > FA_KV_FAR_BYTES;
     /* The tail: the rows of the last block past its last whole vector (fewer
      * than the lanes, but the tiled kernel pays for the whole vector) take the
-     * row kernel, up to the ISA's tail_max of them after at least 16 rows
-     * (dispatch.c: 1.05-1.55x at 17-24, 33 and 100 rows).  It runs them after
-     * the block before them, on the same thread: K and V are still in its
-     * caches, and the threads share items of one size.  As items of their own,
-     * the one-ahead claims (run_team) left one thread 5 of the 8 long ones at
-     * B1 H8 N100 (0.93x; 1.09x so).  Not with packed
-     * sequences (their short ones take the row kernel already), nor for the
-     * weights, nor when the tests force the row kernel's limit or the tiles,
-     * nor when the keys would be split (fewer blocks than threads). */
+     * row kernel, up to the ISA's tail_max of them after at least 16 rows, right
+     * after the block before them on the same thread, while K and V are still in
+     * its caches (docs/tuning.md: the tail).  Not with packed sequences, the
+     * weights, forced rows or tiles, or split keys. */
     /* Rows of more than FA_SPLIT_KEYS keys: split into partials of at most that
      * many keys (merged by the logsumexp rule, fa_attn_merge), since a float32
      * running sum stops taking its increments well before 2^24 of them (all
@@ -810,9 +831,8 @@ static int run(const fa_attention_args *a, int weights)
     const int64_t n_qb = (tiles.q_main + tiles.bq - 1) / tiles.bq + tail;
     int64_t n_items = n_lead_total * (n_qb - tail);
     double q_rows = (double)n_lead_total * (double)a->nq;
-    /* Packed sequences: only the items with real rows.  One long sequence among
-     * many short ones gives most (lead, block) pairs no row: H8 d64 causal, 4096
-     * + 5000 x 8 tokens 265 -> 212 ms, 8192 + 1000 x 32 543 -> 456 ms. */
+    /* Packed sequences: only the items with real rows (one long sequence among
+     * many short ones gives most (lead, block) pairs no row). */
     int64_t *live = NULL;
     if (a->q_start) { /* counted first: the list has the live items' size, not n_items' */
         n_items = live_items(a, n_lead_total, n_qb, tiles.bq, NULL, &q_rows);
@@ -824,32 +844,13 @@ static int run(const fa_attention_args *a, int weights)
 
     /* Decoding from a (B, n, H, d) cache: the last leading dim's indices h
      * (the heads) have their K and V rows at h k_lead (v_lead) within key rows
-     * that hold all of them (k_rs = H k_lead).  With one query row an item
-     * (and up to FA_GROUP_ROWS, below) and K and V from memory, the row kernel
-     * takes the heads of each group together (fa_attn_group_rows), key tile by
-     * key tile of FA_GROUP_BK keys, so that it reads K and V in address order,
-     * not 512-byte pieces 16 KiB apart.  Against item by item, in one
-     * process (two threads), float32: H32 Nk4096 d128 1.35-1.70x (with a bool
-     * or float mask 1.36-1.44x, causal 1.58x, ALiBi 1.40x), d64 Nk8192 2.11x, B4 Nk2048 1.60x, B3 1.68x, H8
-     * Nk16384 1.50x, H16 d256 1.17x; float64 d128 1.14-1.18x, d64 1.56x.  Tiles
-     * of 2 and 8 keys measured alike, 16 keys 0.93x (before group_step).
-     * Items of up to FA_GROUP_ROWS rows too (GQA's folded heads, a few new
-     * tokens: speculative decoding), with groups of at most FA_GROUP_MAX rows
-     * and tiles of about FA_GROUP_TILE_BYTES of the group's K and V (8 to 64
-     * keys), the next tile prefetched in step with the work (kernel_body.h).
-     * Against item by item, in one process (two threads), float32 d128
-     * unless noted: GQA 32/8 Nk16384 1.27x (a bool mask 1.07x, B4 Nk4096
-     * 1.16x, d64 Nk32768 1.26x, float64 Nk8192 1.10x), GQA 32/4 1.26x, GQA
-     * 32/16 Nk8192 1.36x; H32 Nk4096 with 2, 4 and 8 new tokens a head 1.21,
-     * 1.09 and 1.04x (float64, 2 tokens: 1.19x); H8 Nk16384 2 tokens 1.27x;
-     * one row unchanged (1.01-1.05x).  AVX2: GQA 32/8 1.28x, 2 tokens 1.64x,
-     * 8 tokens, GQA 32/4 and float64 GQA 32/8 0.99-1.02x.  Tiles of 4 keys
-     * (as for one row) with the prefetch at a tile's start: 0.43-0.66x; groups
-     * of all 32 heads at 4 and 8 tokens (8-key tiles) 0.92 and 0.71x; tiles of
-     * 512 KiB 0.90-1.04x against 256.  Not for 9-12 rows (GQA 32/8 with 3
-     * tokens, 32/16 with 6): 1.07-1.10x AVX-512, 1.00x AVX2.  Not in cache
-     * (H32 Nk512 0.60x for one row: the item-by-item kernel's rows come from
-     * the L3 fast enough). */
+     * that hold all of them (k_rs = H k_lead).  With up to FA_GROUP_ROWS query
+     * rows an item and K and V from memory, the group kernel takes the heads of
+     * each group together (fa_attn_group_rows), key tile by key tile (FA_GROUP_BK
+     * keys for one row; for more, about FA_GROUP_TILE_BYTES of the group's K and
+     * V, 8 to 64 keys), so that K and V are read in address order, not in pieces
+     * H d elements apart.  Not in cache, where the item-by-item kernel's rows come
+     * from the L3 fast enough (docs/tuning.md: the group kernel). */
     int64_t group = 0, n_groups = 0;
     if (rows_kernel && a->nq <= FA_GROUP_ROWS && !a->q_start && !a->kv_start && a->n_lead >= 1 &&
         forced_group != 0 && long_splits == 1) {
@@ -879,8 +880,7 @@ static int run(const fa_attention_args *a, int weights)
         if (n_splits > a->nk / 512) n_splits = a->nk / 512;
     }
     /* Groups, few and long: split too where the threads would not get as many
-     * each (B3 H32 Nk2048 d128 on two threads, before group_step: 1.11x against
-     * item by item unsplit, 1.35x at B4, where the two threads get two each). */
+     * each. */
     if (group && n_work >= want && n_work % want != 0 && n_work < 4 * (int64_t)want && a->nk >= 1024) {
         n_splits = want;
         if (n_splits > a->nk / 512) n_splits = a->nk / 512;
@@ -920,13 +920,10 @@ static int run(const fa_attention_args *a, int weights)
         if (!weights && scratch_elems < row_elems) scratch_elems = row_elems;
     }
     /* A bool mask under the tiled kernel that two or more leading indices share
-     * (its rows broadcast too): packed into bits first (mask_pack), unless
-     * they cannot be allocated.  Against the tiles reading its bytes, in one
-     * process at N2048 d64, a causal and a random (90 % True) mask: shared by
-     * 8 heads 1.05 and 1.03x, by 4 1.04x, by 2 1.03 and 1.00x; a mask of
-     * its own for each head 0.96 and 0.97x (the packing pass reads the whole
-     * mask from memory, where the tiles' reads overlap the products), so not
-     * there. */
+     * (its rows broadcast too): packed into bits first (mask_pack), so that each
+     * tile reads an eighth of its bytes, unless they cannot be allocated; not a
+     * mask of each head's own, whose packing pass would read it all from memory
+     * once more (docs/tuning.md: the packed bool mask). */
     mask_pack mpk, *mp = NULL;
     if (a->mask_kind == FA_MASK_BOOL && !rows_kernel && forced_mask_pack != 0) {
         mpk.rows = a->m_rs != 0 ? a->nq : 1;

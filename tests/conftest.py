@@ -15,7 +15,7 @@ from fastattn import ISA_NAMES, _core
 from fastattn import reference as ref
 
 # The reference's matrix products (NumPy's BLAS) on one thread, for the whole session:
-# OpenBLAS keeps its threads spinning for 75-100 ms after each product (README:
+# OpenBLAS keeps its threads spinning for 75-100 ms after each product (docs/guide.md:
 # Environment variables), and each test's next fastattn call shared the cores with them.
 # The suite took 98 s so and takes 86 s now (under CI's sanitizers 307 s, now 278 s).
 # fastattn's own threads are not limited by this (user_api "blas" only).

@@ -1,4 +1,4 @@
-"""The examples in the docstrings and the README run and say what they claim."""
+"""The examples in the docstrings, the README and the user guide run and say what they claim."""
 
 import doctest
 import pathlib
@@ -10,6 +10,7 @@ import fastattn
 from fastattn import _api
 
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+GUIDE = README.parent / "docs" / "guide.md"
 
 
 def test_docstring_examples():
@@ -52,3 +53,44 @@ def test_readme_python_blocks_run():
         kb, vb = (ns[name][b, :, :n_b].astype(np.float64) for name in ("cache_k", "cache_v"))
         want = fastattn.reference.attention(ns["drafts"][b].astype(np.float64), kb, vb, causal=True, enable_gqa=True)
         assert np.max(np.abs(ns["o_draft"][b] - want)) < 1e-5 * max(1, np.max(np.abs(want)))
+
+
+def test_readme_is_a_short_guide():
+    """The README is a user guide of at most 15 KB; the details are in docs/."""
+    text = README.read_text()
+    assert len(text.encode()) <= 15 * 1024
+    assert 'layout="blhd"' in text and "without an" in text      # the layout warning at the first example
+    for page in ("guide.md", "api.rst", "install.md", "design.md", "tuning.md", "benchmarks.md"):
+        assert f"docs/{page}" in text and (README.parent / "docs" / page).is_file()
+
+
+def test_guide_python_blocks_run():
+    """docs/guide.md's examples run in order and give what the reference gives."""
+    blocks = re.findall(r"```python\n(.*?)```", GUIDE.read_text(), re.S)
+    assert len(blocks) >= 5
+    ns = {}
+    for block in blocks:
+        exec(compile(block, str(GUIDE), "exec"), ns)
+    want = fastattn.reference.attention(*(a.astype(np.float64) for a in (ns["q"], ns["k"], ns["v"])), causal=True)
+    assert np.max(np.abs(ns["o"] - want)) < 1e-5 * max(1, np.max(np.abs(want)))
+    assert np.max(np.abs(ns["out"] - fastattn.attention(ns["qs"], ns["ks"], ns["vs"]))) < 1e-12
+
+
+def test_readme_first_example_prints(tmp_path):
+    """The README's first example, run as a script, prints its results."""
+    import subprocess
+    import sys
+    block = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)[0]
+    path = tmp_path / "first.py"
+    path.write_text(block)
+    out = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, check=True).stdout
+    assert "7.271" in out and "0.495" in out, out
+
+
+def test_dask_page_example():
+    """docs/dask.md's first example runs and matches fastattn.attention."""
+    block = re.findall(r"```python\n(.*?)```", (README.parent / "docs" / "dask.md").read_text(), re.S)[0]
+    ns = {}
+    exec(compile(block, "docs/dask.md", "exec"), ns)
+    want = fastattn.attention(ns["q"], ns["k"], ns["v"], causal=True)
+    assert np.max(np.abs(ns["result"] - want)) < 1e-5

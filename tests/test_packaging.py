@@ -24,6 +24,27 @@ def test_one_version_number():
     assert f"fastattn {fastattn.__version__}" in README.read_text()
 
 
+def test_changelog_and_license():
+    """The CHANGELOG has a section for this version; the metadata names the license."""
+    changelog = README.parent / "CHANGELOG.md"
+    assert re.search(rf"^## \[{re.escape(fastattn.__version__)}\] - \d{{4}}-\d{{2}}-\d{{2}}$",
+                     changelog.read_text(), re.M), "CHANGELOG.md has no section for this version"
+    meta = importlib.metadata.metadata("fastattn")
+    assert meta["License-Expression"] == "BSD-3-Clause"
+    assert "Programming Language :: Python :: 3.13" in meta.get_all("Classifier")
+
+
+@pytest.mark.parametrize("extra,path", [("test", "tests/requirements.txt"), ("docs", "docs/requirements.txt")])
+def test_requirements_files_match_the_extras(extra, path):
+    """tests/requirements.txt (the quick start's second command) and docs/requirements.txt
+    list pyproject.toml's "test" and "docs" extras."""
+    listed = [line.strip() for line in (README.parent / path).read_text().splitlines()
+              if line.strip() and not line.startswith("#")]
+    in_meta = [r.split(";")[0].strip() for r in importlib.metadata.requires("fastattn") or []
+               if re.search(rf"extra\s*==\s*['\"]{extra}['\"]", r)]
+    assert sorted(x.replace(" ", "") for x in listed) == sorted(x.replace(" ", "") for x in in_meta)
+
+
 def test_typing_files_installed():
     pkg = pathlib.Path(fastattn.__file__).parent
     assert (pkg / "py.typed").is_file() and (pkg / "_core.pyi").is_file()
@@ -208,13 +229,18 @@ def test_bench_blhd_decode_row(head_name, row_name):
         import torch
     except Exception:
         torch = None
-    ca = bench.peer_calls(dict(head, shape=small), a, threads=1, torch=torch)
-    cb = bench.peer_calls(dict(row, shape=small), b, threads=1, torch=torch)
-    assert set(ca) == set(cb) >= {"fastattn", "reference"}
-    want = ca["reference"]()
-    assert np.array_equal(cb["fastattn"](), ca["fastattn"]().swapaxes(1, 2))
-    for peer in cb:
-        np.testing.assert_allclose(cb[peer](), want.swapaxes(1, 2), rtol=1e-4, atol=1e-5, err_msg=peer)
+    torch_threads = torch.get_num_threads() if torch is not None else None
+    try:   # PyTorch's set_num_threads sets the OpenMP runtime's count, which fastattn shares: put it back
+        ca = bench.peer_calls(dict(head, shape=small), a, threads=1, torch=torch)
+        cb = bench.peer_calls(dict(row, shape=small), b, threads=1, torch=torch)
+        assert set(ca) == set(cb) >= {"fastattn", "reference"}
+        want = ca["reference"]()
+        assert np.array_equal(cb["fastattn"](), ca["fastattn"]().swapaxes(1, 2))
+        for peer in cb:
+            np.testing.assert_allclose(cb[peer](), want.swapaxes(1, 2), rtol=1e-4, atol=1e-5, err_msg=peer)
+    finally:
+        if torch is not None:
+            torch.set_num_threads(torch_threads)
 
 
 def test_bench_decode_bytes(monkeypatch):

@@ -301,14 +301,15 @@ def test_interrupt_handler_restored():
 # many leading dims, masked arrays, bools for counts
 # ---------------------------------------------------------------------------
 def test_many_leading_dims():
-    """40 leading dims with a mask, kv_lengths, q_lengths and ALiBi slopes (NumPy's
+    """40 leading dims (30 under NumPy 1) with a mask, kv_lengths, q_lengths and ALiBi slopes (NumPy's
     broadcast_shapes stops at 32 with a RuntimeError): the same as the squeezed call."""
     rng = np.random.default_rng(7)
     q, k, v = rand(rng, (2, 3, 5, 8)), rand(rng, (2, 3, 7, 8)), rand(rng, (2, 3, 7, 4))
     mask = rng.random((3, 5, 7)) < 0.8
     kvl, qln, sl = np.array([[7], [5]]), np.array([[5], [4]]), np.array([0.1, 0.2, 0.3], F32)
     want = fastattn.attention(q, k, v, mask=mask, kv_lengths=kvl, q_lengths=qln, alibi_slopes=sl)
-    extra = (1,) * 38
+    # NumPy 2 arrays take up to 64 dims (the bug needed more than 32 leading ones); NumPy 1 up to 32
+    extra = (1,) * (38 if np.lib.NumpyVersion(np.__version__) >= "2.0.0" else 28)
     grow = lambda a: a.reshape(extra + a.shape)  # noqa: E731
     got = fastattn.attention(grow(q), grow(k), grow(v), mask=mask, kv_lengths=grow(kvl), q_lengths=qln,
                              alibi_slopes=sl)
@@ -341,3 +342,39 @@ def test_counts_refuse_bools(kw):
     x, w = np.ones((2, 3, 4)), np.eye(4)
     with pytest.raises(TypeError, match="num_(kv_)?heads must be"):
         fastattn.multihead_attention(x, w, w, w, w, **kw)
+
+
+def test_key_padding_mask_hint():
+    """A PyTorch-style key-padding mask (B, n_k) is refused with the way to pass it."""
+    q = np.ones((2, 4, 5, 8), F32)
+    with pytest.raises(ValueError, match=r"mask\[:, None, None, :\].*kv_lengths"):
+        fastattn.attention(q, q, q, mask=np.ones((2, 5), bool))
+    keep = np.array([[True] * 5, [True, True, True, False, False]])
+    got = fastattn.attention(q, q, q, mask=keep[:, None, None, :])          # the hint, followed
+    np.testing.assert_array_equal(got, fastattn.attention(q, q, q, kv_lengths=np.array([[5], [3]])))
+
+
+@pytest.mark.skipif(not _core.openmp_enabled() or not hasattr(os, "fork"), reason="a build without OpenMP")
+def test_thread_limit_outlives_a_fork():
+    """Freeing libgomp's pool before a fork must not drop the thread count that
+    threadpoolctl (omp_set_num_threads) set, in the parent or in the child."""
+    from threadpoolctl import threadpool_limits
+    before = _core.max_threads()
+    q = np.ones((8, 256, 32), F32)
+    with threadpool_limits(limits=1, user_api="openmp"):
+        assert _core.max_threads() == 1
+        fastattn.attention(q, q, q, num_threads=2)                        # a pool of this thread's
+        assert _core.last_threads() == 2
+        subprocess.run([sys.executable, "-c", "pass"], check=True)        # fork + exec
+        assert _core.max_threads() == 1
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.write(w, str(_core.max_threads()).encode())
+            os._exit(0)
+        os.waitpid(pid, 0)
+        assert os.read(r, 16) == b"1"
+        os.close(r)
+        os.close(w)
+        assert _core.max_threads() == 1
+    assert _core.max_threads() == before
