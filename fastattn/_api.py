@@ -58,10 +58,13 @@ def _self_overlapping(a: np.ndarray) -> bool:
     """Do two elements of `a` share memory (a stride-0 view, overlapping strides)?
     Checked by the strides from the smallest: each dim's copies of the block below
     it are apart when its stride is at least that block's extent; otherwise (a rare
-    interleaved layout) by the elements' byte offsets."""
+    interleaved layout) by the elements' byte offsets, up to 2^22 elements (more
+    such elements count as overlapping: refused)."""
     dims = sorted((abs(st), n) for st, n in zip(a.strides, a.shape) if n > 1)
     if a.size == 0:
         return False
+    if dims and dims[0][0] == 0:
+        return True
     extent = a.itemsize
     for st, n in dims:
         if st < extent:
@@ -69,6 +72,8 @@ def _self_overlapping(a: np.ndarray) -> bool:
         extent += st * (n - 1)
     else:
         return False
+    if a.size > 1 << 22:    # too many offsets to list: refused as if they overlapped
+        return True
     offs = np.zeros(1, np.int64)
     for st, n in dims:
         offs = (offs[:, None] + np.arange(n, dtype=np.int64) * st).ravel()

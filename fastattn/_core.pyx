@@ -10,6 +10,8 @@ from libc.stdint cimport int64_t, uint64_t
 from cpython.exc cimport PyErr_CheckSignals
 from cpython.pythread cimport PyThread_get_thread_ident
 cimport numpy as cnp
+import os
+import signal
 import threading
 
 cnp.import_array()
@@ -65,7 +67,7 @@ cdef extern from "fastattn.h" nogil:
         const int64_t *kv_start
         int64_t kst_lead[FA_MAX_DIMS]
         int num_threads
-        const int *stop
+        const volatile int *stop
 
     ctypedef struct fa_softmax_args:
         int n_lead
@@ -77,7 +79,7 @@ cdef extern from "fastattn.h" nogil:
         void *out
         int dtype
         int num_threads
-        const int *stop
+        const volatile int *stop
 
     int fa_attention(const fa_attention_args *a)
     int fa_attention_weights(const fa_attention_args *a)
@@ -104,7 +106,7 @@ cdef extern from "fastattn.h" nogil:
     int fa_last_threads()
     int fa_fork_serial()
     void fa_init()
-    const int *fa_interrupt_begin()
+    const volatile int *fa_interrupt_begin()
     void fa_interrupt_end()
     int fa_thread_cap()
     const char *fa_openmp_library()
@@ -142,38 +144,49 @@ cdef int _check(int status) except -1:
 
 
 # Calls of at least this much work (rows x keys x (d_k + d_v)), about a millisecond,
-# made from the main thread, can be stopped by Ctrl-C (fa_interrupt_begin): the two
-# sigaction calls that takes cost about a microsecond.
+# made from the main thread while SIGINT has Python's default handler (which raises
+# KeyboardInterrupt), stop on Ctrl-C (fa_interrupt_begin): the two sigaction calls
+# that takes cost about a microsecond.  Another handler is left to run when the call
+# returns: a call stopped part-way could not be resumed (out= may alias an input).
 cdef double _INTERRUPTIBLE_WORK = 1 << 26
 cdef unsigned long _main_ident = threading.main_thread().ident
 
 
+def _after_fork_in_child():
+    global _main_ident
+    _main_ident = threading.main_thread().ident
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 cdef int _run(void *args, int which, double work) except -1:
     """Run a C entry point (0 attention, 1 its weights, 2 softmax) with the GIL
-    released; a long call from the main thread stops on Ctrl-C, and the SIGINT
-    handler's exception (KeyboardInterrupt) is raised.  A handler that returns
-    without raising lets the call run again from the start."""
-    cdef const int *stop
+    released; a long call from the main thread stops on Ctrl-C and raises
+    KeyboardInterrupt (see _INTERRUPTIBLE_WORK)."""
+    cdef const volatile int *stop = NULL
     cdef int status
-    cdef bint watch = work >= _INTERRUPTIBLE_WORK and PyThread_get_thread_ident() == _main_ident
-    while True:
-        stop = fa_interrupt_begin() if watch else NULL
-        if which == 2:
-            (<fa_softmax_args *>args).stop = stop
+    if (work >= _INTERRUPTIBLE_WORK and PyThread_get_thread_ident() == _main_ident
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+        stop = fa_interrupt_begin()
+    if which == 2:
+        (<fa_softmax_args *>args).stop = stop
+    else:
+        (<fa_attention_args *>args).stop = stop
+    with nogil:
+        if which == 0:
+            status = fa_attention(<fa_attention_args *>args)
+        elif which == 1:
+            status = fa_attention_weights(<fa_attention_args *>args)
         else:
-            (<fa_attention_args *>args).stop = stop
-        with nogil:
-            if which == 0:
-                status = fa_attention(<fa_attention_args *>args)
-            elif which == 1:
-                status = fa_attention_weights(<fa_attention_args *>args)
-            else:
-                status = fa_softmax(<fa_softmax_args *>args)
-        if stop != NULL:
-            fa_interrupt_end()
-        if status != FA_EINTR:
-            return _check(status)
-        PyErr_CheckSignals()
+            status = fa_softmax(<fa_softmax_args *>args)
+    if stop != NULL:
+        fa_interrupt_end()
+    if status == FA_EINTR:
+        PyErr_CheckSignals()             # Python's handler: raises KeyboardInterrupt
+        raise KeyboardInterrupt()        # (recorded before the flag was set, so not reached)
+    return _check(status)
 
 
 cdef inline void _lead_strides(cnp.ndarray a, int nl, int core, int64_t *out):

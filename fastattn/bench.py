@@ -65,7 +65,7 @@ WORKLOADS = [
     _w("20 rows H32 Nk4096 d128", (1, 32, 20, 4096, 128)),  # ... and from memory: up to 24 rows
     _w("20 rows H8 Nk2048 d128", (1, 8, 20, 2048, 128)),    # ... and in cache from d128 on
     # verifying 16 draft tokens (16 + 1 rows), in cache: the tiled kernel's 16 and a tail of one
-    # row that the row kernel takes (a whole vector of the tiled kernel before 14bc8d3)
+    # row that the row kernel takes (rather than a whole vector of the tiled kernel)
     _w("17 rows H8 Nk1024 d64", (1, 8, 17, 1024, 64)),
     _w("B1 H8 N2048 d64 bool mask", (1, 8, 2048, 2048, 64), mask="bool"),
     # an additive mask (as PyTorch users pass): normal scores, -inf where the bool mask is False

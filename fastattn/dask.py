@@ -69,13 +69,15 @@ def _as_dask(x: Any, name: str) -> Any:
 # ---------------------------------------------------------------------------
 # threads: the worker's budget
 # ---------------------------------------------------------------------------
-def _task_threads(requested: int) -> int:
-    """Threads for one task's fastattn call (0: fastattn's default).  A request
-    stands.  In a distributed worker: the OpenMP default (distributed sets
-    OMP_NUM_THREADS=1 in its workers) and no more than the worker's cores per
-    task thread.  In another pool thread (dask's threaded scheduler, whose tasks
-    already fill the cores): one.  Else (the synchronous scheduler): the default."""
-    if requested:
+def _task_threads(requested: Optional[int]) -> Optional[int]:
+    """num_threads for one task's fastattn call (None: fastattn's default).  A
+    request stands (a negative one counts back from the worker's default).  In a
+    distributed worker: the OpenMP default (distributed sets OMP_NUM_THREADS=1 in
+    its workers) and no more than the worker's cores per task thread.  In another
+    pool thread (dask's threaded scheduler, whose tasks already fill the cores):
+    one.  In the main thread (the synchronous scheduler, a processes scheduler's
+    worker): the default."""
+    if requested is not None:
         return requested
     try:
         from distributed import get_worker
@@ -83,9 +85,10 @@ def _task_threads(requested: int) -> int:
     except (ImportError, ValueError):
         worker = None
     if worker is not None:
-        per_task = max(1, (os.cpu_count() or 1) // max(1, worker.state.nthreads))
+        slots = getattr(getattr(worker, "state", worker), "nthreads", 1) or 1
+        per_task = max(1, (os.cpu_count() or 1) // slots)
         return max(1, min(_core.max_threads(), per_task))
-    return 0 if threading.current_thread() is threading.main_thread() else 1
+    return None if threading.current_thread() is threading.main_thread() else 1
 
 
 # ---------------------------------------------------------------------------
@@ -136,11 +139,24 @@ class _Positions:
     def kind(self, lead_index, i0, i1, j0, j1) -> str:
         """"none" (no query of the block sees a key of it), "all" (every query of
         it sees every key, before ALiBi), "causal" / "upper_left" (exactly the local
-        causal rule of fastattn.attention), or "mask" (an explicit mask)."""
-        vis = self.visible(lead_index, i0, i1, j0, j1)
-        if not vis.any():
+        causal rule of fastattn.attention), or "mask" (an explicit mask).  From
+        each row's band of visible keys [lo, hi], as the rules give one: no
+        (query, key) array is built."""
+        kvl, qln = self.lengths(lead_index)
+        kvl, qln = kvl[..., 0], qln[..., 0]                     # (lead..., 1): a column over rows
+        i = np.arange(i0, i1, dtype=np.int64)
+        p = i if self.top_left else i + kvl - qln
+        lo = np.zeros_like(p) if self.left < 0 else p - self.left
+        hi = np.broadcast_to(kvl - 1, p.shape)
+        if self.causal:
+            hi = np.minimum(hi, p)
+        if self.right >= 0:
+            hi = np.minimum(hi, p + self.right)
+        real = np.broadcast_to(i < qln, p.shape)
+        seen = real & (np.maximum(lo, j0) <= np.minimum(hi, j1 - 1))
+        if not seen.any():
             return "none"
-        if vis.all():
+        if (real & (lo <= j0) & (hi >= j1 - 1)).all():
             return "all"
         if self.kvl is None and self.qln is None and self.left < 0 and self.right < 0 and self.causal:
             nq, nk = i1 - i0, j1 - j0
@@ -326,7 +342,7 @@ def attention(q: Any, k: Any, v: Any, *, mask: Any = None, causal: Any = False, 
                      None if kvl is None else np.broadcast_to(kvl, lead),
                      None if qln is None else np.broadcast_to(qln, lead),
                      None if p.slopes is None else np.broadcast_to(np.asarray(slopes, comp), lead))
-    opts = dict(scale=p.scale, softcap=p.softcap or None, gqa=gqa is not None, num_threads=p.nthreads, comp=comp)
+    opts = dict(scale=p.scale, softcap=p.softcap or None, gqa=gqa is not None, num_threads=num_threads, comp=comp)
 
     token = tokenize(q, k, v, mask, p.scale, p.softcap, p.causal, p.top_left, p.win_left, p.win_right,
                      kvl, qln, slopes, num_threads, split_every, gqa is not None)

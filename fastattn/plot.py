@@ -8,6 +8,8 @@ from typing import Any, Optional, Sequence
 import numpy as np
 from numpy.typing import ArrayLike
 
+from ._api import _causal
+
 __all__ = ["attention_map"]
 
 
@@ -24,7 +26,7 @@ def _pyplot():
 def attention_map(weights: ArrayLike, query_labels: Optional[Sequence[str]] = None,
                   key_labels: Optional[Sequence[str]] = None, ax: Any = None, *, title: Optional[str] = None,
                   annotate: Optional[bool] = None, mask: Optional[ArrayLike] = None,
-                  causal: bool = False) -> Any:
+                  causal: Any = False) -> Any:
     """Draw attention weights as a heatmap: one row per query, one column per key.
 
     Parameters
@@ -41,9 +43,10 @@ def attention_map(weights: ArrayLike, query_labels: Optional[Sequence[str]] = No
     mask : array_like of bool, shape (n_q, n_k), optional
         The mask the weights were computed with (True = may attend): hidden cells
         are drawn grey and hatched, apart from a visible key whose weight is 0.
-    causal : bool, default False
-        Hide the cells above the diagonal (aligned bottom-right, as `causal=True`
-        in `fastattn.attention`), together with `mask`.
+    causal : bool or str, default False
+        Hide the cells the causal rule hides, as `causal` in `fastattn.attention`:
+        True (or "lower_right") aligned bottom-right, "upper_left" top-left;
+        together with `mask`.
 
     Returns
     -------
@@ -83,8 +86,9 @@ def attention_map(weights: ArrayLike, query_labels: Optional[Sequence[str]] = No
             seen &= np.broadcast_to(m, w.shape)
         except ValueError:
             raise ValueError(f"mask of shape {m.shape} does not broadcast to the weights {w.shape}") from None
-    if causal:
-        seen &= np.tri(w.shape[0], w.shape[1], w.shape[1] - w.shape[0], dtype=bool)
+    on, top_left = _causal(causal)
+    if on:   # query i sees key j <= i + n_k - n_q (bottom-right), or j <= i ("upper_left")
+        seen &= np.tri(w.shape[0], w.shape[1], 0 if top_left else w.shape[1] - w.shape[0], dtype=bool)
     plt = _pyplot()
     if ax is None:
         _, ax = plt.subplots(figsize=(1.0 + 0.55 * w.shape[1], 0.8 + 0.5 * w.shape[0]))

@@ -195,14 +195,16 @@ void fa_init(void)
 static volatile int stop_flag = 0;
 static struct sigaction replaced;
 
+/* The replaced handler first, so that Python has recorded the signal before
+ * the call sees the flag and returns to it. */
 static void on_sigint(int sig, siginfo_t *info, void *ctx)
 {
-    stop_flag = 1;
     if (replaced.sa_flags & SA_SIGINFO) {
         if (replaced.sa_sigaction) replaced.sa_sigaction(sig, info, ctx);
     } else if (replaced.sa_handler != SIG_DFL && replaced.sa_handler != SIG_IGN) {
         replaced.sa_handler(sig);
     }
+    stop_flag = 1;
 }
 #endif
 
@@ -211,6 +213,10 @@ const volatile int *fa_interrupt_begin(void)
 #ifdef FA_HAVE_SIGACTION
     struct sigaction now, mine;
     if (sigaction(SIGINT, NULL, &now) != 0) return NULL;
+    if ((now.sa_flags & SA_SIGINFO) && now.sa_sigaction == on_sigint) { /* still ours (a child forked */
+        stop_flag = 0;                                                     /* mid-call): keep its chain */
+        return &stop_flag;
+    }
     if (!(now.sa_flags & SA_SIGINFO) && (now.sa_handler == SIG_DFL || now.sa_handler == SIG_IGN)) return NULL;
     memset(&mine, 0, sizeof mine);
     mine.sa_sigaction = on_sigint;

@@ -804,8 +804,8 @@ static void pack_queries(const fa_attention_args *a, const fa_item *it, T *Qt, i
  * padded cache from np.empty) would make every row of the item non-finite and
  * send it to the careful redo (redo_nonfinite_rows): B1 H8 N2048 d64 with its
  * last 100 keys masked and NaN there took 5.6x as long (the row kernel:
- * 1.5-3.1x at 1-8 rows; a float mask's -inf, before b6417dd, 5.3x).  Skipping
- * them is exact, and saves their share of P.V. */
+ * 1.5-3.1x at 1-8 rows; a float mask's -inf, 5.3x).  Skipping them is exact,
+ * and saves their share of P.V. */
 enum { PV_RUNS = 4 };
 typedef struct {
     int64_t run[PV_RUNS][2];

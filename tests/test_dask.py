@@ -180,15 +180,26 @@ def test_errors_as_attention():
 def test_threads_per_task(cluster):
     """A task on the threaded scheduler runs fastattn on one thread; on a distributed
     worker with OMP_NUM_THREADS=1, on one too; num_threads, if given, stands."""
-    assert fdask._task_threads(3) == 3
-    assert fdask._task_threads(0) == 0                     # the main thread: fastattn's default
+    assert fdask._task_threads(3) == 3 and fdask._task_threads(-1) == -1
+    assert fdask._task_threads(None) is None               # the main thread: fastattn's default
     import threading
     got = []
-    t = threading.Thread(target=lambda: got.append(fdask._task_threads(0)))
+    t = threading.Thread(target=lambda: got.append(fdask._task_threads(None)))
     t.start()
     t.join()
     assert got == [1]
     workers = list(cluster.scheduler_info()["workers"])
-    got = [cluster.submit(fdask._task_threads, 0, workers=[w], pure=False).result() for w in workers]
+    got = [cluster.submit(fdask._task_threads, None, workers=[w], pure=False).result() for w in workers]
     assert got == [1, 1]
     assert set(cluster.run(lambda: fastattn._core.max_threads()).values()) == {1}   # OMP_NUM_THREADS=1
+
+
+@pytest.mark.parametrize("num_threads", [None, 1, -1])
+def test_synchronous_scheduler(num_threads):
+    """On the synchronous scheduler the tasks run in the main thread: fastattn's default
+    team (or the request, a negative one counted back on the worker)."""
+    rng = np.random.default_rng(6)
+    q, k, v = (rand(rng, (B, H, N, D)) for _ in range(3))
+    qd, kd, vd = _chunk(q, k, v, CHUNKINGS["all"])
+    got = fdask.attention(qd, kd, vd, causal=True, num_threads=num_threads).compute(scheduler="sync")
+    assert_close(got, fastattn.attention(q, k, v, causal=True), F32)

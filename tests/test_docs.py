@@ -14,18 +14,25 @@ GUIDE = README.parent / "docs" / "guide.md"
 
 
 def test_docstring_examples():
+    import fastattn.dask
     from fastattn import layers, reference
-    for mod, least in ((_api, 7), (layers, 2), (reference, 9)):
+    for mod, least in ((_api, 7), (layers, 2), (reference, 9), (fastattn.dask, 1)):
         result = doctest.testmod(mod, optionflags=doctest.NORMALIZE_WHITESPACE)
         assert result.attempted >= least and result.failed == 0, mod.__name__
 
 
-def test_readme_python_blocks_run():
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
-    assert len(blocks) >= 2
+def _run_blocks(path, least, first_only=False):
+    """Run the ```python blocks of a Markdown file in order, in one namespace; return it."""
+    blocks = re.findall(r"```python\n(.*?)```", path.read_text(), re.S)
+    assert len(blocks) >= least, path
     ns = {}
-    for block in blocks:
-        exec(compile(block, str(README), "exec"), ns)
+    for block in blocks[:1] if first_only else blocks:
+        exec(compile(block, str(path), "exec"), ns)
+    return ns
+
+
+def test_readme_python_blocks_run():
+    ns = _run_blocks(README, 2)
     # the multi-head example: shapes, and agreement with the reference
     y, o = ns["y"], ns["o"]
     assert y.shape == (4, 128, 256) and o.shape == (4, 8, 128, 32)
@@ -66,11 +73,7 @@ def test_readme_is_a_short_guide():
 
 def test_guide_python_blocks_run():
     """docs/guide.md's examples run in order and give what the reference gives."""
-    blocks = re.findall(r"```python\n(.*?)```", GUIDE.read_text(), re.S)
-    assert len(blocks) >= 5
-    ns = {}
-    for block in blocks:
-        exec(compile(block, str(GUIDE), "exec"), ns)
+    ns = _run_blocks(GUIDE, 5)
     want = fastattn.reference.attention(*(a.astype(np.float64) for a in (ns["q"], ns["k"], ns["v"])), causal=True)
     assert np.max(np.abs(ns["o"] - want)) < 1e-5 * max(1, np.max(np.abs(want)))
     assert np.max(np.abs(ns["out"] - fastattn.attention(ns["qs"], ns["ks"], ns["vs"]))) < 1e-12
@@ -89,8 +92,6 @@ def test_readme_first_example_prints(tmp_path):
 
 def test_dask_page_example():
     """docs/dask.md's first example runs and matches fastattn.attention."""
-    block = re.findall(r"```python\n(.*?)```", (README.parent / "docs" / "dask.md").read_text(), re.S)[0]
-    ns = {}
-    exec(compile(block, "docs/dask.md", "exec"), ns)
+    ns = _run_blocks(README.parent / "docs" / "dask.md", 2, first_only=True)
     want = fastattn.attention(ns["q"], ns["k"], ns["v"], causal=True)
     assert np.max(np.abs(ns["result"] - want)) < 1e-5

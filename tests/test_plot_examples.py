@@ -68,6 +68,10 @@ def test_attention_map_hidden_cells():
     assert len(hatched) == 3                         # the three cells above the diagonal
     cmap = ax.images[0].get_cmap()
     assert tuple(cmap.get_bad()[:3]) != tuple(cmap(0.0)[:3])       # grey, not the colour of 0
+    ax = plot.attention_map(np.full((2, 4), 0.5), causal="upper_left")       # j <= i, not bottom-right
+    np.testing.assert_array_equal(~np.ma.getmaskarray(ax.images[0].get_array()), np.tri(2, 4, dtype=bool))
+    ax = plot.attention_map(np.full((2, 4), 0.5), causal=True)                # j <= i + 2
+    np.testing.assert_array_equal(~np.ma.getmaskarray(ax.images[0].get_array()), np.tri(2, 4, 2, dtype=bool))
     mask = np.array([[True, False, True, True]] * 2)
     ax = plot.attention_map(np.full((2, 4), 1 / 3), mask=mask)
     np.testing.assert_array_equal(np.ma.getmaskarray(ax.images[0].get_array()), ~mask)

@@ -266,8 +266,9 @@ def test_ctrl_c_stops_long_calls(tmp_path, which):
 
 
 def test_sigint_handler_that_returns(tmp_path):
-    """A SIGINT handler that does not raise: the call stopped by the signal runs
-    again and returns the whole result."""
+    """A SIGINT handler of the user's own (not Python's default): the call is not
+    stopped (it could not be resumed: out= may alias an input); it returns the whole
+    result and the handler runs once, after it."""
     proc = _run_script(tmp_path, """
         import os, signal, threading, time
         import numpy as np, fastattn
