@@ -104,8 +104,11 @@ def _dtypes(*arrays: Any) -> tuple[np.dtype[Any], np.dtype[Any]]:
 
 
 def _readable(a: np.ndarray, unit_last: bool) -> bool:
-    """Can the C core address `a` as it is: strides in whole elements and, if
-    unit_last, a contiguous last axis?"""
+    """Can the C core address `a` as it is: aligned to its dtype (an unpickled
+    buffer may not be), strides in whole elements and, if unit_last, a contiguous
+    last axis?"""
+    if not a.flags.aligned:
+        return False
     if a.flags.c_contiguous:
         return True
     if unit_last and a.ndim and a.shape[-1] > 1 and a.strides[-1] != a.itemsize:
@@ -123,7 +126,9 @@ def _as_compute(a: np.ndarray, dtype: Any, unit_last: bool = True) -> np.ndarray
         a = np.broadcast_to(_broadcast_core(a).astype(dtype), a.shape)
     else:
         a = a.astype(dtype, copy=False)
-    return a if _readable(a, unit_last) else np.ascontiguousarray(a)
+    if _readable(a, unit_last):
+        return a
+    return np.ascontiguousarray(a) if a.flags.aligned else np.array(a, order="C")   # a fresh, aligned copy
 
 
 def _broadcast_core(a: np.ndarray) -> np.ndarray:
@@ -203,7 +208,7 @@ def _abs_max(x: np.ndarray, nthreads: int = 0) -> float:
     (B, 1, N, N) mask) took 2.1 ms, not 3.5."""
     if x.size == 0:
         return 0.0
-    if x.flags.c_contiguous and (x.dtype == _F32 or x.dtype == _F64):
+    if x.flags.c_contiguous and x.flags.aligned and (x.dtype == _F32 or x.dtype == _F64):
         m = _core.abs_max(x, nthreads)
         return math.inf if math.isnan(m) else m
     hi, lo = float(x.max()), float(x.min())
@@ -243,7 +248,7 @@ def _mask_as_bool(mm: np.ndarray, p: Any, slopes: Optional[np.ndarray]) -> Optio
         and each row holding a finite one holds a 0 or (pad_floor > -inf) is one
         constant at most pad_floor throughout (as _core.mask_keep), else None."""
         pad = np.empty(x.shape[:-1], bool) if pad_floor > -math.inf else None  # every row written
-        if x.flags.c_contiguous and (x.dtype == _F32 or x.dtype == _F64):
+        if x.flags.c_contiguous and x.flags.aligned and (x.dtype == _F32 or x.dtype == _F64):
             keep = np.empty(x.shape, bool)
             if not _core.mask_keep(x, keep, floor, p.nthreads, pad, pad_floor):  # one pass, threaded
                 return None
@@ -357,7 +362,7 @@ def _slopes(alibi_slopes, comp):
     s = _asarray(alibi_slopes, "alibi_slopes")
     if s.dtype.kind not in "fiu" or s.dtype.itemsize > 8:
         raise TypeError(f"alibi_slopes must be real numbers, got dtype {s.dtype}")
-    return np.asarray(s, dtype=comp, order="C")
+    return np.require(s, comp, ["C", "A"])
 
 
 def _scale(scale, d_k):
@@ -554,7 +559,7 @@ def _lengths(x, name, axis, n):
         raise TypeError(f"{name} must be integers, got dtype {a.dtype}")
     if a.size and (a.min() < 0 or a.max() > n):
         raise ValueError(f"{name} must lie in [0, {axis}={n}], got values from {a.min()} to {a.max()}")
-    return np.asarray(a, dtype=np.int64, order="C")
+    return np.require(a, np.int64, ["C", "A"])
 
 
 def _blhd(layout):
@@ -766,7 +771,8 @@ def _plain(q: Any, k: Any, v: Any) -> bool:
     qs, ks, vs = q.shape, k.shape, v.shape
     n = len(qs)
     return (n >= 2 and n == len(ks) and qs[-1] == ks[-1] and qs[:-2] == ks[:-2] and ks[:-1] == vs[:-1]
-            and q.flags.c_contiguous and k.flags.c_contiguous and v.flags.c_contiguous)
+            and q.flags.c_contiguous and k.flags.c_contiguous and v.flags.c_contiguous
+            and q.flags.aligned and k.flags.aligned and v.flags.aligned)
 
 
 def _plain_mask(mask: Any, q: np.ndarray, k: np.ndarray) -> int:
@@ -804,7 +810,7 @@ def _plain_out(out: Any, q: Any, k: Any, v: Any) -> bool:
     clear of the inputs; anything else goes the general way (its checks, its
     errors, a temporary when out overlaps an input)."""
     return (type(out) is np.ndarray and out.dtype == q.dtype and out.shape == q.shape[:-1] + v.shape[-1:]
-            and out.flags.c_contiguous and out.flags.writeable
+            and out.flags.c_contiguous and out.flags.writeable and out.flags.aligned
             and not (np.may_share_memory(out, q) or np.may_share_memory(out, k) or np.may_share_memory(out, v)))
 
 

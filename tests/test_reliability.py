@@ -379,3 +379,40 @@ def test_thread_limit_outlives_a_fork():
         os.close(w)
         assert _core.max_threads() == 1
     assert _core.max_threads() == before
+
+
+def _misaligned(a):
+    """A copy of `a` one byte past an aligned address (as an unpickled buffer can be)."""
+    buf = np.zeros(a.nbytes + 65, np.uint8)
+    start = (-buf.ctypes.data) % 64 + 1
+    x = buf[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
+    x[...] = a
+    assert not x.flags.aligned
+    return x
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_misaligned_arrays(dtype):
+    """Arrays not aligned to their dtype (q, k, v, a float mask, lengths, slopes, out) are
+    copied, not read in place: the C core's loads assume element alignment (UBSan)."""
+    rng = np.random.default_rng(9)
+    q, k, v = rand(rng, (2, 3, 20, 8), dtype), rand(rng, (2, 3, 30, 8), dtype), rand(rng, (2, 3, 30, 4), dtype)
+    mask = np.where(rng.random((20, 30)) < 0.8, 0.0, -np.inf).astype(dtype)
+    kvl, sl = np.array([[30], [17]], np.int64), np.array([0.1, 0.2, 0.3], dtype)
+    want = fastattn.attention(q, k, v, causal=True)
+    out = _misaligned(np.zeros_like(want))
+    got = fastattn.attention(_misaligned(q), _misaligned(k), _misaligned(v), causal=True, out=out)
+    assert got is out
+    np.testing.assert_array_equal(got, want)
+    kw = dict(mask=mask, kv_lengths=kvl, alibi_slopes=sl)
+    want = fastattn.attention(q, k, v, **kw)
+    got = fastattn.attention(_misaligned(q), _misaligned(k), _misaligned(v), mask=_misaligned(mask),
+                             kv_lengths=_misaligned(kvl), alibi_slopes=_misaligned(sl))
+    np.testing.assert_array_equal(got, want)
+    assert_close(got, reference64(q, k, v, **kw)[0], dtype)
+    x = rand(rng, (5, 40), dtype)
+    np.testing.assert_array_equal(fastattn.softmax(_misaligned(x)), fastattn.softmax(x))
+    qv = rand(rng, (25, 3, 8), dtype)
+    cu = np.array([0, 10, 25])
+    got = fastattn.attention_varlen(_misaligned(qv), qv, qv, cu, cu, alibi_slopes=_misaligned(sl))
+    np.testing.assert_array_equal(got, fastattn.attention_varlen(qv, qv, qv, cu, cu, alibi_slopes=sl))
