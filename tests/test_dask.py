@@ -188,7 +188,8 @@ def test_threads_per_task(cluster):
     t.start()
     t.join()
     assert got == [1]
-    workers = list(cluster.scheduler_info()["workers"])
+    cluster.wait_for_workers(2, timeout=120)
+    workers = sorted(cluster.run(lambda: None))             # the live workers' addresses
     got = [cluster.submit(fdask._task_threads, None, workers=[w], pure=False).result() for w in workers]
     assert got == [1, 1]
     assert set(cluster.run(lambda: fastattn._core.max_threads()).values()) == {1}   # OMP_NUM_THREADS=1
