@@ -358,7 +358,8 @@ def test_key_padding_mask_hint():
 @pytest.mark.skipif(not _core.openmp_enabled() or not hasattr(os, "fork"), reason="a build without OpenMP")
 def test_thread_limit_outlives_a_fork():
     """Freeing libgomp's pool before a fork must not drop the thread count that
-    threadpoolctl (omp_set_num_threads) set, in the parent or in the child."""
+    threadpoolctl (omp_set_num_threads) set, in the parent or (under libgomp, which
+    fastattn's fork handlers serve) in the child."""
     from threadpoolctl import threadpool_limits
     before = _core.max_threads()
     q = np.ones((8, 256, 32), F32)
@@ -374,7 +375,9 @@ def test_thread_limit_outlives_a_fork():
             os.write(w, str(_core.max_threads()).encode())
             os._exit(0)
         os.waitpid(pid, 0)
-        assert os.read(r, 16) == b"1"
+        child = os.read(r, 16)
+        if "gomp" in _core.openmp_library():   # LLVM's and Intel's runtimes start afresh in a child
+            assert child == b"1"
         os.close(r)
         os.close(w)
         assert _core.max_threads() == 1
