@@ -50,15 +50,6 @@ def _small(x: Any, name: str) -> Optional[np.ndarray]:
     return _api._asarray(x, name)
 
 
-def _check_mask_dtype(dt: np.dtype) -> None:
-    if dt.kind == "b" or (dt.kind == "f" and dt.itemsize <= 8):
-        return
-    if dt.kind in "iu":
-        raise TypeError(f"mask has integer dtype {dt}; use a bool mask (True = may attend) "
-                        f"or a float mask (added to the scores), e.g. mask.astype(bool)")
-    raise TypeError(f"mask must be bool or floating, got dtype {dt}")
-
-
 def _as_dask(x: Any, name: str) -> Any:
     if isinstance(x, da.Array):
         return x
@@ -114,12 +105,16 @@ class _Positions:
             return a[lead_index][..., None, None]
         return pick(self.kvl, self.n_k), pick(self.qln, self.n_q)
 
-    def visible(self, lead_index, i0, i1, j0, j1) -> np.ndarray:
-        """Bool (lead..., i1 - i0, j1 - j0): which keys each query of the block sees."""
+    def _grid(self, lead_index, i0, i1, j0, j1):
+        """Query rows i (rows, 1), keys j (1, keys), positions p, kv_len and q_len of a block."""
         kvl, qln = self.lengths(lead_index)
         i = np.arange(i0, i1, dtype=np.int64)[:, None]
         j = np.arange(j0, j1, dtype=np.int64)[None, :]
-        p = i if self.top_left else i + kvl - qln
+        return i, j, (i if self.top_left else i + kvl - qln), kvl, qln
+
+    def visible(self, lead_index, i0, i1, j0, j1) -> np.ndarray:
+        """Bool (lead..., i1 - i0, j1 - j0): which keys each query of the block sees."""
+        i, j, p, kvl, qln = self._grid(lead_index, i0, i1, j0, j1)
         vis = (j < kvl) & (i < qln)
         if self.causal:
             vis = vis & (j <= p)
@@ -130,10 +125,7 @@ class _Positions:
         return vis
 
     def alibi(self, lead_index, i0, i1, j0, j1, dtype) -> np.ndarray:
-        kvl, qln = self.lengths(lead_index)
-        i = np.arange(i0, i1, dtype=np.int64)[:, None]
-        j = np.arange(j0, j1, dtype=np.int64)[None, :]
-        p = i if self.top_left else i + kvl - qln
+        _, j, p, _, _ = self._grid(lead_index, i0, i1, j0, j1)
         return (-self.slopes[lead_index][..., None, None] * np.abs(p - j)).astype(dtype)
 
     def kind(self, lead_index, i0, i1, j0, j1) -> str:
@@ -286,7 +278,6 @@ def attention(q: Any, k: Any, v: Any, *, mask: Any = None, causal: Any = False, 
     q, k, v = _as_dask(q, "q"), _as_dask(k, "k"), _as_dask(v, "v")
     if mask is not None:
         mask = _as_dask(mask, "mask")
-        _check_mask_dtype(mask.dtype)
     res, comp = _api._dtypes(np.empty(0, q.dtype), np.empty(0, k.dtype), np.empty(0, v.dtype))
     if blhd:
         for a, name in ((q, "q"), (k, "k"), (v, "v")):
@@ -297,7 +288,10 @@ def attention(q: Any, k: Any, v: Any, *, mask: Any = None, causal: Any = False, 
     slopes, kvl, qln = (_small(x, n) for x, n in ((alibi_slopes, "alibi_slopes"), (kv_lengths, "kv_lengths"),
                                                    (q_lengths, "q_lengths")))
     # every check of fastattn.attention, on stand-ins that take no memory
-    m_dt = None if mask is None else (np.dtype(bool) if mask.dtype.kind == "f" else mask.dtype)
+    # a float mask's stand-in is bool: _prepare would test a float one's values (_mask_as_bool);
+    # any other dtype goes in as it is, for _prepare's own dtype errors
+    m_dt = None if mask is None else (np.dtype(bool) if mask.dtype.kind == "f" and mask.dtype.itemsize <= 8
+                                      else mask.dtype)
     p = _api._prepare(_stand_in(q.shape, q.dtype), _stand_in(k.shape, k.dtype), _stand_in(v.shape, v.dtype),
                       None if mask is None else _stand_in(mask.shape, m_dt), causal, scale, enable_gqa, window,
                       softcap, slopes, kvl, num_threads, q_lengths=qln, blhd=blhd)
