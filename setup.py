@@ -119,7 +119,7 @@ ext = Extension(
     sources=["fastattn/_core.pyx"] + sorted(glob("src_c/*.c")),
     include_dirs=["src_c", numpy.get_include()],
     define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
-    depends=sorted(glob("src_c/*.h")),
+    depends=sorted(glob("src_c/*.h") + glob("src_c/kernel/*.h")),
 )
 
 setup(

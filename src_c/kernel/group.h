@@ -1,0 +1,134 @@
+/*
+ * The group kernel (included by kernel_body.h): the row kernel over items
+ * whose K and V rows interleave, the heads of a (B, n, H, d) cache.
+ */
+
+/* ---------------------------------------------------------------------------
+ * The row kernel over a group of items whose K and V rows interleave: the
+ * heads of a (B, n, H, d) cache (layout "blhd"), where key j's rows of the
+ * group's items lie side by side and one item's rows H d apart.  Item by item
+ * (item_rows), a thread reads pieces of d elements H d apart, which memory
+ * serves at 16-22 GB/s against 34-36 for the same bytes in address order
+ * (H32 Nk4096 d128 float32, two threads, a plain read).  Here the items take
+ * turns on each key tile of tl->bk keys (a few: a tile of 16 keys read as 16
+ * rows of pieces was no faster than item by item), so that K and V stream
+ * through in address order; each item keeps its own state.  The rows
+ * GROUP_PF_BYTES of K and V ahead are prefetched into L2 in step (64-512 KiB
+ * alike; none 0.83x, into L1 0.66-0.88x, non-temporal 0.80x).
+ * Items of several rows (GQA's folded heads, a few new tokens) take longer
+ * tiles (attention.c), and their work on a tile is long enough that a burst
+ * of prefetches at its start stalls it (the group then ran at 0.43-0.78x item
+ * by item, tiles of 4-64 keys): there the rows of the tile ahead are
+ * prefetched in step with the work, V's with the scores and K's key by key in
+ * P . V (tile_pf.per_key).
+ * All of them with the scores, as item_rows does, measured 0.94-1.45x item
+ * by item; K's in step with P . V's column tiles 0.80-1.71x (bursts where
+ * dv is one or two tiles).
+ *   its   (n) the items: the same rows i0 and at most tl->bq of them, keys
+ *         [j_lo, j_hi) each; K and V rows of item g at it[g].k, it[g].v
+ *         (row strides a->k_rs, a->v_rs)
+ * Scratch, in elements of T: per item Qs (bq, dkp), A (bq, dv), m, l (bq)
+ * (bq = tl->bq), then S (bq, bk): fa_group_scratch_elems.
+ * ------------------------------------------------------------------------- */
+enum { GROUP_PF_BYTES = 131072 };
+
+/* One key tile of fa_attn_group_rows for a row whose scores need nothing but
+ * the scale (no mask, softcap or ALiBi; one row's band is its key range):
+ * s = Qs . K, the online softmax of the row (m, l), A += P . V, for nb <= 4
+ * keys; its probabilities and the rescaling factor from one vector exp.  In
+ * place of rows_scores, rows_softmax and rows_pv, which serve any rows and
+ * tiles (and still take the other cases): 1.09-1.18x from memory (H32
+ * Nk4096 d128 float32), 1.27x with K and V in the L3.  Only where a vector
+ * has 4 lanes or more.
+ *   Qs (dkp) the row, times scale, zero-padded   K (nb, dk), V (nb, dv) row
+ *   strides krs, vrs   A (dv) */
+INLINE void group_step(const T *restrict Qs, const T *restrict K, int64_t krs, int64_t dk, const T *restrict V,
+                       int64_t vrs, int64_t dv, int64_t nb, T *restrict A, T *m, T *l)
+{
+    const int64_t dkv = dk / L * L, dvv = dv / L * L;
+    T s[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+    if (nb == 4)
+        rows_scores_1x4(s, Qs, K, K + krs, K + 2 * krs, K + 3 * krs, dk, dkv);
+    else
+        rows_scores(s, 0, Qs, 0, 1, K, krs, dk, nb, 0, 0, NULL);
+    const T mo = *m;
+    T mn = mo;
+    for (int j = 0; j < nb; j++) mn = max_nan(mn, s[j]);
+    const T mu = step_shift(mn);
+    /* lanes 0..nb: the probabilities; lane 4 (where there is one): the rescaling factor */
+    T e[L > 4 ? L : 8];
+    for (int r = 0; r < L; r++) e[r] = r < nb ? s[r] : r == 4 ? mo : -INFINITY;
+    const vec ev = vexp_neg(vload(e) - mu);
+    memcpy(e, &ev, sizeof ev);
+    const T alpha = L > 4 ? e[4] : exp_neg1(mo - mu);
+    T p[4];
+    for (int j = 0; j < 4; j++) p[j] = j < nb ? e[j] : 0;
+    const T p0 = p[0], p1 = p[1], p2 = p[2], p3 = p[3];
+    *l = *l * alpha + ((p0 + p1) + (p2 + p3));
+    *m = mn;
+    if (alpha != 1)
+        for (int64_t c = 0; c < dv; c++) A[c] *= alpha;
+    if (nb < 4) {
+        rows_pv(A, p, 0, 1, V, vrs, dv, nb, 0, 0, NULL);
+        return;
+    }
+    pv_1x4(A, p0, p1, p2, p3, V, V + vrs, V + 2 * vrs, V + 3 * vrs, dv, dvv);
+}
+
+void FN(fa_attn_group_rows)(const fa_attention_args *a, const fa_tiles *tl, const fa_item *its, int64_t n,
+                            void *scratch)
+{
+    const int64_t bk = tl->bk, dk = a->dk, dv = a->dv, dkp = (dk + L - 1) / L * L;
+    const int64_t st = tl->bq * (dkp + dv + 2); /* one item's state */
+    T *S = (T *)scratch + n * st;
+    const int plain = a->softcap <= 0 && a->mask_kind == FA_MASK_NONE;
+    band_t band[FA_GROUP_MAX];
+    int64_t lo = INT64_MAX, hi = 0;
+    for (int64_t g = 0; g < n; g++) {
+        const fa_item *it = &its[g];
+        T *Qs = (T *)scratch + g * st, *A = Qs + it->bq * dkp, *m = A + it->bq * dv, *l = m + it->bq;
+        band[g] = rows_begin(a, it, Qs, dkp, A, m, l);
+        if (band[g].j_lo < band[g].j_hi) {
+            lo = band[g].j_lo < lo ? band[g].j_lo : lo;
+            hi = band[g].j_hi > hi ? band[g].j_hi : hi;
+        }
+    }
+    /* keys ahead for the prefetch: GROUP_PF_BYTES of the group's K and V rows */
+    int64_t ahead = GROUP_PF_BYTES / (n * (dk + dv) * (int64_t)sizeof(T) + 1);
+    ahead = ahead < bk ? bk : ahead;
+    for (int64_t j0 = lo; j0 < hi; j0 += bk) {
+        for (int64_t g = 0; g < n; g++) {
+            const fa_item *it = &its[g];
+            const band_t *b = &band[g];
+            const T *K = it->k, *V = it->v;
+            const int64_t jl = j0 > b->j_lo ? j0 : b->j_lo, jh = j0 + bk < b->j_hi ? j0 + bk : b->j_hi;
+            const int64_t ja = j0 + ahead, na = b->j_hi - ja < bk ? b->j_hi - ja : bk; /* rows ahead */
+            const int in_step = it->bq > 1 && jl < jh; /* several rows: prefetch in step */
+            if (!in_step)
+                for (int64_t r = ja; r < ja + na; r++) {
+                    prefetch_l2(K + r * a->k_rs, dk, 1);
+                    prefetch_l2(V + r * a->v_rs, dv, 1);
+                }
+            if (jl >= jh) continue;
+            T *Qs = (T *)scratch + g * st, *A = Qs + it->bq * dkp, *m = A + it->bq * dv, *l = m + it->bq;
+            if (plain && it->slope == 0 && it->bq == 1 && jh - jl <= 4 && L >= 4) {
+                group_step(Qs, K + jl * a->k_rs, a->k_rs, dk, V + jl * a->v_rs, a->v_rs, dv, jh - jl, A, m, l);
+                continue;
+            }
+            const int64_t jp = na > 0 ? ja : jl; /* (no pointer past the item's keys) */
+            const tile_pf pf_v = {.v = V + jp * a->v_rs, .nv = na > 0 ? na : 0, .vrs = a->v_rs, .dv = dv};
+            const tile_pf pf_k = {.k = K + jp * a->k_rs, .nk = na > 0 ? na : 0, .krs = a->k_rs, .dk = dk,
+                                  .per_key = 1};
+            rows_scores(S, bk, Qs, dkp, it->bq, K + jl * a->k_rs, a->k_rs, dk, jh - jl, 0, 0,
+                        in_step ? &pf_v : NULL);
+            rows_softmax(a, it, b, S, bk, A, m, l, jl, jh - jl, 0);
+            rows_pv(A, S, bk, it->bq, V + jl * a->v_rs, a->v_rs, dv, jh - jl, 0, 0, in_step ? &pf_k : NULL);
+        }
+    }
+    for (int64_t g = 0; g < n; g++) {
+        const T *Qs = (const T *)scratch + g * st, *A = Qs + its[g].bq * dkp, *m = A + its[g].bq * dv;
+        write_rows(a, &its[g], A, dv, 1, m, m + its[g].bq, 0);
+    }
+    for (int64_t g = 0; g < n; g++) /* after all are written: this takes the scratch */
+        redo_nonfinite_rows(a, tl, &its[g], scratch);
+}

@@ -1,0 +1,208 @@
+/*
+ * The SIMD layer of the kernels (included by kernel_body.h once per dtype and
+ * ISA): target pragmas, the vector types of FA_VB bytes over T, loads,
+ * stores, selects, max, the any/all tests, the in-register L x L transpose and
+ * the horizontal sums.  Everything above the kernels that depends on the ISA.
+ */
+
+#include <float.h>
+#include <math.h>
+#include <string.h>
+
+#include "../internal.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h> /* max, and movemask for the bool-mask bit words (SSE2, AVX2 in the AVX files) */
+#endif
+
+/* The AVX files name their target features in FA_TARGET: every function from
+ * here on is compiled for them (GCC: a target pragma; clang: a target attribute
+ * on each function, popped at the end of kernel_body.h).  The headers above stay
+ * baseline code. */
+#define FA_PRAGMA_(x) _Pragma(#x)
+#define FA_PRAGMA(x) FA_PRAGMA_(x) /* a pragma built from macros */
+#ifdef FA_TARGET
+#if defined(__clang__)
+FA_PRAGMA(clang attribute push(__attribute__((target(FA_TARGET))), apply_to = function))
+#else
+FA_PRAGMA(GCC target(FA_TARGET))
+#endif
+#endif
+
+/* Full unrolling of the register-tile loops (n: their largest trip count),
+ * so that the accumulator arrays live in registers. */
+#if defined(__clang__)
+#define UNROLL(n) _Pragma("unroll")
+#else
+#define UNROLL(n) FA_PRAGMA(GCC unroll n)
+#endif
+
+#define FA_CAT3_(a, b, c) a##_##b##_##c
+#define FA_CAT3(a, b, c) FA_CAT3_(a, b, c)
+#define FN(name) FA_CAT3(name, FA_SUF, FA_ISA)
+#define INLINE static inline __attribute__((always_inline))
+
+typedef FA_T T;
+typedef FA_IT IT;
+typedef FA_UT UT;
+enum { L = FA_VB / sizeof(T) };                    /* lanes per vector */
+_Static_assert(L <= FA_LANES_MAX, "scratch sizes in internal.h assume at most FA_LANES_MAX lanes");
+enum { TW = 2 * L };                               /* query columns of a micro-tile */
+typedef T vec __attribute__((vector_size(FA_VB)));
+typedef IT ivec __attribute__((vector_size(FA_VB)));
+typedef UT uvec __attribute__((vector_size(FA_VB)));
+typedef T vec_u __attribute__((vector_size(FA_VB), aligned(sizeof(T)), may_alias));
+
+const int FN(fa_lanes) = L;
+
+INLINE vec vload(const T *p) { return *(const vec_u *)p; }
+INLINE void vstore(T *p, vec x) { *(vec_u *)p = x; }
+typedef IT ivec_u __attribute__((vector_size(FA_VB), aligned(sizeof(IT)), may_alias));
+INLINE ivec vload_i(const IT *p) { return *(const ivec_u *)p; }
+INLINE vec vset1(T x) { vec z = {0}; return z + x; }
+INLINE vec vsel(ivec m, vec a, vec b) { return (vec)(((ivec)a & m) | ((ivec)b & ~m)); }
+/* max that propagates NaN from either side */
+INLINE vec vnanmax(vec a, vec b) { return vsel((a > b) | (a != a), a, b); }
+/* plain max: a NaN in `a` gives `b` (vmaxps semantics); used where NaN
+ * propagates another way */
+INLINE vec vmax(vec a, vec b)
+{
+#if (defined(__x86_64__) || defined(_M_X64)) && FA_VB == 64 && FA_IS_F64
+    return (vec)_mm512_max_pd((__m512d)a, (__m512d)b);
+#elif (defined(__x86_64__) || defined(_M_X64)) && FA_VB == 64
+    return (vec)_mm512_max_ps((__m512)a, (__m512)b);
+#elif (defined(__x86_64__) || defined(_M_X64)) && FA_VB == 32 && FA_IS_F64
+    return (vec)_mm256_max_pd((__m256d)a, (__m256d)b);
+#elif (defined(__x86_64__) || defined(_M_X64)) && FA_VB == 32
+    return (vec)_mm256_max_ps((__m256)a, (__m256)b);
+#elif (defined(__x86_64__) || defined(_M_X64)) && FA_IS_F64
+    return (vec)_mm_max_pd((__m128d)a, (__m128d)b);
+#elif defined(__x86_64__) || defined(_M_X64)
+    return (vec)_mm_max_ps((__m128)a, (__m128)b);
+#else
+    return vsel(a > b, a, b);
+#endif
+}
+/* whether any lane of a comparison result is set */
+INLINE int vany(ivec m)
+{
+#if (defined(__x86_64__) || defined(_M_X64)) && FA_VB == 64
+    return _mm512_test_epi32_mask((__m512i)m, (__m512i)m) != 0;
+#elif (defined(__x86_64__) || defined(_M_X64)) && FA_VB == 32
+    return !_mm256_testz_si256((__m256i)m, (__m256i)m);
+#elif defined(__x86_64__) || defined(_M_X64)
+    return _mm_movemask_epi8((__m128i)m) != 0;
+#else
+    IT x[L];
+    memcpy(x, &m, sizeof x);
+    for (int i = 0; i < L; i++)
+        if (x[i]) return 1;
+    return 0;
+#endif
+}
+INLINE int vall(ivec m)
+{
+    IT x[L];
+    memcpy(x, &m, sizeof x);
+    for (int i = 0; i < L; i++)
+        if (!x[i]) return 0;
+    return 1;
+}
+
+/* ---------------------------------------------------------------------------
+ * Transpose of an L x L block in registers: r[0..L) are its rows on entry and
+ * its columns on exit.  log2(L) rounds; the round of half-width h swaps the
+ * off-diagonal h x h blocks of every 2h x 2h block, two rows at a time.  With
+ * GCC the shuffle masks fold to constants (shufps, permt2ps and the like);
+ * other compilers go through memory.
+ * ------------------------------------------------------------------------- */
+#if defined(__GNUC__) && !defined(__clang__)
+#define FA_LANES (FA_VB / (FA_IS_F64 ? 8 : 4))
+/* lane x of the result takes lane FA_BM(x) of (a, b): index L + k is b[k] */
+#define FA_BM(x)                                                                       \
+    ((x) % (2 * h) < h ? (x) / (2 * h) * 2 * h + (x) % (2 * h) + hi * h                \
+                       : L + (x) / (2 * h) * 2 * h + (x) % (2 * h) - h + hi * h)
+#if FA_LANES == 16
+#define FA_BMASK {FA_BM(0), FA_BM(1), FA_BM(2), FA_BM(3), FA_BM(4), FA_BM(5), FA_BM(6), FA_BM(7), \
+                  FA_BM(8), FA_BM(9), FA_BM(10), FA_BM(11), FA_BM(12), FA_BM(13), FA_BM(14), FA_BM(15)}
+#elif FA_LANES == 8
+#define FA_BMASK {FA_BM(0), FA_BM(1), FA_BM(2), FA_BM(3), FA_BM(4), FA_BM(5), FA_BM(6), FA_BM(7)}
+#elif FA_LANES == 4
+#define FA_BMASK {FA_BM(0), FA_BM(1), FA_BM(2), FA_BM(3)}
+#elif FA_LANES == 2
+#define FA_BMASK {FA_BM(0), FA_BM(1)}
+#endif
+/* hi = 0: a's low halves of each 2h block, then b's; hi = 1: the high halves */
+INLINE vec swap_blocks(vec a, vec b, const int h, const int hi)
+{
+    const ivec mask = FA_BMASK;
+    return __builtin_shuffle(a, b, mask);
+}
+INLINE void transpose_block(vec *r)
+{
+    UNROLL(4) for (int h = L / 2; h >= 1; h /= 2)
+    {
+        UNROLL(16) for (int x = 0; x < L; x++)
+        {
+            if (x & h) continue;
+            const vec lo = r[x], up = r[x + h];
+            r[x] = swap_blocks(lo, up, h, 0);
+            r[x + h] = swap_blocks(lo, up, h, 1);
+        }
+    }
+}
+#undef FA_BMASK
+#undef FA_BM
+#undef FA_LANES
+#else
+INLINE void transpose_block(vec *r)
+{
+    T b[L][L];
+    memcpy(b, r, sizeof b);
+    for (int x = 0; x < L; x++)
+        for (int y = 0; y < L; y++) r[x][y] = b[y][x];
+}
+#endif
+
+INLINE T hsum(vec x)
+{
+    T t[L];
+    memcpy(t, &x, sizeof t);
+    T s = 0;
+    for (int i = 0; i < L; i++) s += t[i];
+    return s;
+}
+
+/* The horizontal sums of four vectors: s[r] = sum of the lanes of ar.  On
+ * AVX2/AVX-512 by a tree of adds and hadds (about 13 instructions for 16
+ * float32 lanes, in place of 60 scalar adds).  With the vector row max and
+ * the attention exp below, the decode kernel went from 66 to 83 GB/s on one
+ * core with K and V in cache (float32, AVX-512). */
+INLINE void hsum4(vec a0, vec a1, vec a2, vec a3, T *restrict s)
+{
+#if (defined(__x86_64__) || defined(_M_X64)) && FA_VB >= 32 && !FA_IS_F64
+#if FA_VB == 64
+#define HALF(x) _mm256_add_ps(_mm512_castps512_ps256((__m512)(x)), _mm512_extractf32x8_ps((__m512)(x), 1))
+#else
+#define HALF(x) ((__m256)(x))
+#endif
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(HALF(a0), HALF(a1)), _mm256_hadd_ps(HALF(a2), HALF(a3)));
+    _mm_storeu_ps(s, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+#undef HALF
+#elif (defined(__x86_64__) || defined(_M_X64)) && FA_VB >= 32
+#if FA_VB == 64
+#define HALF(x) _mm256_add_pd(_mm512_castpd512_pd256((__m512d)(x)), _mm512_extractf64x4_pd((__m512d)(x), 1))
+#else
+#define HALF(x) ((__m256d)(x))
+#endif
+    const __m256d h01 = _mm256_hadd_pd(HALF(a0), HALF(a1)), h23 = _mm256_hadd_pd(HALF(a2), HALF(a3));
+    _mm256_storeu_pd(s, _mm256_add_pd(_mm256_permute2f128_pd(h01, h23, 0x20),
+                                      _mm256_permute2f128_pd(h01, h23, 0x31)));
+#undef HALF
+#else
+    s[0] = hsum(a0);
+    s[1] = hsum(a1);
+    s[2] = hsum(a2);
+    s[3] = hsum(a3);
+#endif
+}

@@ -1,0 +1,516 @@
+/*
+ * The tiled kernel (included by kernel_body.h): many query rows, one work item
+ * at a time, with its queries packed transposed so that every softmax step is
+ * a vertical SIMD operation across query rows (see kernel_body.h), and the
+ * attention-weights kernel built from the same tiles.
+ */
+
+/* ---------------------------------------------------------------------------
+ * Register-blocked micro-kernels.  R rows of one operand times NV = 2 vectors
+ * (TW query columns) of the other: 2R accumulators.  R is at most RB: 6 with
+ * 16 registers (12 accumulators, plus two loads and a broadcast: 15 of the 16
+ * AVX2 registers), FA_RB64 with the 32 registers of AVX-512.  NV = 1 (L query
+ * columns) serves a last odd vector of query rows, so that bqp is a multiple
+ * of L, not of TW: few query rows waste less (5 rows on AVX-512 pad to 16, not
+ * 32).  One loop over the head dim serves every d: copies of qk_block and
+ * pv_block compiled for d = 64 (bqp 128) and d = 128 (bqp 64), and the dk loop
+ * unrolled by 4, measured within +-2 % (B1 H2/H8 N2048, one and two threads).
+ * ------------------------------------------------------------------------- */
+#ifndef FA_RB64
+#define FA_RB64 12
+#endif
+enum { RB = FA_VB == 64 ? FA_RB64 : 6 };
+
+/* The fused exp (pass 4 in fa_attn_item).  A key tile with no score modifier
+ * takes its probabilities p = exp(s - m) straight from the accumulator
+ * registers of Q.K^T, so that St is written once and never read back for the
+ * max and the exp.  m is a reference max per query row, which may lag the true
+ * running max by up to FUSE_LAG: the online softmax is exact for any reference
+ * (l, Ot and lse all refer to m), and p <= e^24 = 2.6e10 cannot overflow l.
+ * Each register tile checks its column max first; where one exceeds
+ * m + FUSE_LAG (the first keys of a row, or a score far above all before it),
+ * fuse_regrow raises m to the max in every lane that rose and rescales l, Ot and
+ * the tile's rows already written.  Scores that keep rising steeply (a ramp of
+ * 100 per 256 keys) would rescale at every few register tiles: after 2 such
+ * calls per query vector the item goes on unfused.  A row's Ot can overflow
+ * only where n_k |v| is within a factor e^24 of the dtype's limit; such a row
+ * comes out non-finite and is redone carefully (redo_nonfinite_rows).
+ * Measured 2-4 % faster at B1 H8 N2048 d64 (float32 and float64, one and two
+ * threads; at d128 within the noise), against 42e4aba in one process, with
+ * AVX-512; with 16 registers it was slower, so only AVX-512 takes it
+ * (tl->fuse, from the ISA table in dispatch.c; the tests force it on and off). */
+#define FUSE_LAG 24
+typedef struct {
+    T *m, *l;        /* (bqp) reference max and row sums of the item */
+    T *Ot;           /* (dv, bqp) the output accumulator */
+    T *St;           /* (nb, ld) the tile's first row */
+    int64_t ld, dv;  /* row stride of Ot and St; rows of Ot */
+    int64_t regrows; /* rescaling calls of fuse_regrow in the item so far */
+    int mask;        /* St holds the tile's float mask, transposed (mask_tile), to add */
+} fuse_t;
+
+/* Called when some lane of bm (the max of a register tile's rows [j, j + R) in
+ * the query columns [i, i + L)) exceeds the reference max by more than
+ * FUSE_LAG: raise the reference to bm in every lane where bm is above it (so
+ * that lanes do not call one by one), and rescale their l, Ot and the
+ * probabilities of the tile's rows [0, j) already written.  A row that has
+ * seen no finite score (m = -inf) has nothing to rescale: l = 0, and Ot = 0
+ * (or NaN from 0 * NaN, which a multiply keeps). */
+static __attribute__((noinline)) void fuse_regrow(fuse_t *f, int64_t i, int64_t j, vec bm)
+{
+    const vec mo = vload(f->m + i);
+    const ivec grow = bm > mo;
+    vstore(f->m + i, vsel(grow, bm, mo));
+    if (!vany(grow & (mo > -INFINITY))) return;
+    f->regrows++;
+    const vec alpha = vsel(grow, vexp_neg(mo - bm), vset1(1));
+    vstore(f->l + i, vload(f->l + i) * alpha);
+    scale_rows(f->Ot + i, f->ld, f->dv, alpha);
+    scale_rows(f->St + i, f->ld, j, alpha);
+}
+
+/* The fused exp of R rows of one query vector (columns [i, i + L)), rows
+ * [j, j + R) of the tile: st[r * ld] <- exp(a[r] - m), their sum added to l.
+ * Each probability goes straight to St rather than back into a[r], which
+ * shortens the registers' lives while the exps of a register tile overlap:
+ * against the write-back, 1.01-1.03x across B1 H8 N512-N4096 d64-d128, BERT
+ * and B4 H8 N1024, float32 and float64 (AVX-512, 2 threads, one process). */
+INLINE void fuse_exp(const int R, vec *a, fuse_t *f, int64_t i, int64_t j, T *st, int64_t ld)
+{
+    vec bm = vset1(-INFINITY);
+    UNROLL(16) for (int r = 0; r < R; r++) bm = vmax(a[r], bm);
+    if (vany(bm > vload(f->m + i) + (T)FUSE_LAG)) fuse_regrow(f, i, j, bm);
+    const vec m = vload(f->m + i);
+    const vec mu = vstep_shift(m);
+    vec sum = vset1(0);
+    UNROLL(16) for (int r = 0; r < R; r++)
+    {
+        const vec e = vexp_neg(a[r] - mu);
+        vstore(st + r * ld, e);
+        sum += e;
+    }
+    vstore(f->l + i, vload(f->l + i) + sum);
+}
+
+/* St[r][0..NV*L) = sum_c kr[r][c] * Qt[c][0..NV*L)   for r < R
+ * or, with f, their probabilities (fuse_exp; st is f->St + j * bqp + i), of
+ * the scores plus what st holds with f->mask (a float mask):
+ *   st  (R, NV*L)   row stride bqp
+ *   kr  (R, dk)     row stride krs
+ *   qt  (dk, NV*L)  row stride bqp */
+INLINE void qk_tile(const int R, const int NV, T *st, int64_t bqp, const T *restrict kr,
+                    int64_t krs, const T *restrict qt, int64_t dk, fuse_t *f, int64_t i,
+                    int64_t j)
+{
+    vec a0[RB], a1[RB];
+    UNROLL(16) for (int r = 0; r < R; r++) a0[r] = a1[r] = vset1(0);
+    for (int64_t c = 0; c < dk; c++) {
+        const vec b0 = vload(qt + c * bqp), b1 = NV == 2 ? vload(qt + c * bqp + L) : b0;
+        UNROLL(16) for (int r = 0; r < R; r++)
+        {
+            const T x = kr[r * krs + c];
+            a0[r] += x * b0;
+            if (NV == 2) a1[r] += x * b1;
+        }
+    }
+    if (f) {
+        if (f->mask)
+            UNROLL(16) for (int r = 0; r < R; r++)
+            {
+                a0[r] += vload(st + r * bqp);
+                if (NV == 2) a1[r] += vload(st + r * bqp + L);
+            }
+        fuse_exp(R, a0, f, i, j, st, bqp);
+        if (NV == 2) fuse_exp(R, a1, f, i + L, j, st + L, bqp);
+        return;
+    }
+    UNROLL(16) for (int r = 0; r < R; r++)
+    {
+        vstore(st + r * bqp, a0[r]);
+        if (NV == 2) vstore(st + r * bqp + L, a1[r]);
+    }
+}
+
+/* Ot[c + r][0..NV*L) += sum_j V[j][c + r] * Pt[j][0..NV*L)   for r < R
+ *   ot  (R, NV*L)   row stride bqp
+ *   pt  (nb, NV*L)  row stride bqp
+ *   vc  (nb, R)     row stride vrs (V advanced to column c) */
+INLINE void pv_tile(const int R, const int NV, T *restrict ot, int64_t bqp, const T *restrict pt,
+                    const T *restrict vc, int64_t vrs, int64_t nb)
+{
+    vec a0[RB], a1[RB];
+    UNROLL(16) for (int r = 0; r < R; r++)
+    {
+        a0[r] = vload(ot + r * bqp);
+        a1[r] = NV == 2 ? vload(ot + r * bqp + L) : a0[r];
+    }
+    for (int64_t j = 0; j < nb; j++) {
+        const vec p0 = vload(pt + j * bqp), p1 = NV == 2 ? vload(pt + j * bqp + L) : p0;
+        UNROLL(16) for (int r = 0; r < R; r++)
+        {
+            const T x = vc[j * vrs + r];
+            a0[r] += x * p0;
+            if (NV == 2) a1[r] += x * p1;
+        }
+    }
+    UNROLL(16) for (int r = 0; r < R; r++)
+    {
+        vstore(ot + r * bqp, a0[r]);
+        if (NV == 2) vstore(ot + r * bqp + L, a1[r]);
+    }
+}
+
+/* St rows [0, R) over the bqp query columns (row stride ld): two-vector
+ * groups, then one vector when bqp is an odd number of vectors. */
+INLINE void qk_rows(const int R, T *St, const T *restrict K, int64_t krs,
+                    const T *restrict Qt, int64_t ld, int64_t bqp, int64_t dk, fuse_t *f, int64_t j)
+{
+    int64_t i = 0;
+    for (; i + TW <= bqp; i += TW) qk_tile(R, 2, St + i, ld, K, krs, Qt + i, dk, f, i, j);
+    if (i < bqp) qk_tile(R, 1, St + i, ld, K, krs, Qt + i, dk, f, i, j);
+}
+
+/* Where the register tiles of RB rows end among n rows; 4-row tiles, then
+ * single rows, take the rest.  A rest of 1-3 single rows takes one RB tile
+ * with it where 4-row tiles then leave fewer single rows (with RB 6: 8 = 4 + 4,
+ * 9 = 4 + 4 + 1): a single row has too few accumulators to cover the FMA
+ * latency.  At B1 H8 N2048 d128 (dv 128: 20 tiles of 6 and two of 4, not 21
+ * and two single columns) 1.016x (float32, AVX2, two threads). */
+INLINE int64_t rb_tiles_end(int64_t n)
+{
+    const int64_t rem = n % RB, end = n - rem;
+    return rem > 0 && rem < 4 && end >= RB && (RB + rem) % 4 < rem ? end - RB : end;
+}
+
+/* St (nb, bqp) = K[0..nb) . Qt;  K (nb, dk) row stride krs, Qt (dk, bqp);
+ * St and Qt have row stride ld.  Or, with f (f->St == St), their
+ * probabilities (the fused exp).  Meanwhile prefetches pf's rows (NULL: none). */
+static void qk_block(T *St, const T *restrict K, int64_t krs, const T *restrict Qt, int64_t ld,
+                     int64_t bqp, int64_t dk, int64_t nb, const tile_pf *pf, fuse_t *f)
+{
+    int64_t j = 0;
+    const int64_t end = rb_tiles_end(nb);
+    for (; j < end; j += RB) {
+        if (pf) tile_prefetch(pf, j, RB);
+        qk_rows(RB, St + j * ld, K + j * krs, krs, Qt, ld, bqp, dk, f, j);
+    }
+    if (pf) tile_prefetch(pf, j, INT64_MAX - j); /* the rest, also rows past nb */
+    for (; j + 4 <= nb; j += 4) qk_rows(4, St + j * ld, K + j * krs, krs, Qt, ld, bqp, dk, f, j);
+    for (; j < nb; j++) qk_rows(1, St + j * ld, K + j * krs, krs, Qt, ld, bqp, dk, f, j);
+}
+
+/* Ot columns [i, i + NV*L) += Pt^T-contracted with V, over all dv rows of Ot;
+ * meanwhile prefetches pf's rows (NULL: none; pf->nv must be 0). */
+INLINE void pv_cols(const int NV, T *restrict Ot, const T *restrict Pt, const T *restrict V,
+                    int64_t vrs, int64_t ld, int64_t dv, int64_t nb, const tile_pf *pf)
+{
+    int64_t c = 0;
+    const int64_t end = rb_tiles_end(dv);
+    for (; c < end; c += RB) {
+        if (pf) prefetch_in_step(pf, c, c + RB, dv);
+        pv_tile(RB, NV, Ot + c * ld, ld, Pt, V + c, vrs, nb);
+    }
+    if (pf) prefetch_in_step(pf, c, dv, dv); /* the rest */
+    for (; c + 4 <= dv; c += 4) pv_tile(4, NV, Ot + c * ld, ld, Pt, V + c, vrs, nb);
+    for (; c < dv; c++) pv_tile(1, NV, Ot + c * ld, ld, Pt, V + c, vrs, nb);
+}
+
+/* Ot (dv, bqp) += (Pt (nb, bqp))^T-contracted with V (nb, dv) row stride vrs;
+ * Ot and Pt have row stride ld.  Meanwhile prefetches pf's K and query rows
+ * (NULL: none), over the first group of query columns. */
+static void pv_block(T *restrict Ot, const T *restrict Pt, const T *restrict V, int64_t vrs,
+                     int64_t ld, int64_t bqp, int64_t dv, int64_t nb, const tile_pf *pf)
+{
+    int64_t i = 0;
+    for (; i + TW <= bqp; i += TW, pf = NULL) pv_cols(2, Ot + i, Pt + i, V, vrs, ld, dv, nb, pf);
+    if (i < bqp) pv_cols(1, Ot + i, Pt + i, V, vrs, ld, dv, nb, pf);
+}
+
+/* Pack the item's queries, times scale, transposed and zero-padded:
+ *   Qt (dk, bqp) row stride ld <- q (bq, dk) row stride q_rs
+ * L x L blocks in registers (bqp is a whole number of vectors; rows past bq
+ * are zeros), then the columns past the last whole vector one by one. */
+static void pack_queries(const fa_attention_args *a, const fa_item *it, T *Qt, int64_t ld, int64_t bqp)
+{
+    const T *q = it->q;
+    const T scale = (T)a->scale;
+    const int64_t bq = it->bq, dk = a->dk;
+    int64_t c0 = 0;
+    for (; c0 + L <= dk; c0 += L)
+        for (int64_t i0 = 0; i0 < bqp; i0 += L) {
+            vec r[L];
+            UNROLL(16) for (int x = 0; x < L; x++)
+                r[x] = i0 + x < bq ? vload(q + (i0 + x) * a->q_rs + c0) * scale : vset1(0);
+            transpose_block(r);
+            UNROLL(16) for (int x = 0; x < L; x++) vstore(Qt + (c0 + x) * ld + i0, r[x]);
+        }
+    for (int64_t c = c0; c < dk; c++) {
+        for (int64_t i = 0; i < bq; i++) Qt[c * ld + i] = q[i * a->q_rs + c] * scale;
+        for (int64_t i = bq; i < bqp; i++) Qt[c * ld + i] = 0;
+    }
+}
+
+/* Scores of the key tile [j0, j0 + nb) for the item's rows:
+ *   St (nb, bqp) = K_tile . Qt (Qt already scaled; both row stride ld), then softcap, ALiBi,
+ *   float mask and the band (causal, window), on every lane or the real rows.
+ * A bool mask is packed into bit words W (ceil(nb / 32), ld) for the caller
+ * to apply.  With f, a tile that has none of those modifiers but a float mask
+ * (nor a bool mask with a False in it) gets its probabilities instead (the
+ * fused exp, FUSE_LAG; the float mask stored in St first, for qk_tile to add).
+ * Returns -1 when the bool mask forbids the whole tile, or the float mask is
+ * -inf throughout it and no score there can be NaN or +inf (hidden_tile_skips;
+ * qmax is max |Qt|, or -1 until known): St is not computed; 2 when St holds the fused
+ * probabilities, 1 when W must be applied, 0 otherwise.  Under a float mask,
+ * kr gets the keys that some row sees (mask_tile); otherwise it is left as it
+ * is. */
+static int tile_scores(const fa_attention_args *a, const fa_item *it, const band_t *b, T *St,
+                       const T *Qt, T *qmax, IT *W, int64_t ld, int64_t bqp, int64_t j0, int64_t nb,
+                       const tile_pf *pf, fuse_t *f, key_runs *kr)
+{
+    const int64_t bq = it->bq;
+    int bits = 0;
+    if (a->mask_kind == FA_MASK_BOOL) {
+        const int kind = mask_bits(W, ld, (const uint8_t *)it->mask + j0 * a->m_cs, a->m_rs, a->m_cs, it->mbits,
+                                   it->mb_rs, j0, bq, nb);
+        if (kind == 0) return -1;
+        bits = kind == 1;
+    }
+    if (a->mask_kind == FA_MASK_ADD &&
+        mask_tile_hidden((const T *)it->mask + j0 * a->m_cs, a->m_rs, a->m_cs, bq, nb) &&
+        hidden_tile_skips((const T *)it->k + j0 * a->k_rs, a->k_rs, a->dk, nb, Qt, ld, bqp, qmax))
+        return -1;
+    /* band: key j hides the rows before the first at position j - right, and
+     * those from the first at position j + left + 1 on (band_first_row) */
+    const int cut_right = b->has_right && j0 + nb - 1 > band_pos(b, 0) + b->right;
+    const int cut_left = b->has_left && j0 < band_pos(b, bq - 1) - b->left;
+    if (f && !bits && !cut_right && !cut_left && !(a->softcap > 0) && it->slope == 0) {
+        f->mask = a->mask_kind == FA_MASK_ADD;
+        if (f->mask) mask_tile(St, ld, (const T *)it->mask + j0 * a->m_cs, a->m_rs, a->m_cs, bq, bqp, nb, 1, kr);
+        qk_block(St, (const T *)it->k + j0 * a->k_rs, a->k_rs, Qt, ld, bqp, a->dk, nb, pf, f);
+        return 2;
+    }
+    qk_block(St, (const T *)it->k + j0 * a->k_rs, a->k_rs, Qt, ld, bqp, a->dk, nb, pf, NULL);
+    if (a->softcap > 0) {
+        const T c = (T)a->softcap, ic = 1 / c;
+        for (int64_t j = 0; j < nb; j++)
+            for (int64_t i = 0; i < bqp; i += L) vstore(St + j * ld + i, vtanh(vload(St + j * ld + i) * ic) * c);
+    }
+    if (it->slope != 0 && b->g == 1) { /* ALiBi: s -= slope * |p(i) - j|, p(i) = p(0) + i */
+        const T slope = (T)it->slope;
+        const int64_t p0 = band_pos(b, 0);
+        T io[L];
+        for (int r = 0; r < L; r++) io[r] = (T)r;
+        const vec iota = vload(io);
+        for (int64_t j = 0; j < nb; j++)
+            for (int64_t i = 0; i < bqp; i += L) {
+                const vec d = iota + (T)(p0 + i - (j0 + j));
+                vstore(St + j * ld + i, vload(St + j * ld + i) - slope * vsel(d < 0, -d, d));
+            }
+    } else if (it->slope != 0) { /* rows sharing positions (the fold leaves out ALiBi) */
+        for (int64_t j = 0; j < nb; j++)
+            for (int64_t i = 0; i < bq; i++) {
+                const int64_t d = band_pos(b, i) - (j0 + j);
+                St[j * ld + i] -= (T)it->slope * (T)(d < 0 ? -d : d);
+            }
+    }
+    if (a->mask_kind == FA_MASK_ADD)
+        mask_tile(St, ld, (const T *)it->mask + j0 * a->m_cs, a->m_rs, a->m_cs, bq, bqp, nb, 0, kr);
+    if (cut_right || cut_left)
+        for (int64_t j = 0; j < nb; j++) {
+            const int64_t jj = j0 + j;
+            if (cut_right)
+                for (int64_t i = 0, hide = band_first_row(b, jj - b->right, bq); i < hide; i++)
+                    St[j * ld + i] = -INFINITY;
+            if (cut_left)
+                for (int64_t i = band_first_row(b, jj + b->left + 1, bq); i < bq; i++) St[j * ld + i] = -INFINITY;
+        }
+    return bits;
+}
+
+/* pv_block over the key ranges of kr (n >= 0), pf's rows during the first
+ * (pointers as pv_block's, at the tile's first key).  Off the common path, as
+ * rows_pv_runs: a second call of pv_block in fa_attn_item made gcc stop
+ * inlining it. */
+static __attribute__((noinline)) void pv_block_runs(const key_runs *kr, T *restrict Ot, const T *restrict Pt,
+                                                    const T *restrict V, int64_t vrs, int64_t ld, int64_t bqp,
+                                                    int64_t dv, const tile_pf *pf)
+{
+    for (int r = 0; r < kr->n; r++) {
+        const int64_t j = kr->run[r][0];
+        pv_block(Ot, Pt + j * ld, V + j * vrs, vrs, ld, bqp, dv, kr->run[r][1] - j, r == 0 ? pf : NULL);
+    }
+}
+
+/* Pass 4 of fa_attn_item for NV (1 or 2) vectors of query rows, the columns
+ * [i, i + NV L) of the key tile's scores St (nb, ld): a bool mask's bits W
+ * applied (bits), each row's max, the probabilities exp(s - m) in place, m and
+ * l updated, Ot (dv, ld) rescaled where a max grew.  Two vectors (a cache
+ * line's worth with AVX2) walk the rows of St once, not twice: against one
+ * vector at a time, 1.01-1.05x at B1 H4 N2048 d64 float32 (one thread), 1.03-1.06x
+ * with a bool mask, 1.00-1.05x at B1 H8 N2048 d128 (two threads), float64 the
+ * same (AVX2 on Zen 3). */
+INLINE void tile_softmax(const int NV, T *St, const IT *W, int bits, int64_t ld, int64_t nb, T *m, T *l,
+                         T *Ot, int64_t dv, int64_t i)
+{
+    vec bm[2], sum[2];
+    vstep_t st[2];
+    UNROLL(2) for (int v = 0; v < NV; v++) bm[v] = vset1(-INFINITY);
+    if (bits) {
+        for (int64_t j = 0; j < nb; j++)
+            UNROLL(2) for (int v = 0; v < NV; v++) {
+                const vec s = masked_scores(St, W, ld, i + v * L, j);
+                vstore(St + j * ld + i + v * L, s);
+                bm[v] = vmax(s, bm[v]);
+            }
+    } else {
+        for (int64_t j = 0; j < nb; j++)
+            UNROLL(2) for (int v = 0; v < NV; v++) bm[v] = vmax(vload(St + j * ld + i + v * L), bm[v]);
+    }
+    UNROLL(2) for (int v = 0; v < NV; v++) {
+        st[v] = vstep_begin(vload(m + i + v * L), bm[v]);
+        vstore(m + i + v * L, st[v].mn);
+        sum[v] = vset1(0);
+    }
+    for (int64_t j = 0; j < nb; j++)
+        UNROLL(2) for (int v = 0; v < NV; v++) {
+            T *sj = St + j * ld + i + v * L;
+            const vec p = vexp_neg(vload(sj) - st[v].mu);
+            vstore(sj, p);
+            sum[v] += p;
+        }
+    UNROLL(2) for (int v = 0; v < NV; v++) {
+        vstore(l + i + v * L, vload(l + i + v * L) * st[v].alpha + sum[v]);
+        if (!vall(st[v].alpha == vset1(1))) scale_rows(Ot + i + v * L, ld, dv, st[v].alpha); /* only when some max grew */
+    }
+}
+
+/* ---------------------------------------------------------------------------
+ * One attention work item (see fa_item in internal.h for q, k, v, mask, out,
+ * lse and part).  Scratch, in elements of T; every row is ld >= bqp long
+ * (tl->ld: see choose_tiles), of which the first bqp are used:
+ *   Qt   (dk, bqp)  queries of the item, times scale, transposed, zero-padded
+ *   St   (bk, bqp)  scores of one key tile, transposed; then probabilities
+ *   Ot   (dv, bqp)  unnormalised output accumulator, transposed
+ *   m    (bqp)      reference max of each row: the running max, or up to
+ *                   FUSE_LAG below it after fused tiles
+ *   l    (bqp)      running row sum of exp(score - m)
+ *   W    (ceil(bk / 32), bqp)  a bool mask tile as bit words (IT lanes)
+ * ------------------------------------------------------------------------- */
+void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_item *it,
+                      void *scratch)
+{
+    /* the item's rows in whole vectors: fewer than the tile's (tl->bqp) in a last
+     * query block, a sequence's last (q_len) or a short packed sequence */
+    const int64_t bqp = (it->bq + L - 1) / L * L, ld = tl->ld, bk = tl->bk, dk = a->dk, dv = a->dv;
+    T *Qt = scratch, *St = Qt + dk * ld, *Ot = St + bk * ld, *m = Ot + dv * ld, *l = m + ld;
+    IT *W = (IT *)(l + ld);
+    fuse_t fz = {.m = m, .l = l, .Ot = Ot, .St = St, .ld = ld, .dv = dv, .regrows = 0, .mask = 0};
+
+    /* Pass 1: pack the queries. */
+    pack_queries(a, it, Qt, ld, bqp);
+    T qmax = -1; /* max |Qt|, when hidden_tile_skips first needs it */
+    memset(Ot, 0, (size_t)(dv * ld) * sizeof(T));
+    for (int64_t i = 0; i < bqp; i++) {
+        m[i] = -INFINITY;
+        l[i] = 0;
+    }
+
+    /* Key tiles outside every row's band (causal, window, kv length) are never visited. */
+    const band_t b = item_band(a, it);
+    for (int64_t j0 = b.j_lo; j0 < b.j_hi && !fa_stopped(a->stop); j0 += bk) {
+        const int64_t nb = (b.j_hi - j0 < bk) ? b.j_hi - j0 : bk;
+
+        /* Passes 2-3: scores with every modifier and mask except a bool mask's bits,
+         * while this tile's V rows are prefetched (pf_v; tile_pf). */
+        const int64_t nb_next = b.j_hi - (j0 + nb) < bk ? b.j_hi - (j0 + nb) : bk;
+        const int last = nb_next <= 0;
+        const tile_pf pf_v = {.v = (const T *)it->v + j0 * a->v_rs, .nv = nb, .vrs = a->v_rs, .dv = dv};
+        /* the next tile's K rows (in the last tile: the first K rows and the
+         * queries of the thread's next item), prefetched during pass 5 */
+        const tile_pf pf_k = {.k = last ? it->next_k : (const T *)it->k + (j0 + nb) * a->k_rs,
+                              .q = it->next_q,
+                              .nk = last ? it->next_nk : nb_next,
+                              .nq = last ? it->next_bq : 0,
+                              .krs = a->k_rs, .qrs = a->q_rs, .dk = dk};
+        /* the fused exp, until its rescaling costs more than it saves (FUSE_LAG) */
+        fuse_t *f = tl->fuse && fz.regrows <= 2 * (bqp / L) ? &fz : NULL;
+        key_runs kr = {.n = -1}; /* the keys P.V needs: all, or those a mask leaves some row */
+        const int bits = tile_scores(a, it, &b, St, Qt, &qmax, W, ld, bqp, j0, nb, &pf_v, f, &kr);
+        if (bits < 0) continue;
+
+        /* Pass 4 (when the exp is not fused): online softmax, two vectors of
+         * query rows at a time. */
+        if (bits != 2) {
+            int64_t i = 0;
+            for (; i + 2 * L <= bqp; i += 2 * L) tile_softmax(2, St, W, bits, ld, nb, m, l, Ot, dv, i);
+            if (i < bqp) tile_softmax(1, St, W, bits, ld, nb, m, l, Ot, dv, i);
+        }
+
+        /* Pass 5: Ot += P . V_tile, while pf_k's rows are prefetched; under a
+         * mask, over the keys that some row sees (visible_runs; a float
+         * mask's from mask_tile) */
+        const T *vt = (const T *)it->v + j0 * a->v_rs;
+        if (bits == 1) visible_runs(&kr, W, ld, it->bq, nb);
+        if (runs_whole(&kr, nb))
+            pv_block(Ot, St, vt, a->v_rs, ld, bqp, dv, nb, &pf_k);
+        else
+            pv_block_runs(&kr, Ot, St, vt, a->v_rs, ld, bqp, dv, &pf_k);
+    }
+
+    /* Pass 6: write out (acc element (i, c) is Ot[c * ld + i]). */
+    write_rows(a, it, Ot, 1, ld, m, l, 0);
+    redo_nonfinite_rows(a, tl, it, scratch);
+}
+
+/* ---------------------------------------------------------------------------
+ * Attention weights of one item: out (bq, nk) row stride o_rs, zero-filled by
+ * the caller.  Pass A finds each row's max and sum over the visible tiles;
+ * pass B recomputes the scores and writes exp(s - max) / sum.  A row whose sum
+ * is NaN is NaN throughout.  Scratch as fa_attn_item with dv = 0.
+ * ------------------------------------------------------------------------- */
+void FN(fa_weights_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_item *it,
+                         void *scratch)
+{
+    const int64_t bq = it->bq, bqp = (bq + L - 1) / L * L, ld = tl->ld, bk = tl->bk, dk = a->dk;
+    T *Qt = scratch, *St = Qt + dk * ld, *m = St + bk * ld, *l = m + ld;
+    IT *W = (IT *)(l + ld);
+    T *out = it->out;
+    pack_queries(a, it, Qt, ld, bqp);
+    T qmax = -1; /* max |Qt|, when hidden_tile_skips first needs it */
+    for (int64_t i = 0; i < bqp; i++) {
+        m[i] = -INFINITY;
+        l[i] = 0;
+    }
+    const band_t b = item_band(a, it);
+    for (int pass = 0; pass < 2; pass++) {
+        for (int64_t j0 = b.j_lo; j0 < b.j_hi && !fa_stopped(a->stop); j0 += bk) {
+            const int64_t nb = (b.j_hi - j0 < bk) ? b.j_hi - j0 : bk;
+            key_runs kr;
+            const int bits = tile_scores(a, it, &b, St, Qt, &qmax, W, ld, bqp, j0, nb, NULL, NULL, &kr);
+            if (bits < 0) continue;
+            if (bits) apply_bits(St, W, ld, bqp, nb);
+            for (int64_t i = 0; i < bqp; i += L) {
+                if (pass == 0) {
+                    vec bm = vset1(-INFINITY);
+                    for (int64_t j = 0; j < nb; j++) bm = vmax(vload(St + j * ld + i), bm);
+                    const vstep_t s = vstep_begin(vload(m + i), bm);
+                    vec sum = vset1(0);
+                    for (int64_t j = 0; j < nb; j++) sum += vexp_neg(vload(St + j * ld + i) - s.mu);
+                    vstore(l + i, vload(l + i) * s.alpha + sum);
+                    vstore(m + i, s.mn);
+                } else {
+                    const vec mu = vstep_shift(vload(m + i)), lv = vload(l + i);
+                    const vec inv = vsel(lv == vset1(0), vset1(0), 1 / lv);
+                    for (int64_t j = 0; j < nb; j++)
+                        vstore(St + j * ld + i, vexp_neg(vload(St + j * ld + i) - mu) * inv);
+                }
+            }
+            if (pass == 1)
+                for (int64_t i = 0; i < bq; i++)
+                    for (int64_t j = 0; j < nb; j++) out[i * a->o_rs + j0 + j] = St[j * ld + i];
+        }
+    }
+    for (int64_t i = 0; i < bq; i++)
+        if (l[i] != l[i])
+            for (int64_t j = 0; j < a->nk; j++) out[i * a->o_rs + j] = l[i];
+}

@@ -1,0 +1,204 @@
+/*
+ * Vector math of the kernels (included by kernel_body.h): exp for any
+ * argument (vexp, the softmax), exp for the attention kernels' arguments <= 0
+ * (vexp_neg), tanh for the softcap, and their test entry points fa_exp and
+ * fa_exp_neg.
+ */
+
+/* ---------------------------------------------------------------------------
+ * Vector exp.  n = round(x / ln 2), r = x - n ln 2 in two parts (Cody-Waite),
+ * exp(r) by polynomial, times 2^n built in the exponent bits (in two halves so
+ * that subnormal results come out right).  NaN stays NaN, -inf gives 0, +inf
+ * gives +inf.
+ *
+ * EXP_HORNER: the AVX2 and AVX-512 builds (FMA) take exp(r) = 1 + r g(r) in
+ * plain Horner form, g a Chebyshev fit of (exp(r) - 1) / r on |r| <= ln 2 / 2
+ * (mpmath.chebyfit): float32 degree 6 (relative error 4e-9), float64 degree 11
+ * (6e-18).  Max error over every float32 argument of vexp_neg: 0.965 ulp (the
+ * earlier Cephes polynomial: 1.01); float64: 0.89 ulp on 4e7 samples.  The
+ * baseline build has no FMA (x86-64), where that form rounds to 1.24 ulp, so it
+ * keeps the more expensive 1 + r + r^2 q(r) with r added exactly: float32
+ * degree 7 (Cephes), float64 the Taylor series to degree 13; both within 1 ulp.
+ * ------------------------------------------------------------------------- */
+/* c[0] r^(n-1) + c[1] r^(n-2) + ... + c[n-1] */
+INLINE vec horner(vec r, const T *c, const int n)
+{
+    vec p = vset1(c[0]);
+    UNROLL(16) for (int i = 1; i < n; i++) p = p * r + c[i];
+    return p;
+}
+
+/* The shared core: for |xc| in range, n = round(xc / ln 2) (as a float in
+ * nf_out) and p = exp(xc - n ln 2), so that exp(xc) = p * 2^n.  t_out holds
+ * the bits of t = xc / ln 2 + EXP_MAGIC + bias, whose low bits are n + bias:
+ * with bias = EXP_BIAS, t_out << EXP_MANT is the bit pattern of 2^n itself
+ * (for a normal 2^n; the magic's own bits shift out), which saves the integer
+ * add and subtract of the exponent per vector (measured 3-4 % faster at B1 H8
+ * N2048 d64 float32 on AVX2). */
+#if FA_IS_F64
+#define EXP_MAGIC 6755399441055744.0 /* 1.5 * 2^52: adding it rounds to an integer */
+#else
+#define EXP_MAGIC 12582912.0f /* 1.5 * 2^23 */
+#endif
+INLINE vec exp_reduce(vec xc, const T bias, ivec *t_out, vec *nf_out)
+{
+    const T magic = EXP_MAGIC + bias;
+#if FA_IS_F64
+    const vec t = xc * 1.4426950408889634 + magic;
+    const vec nf = t - magic;
+    *t_out = (ivec)t;
+    *nf_out = nf;
+    vec r = xc - nf * 6.93147180369123816490e-01;
+    r = r - nf * 1.90821492927058770002e-10;
+#if FA_VB == 16 /* see EXP_HORNER: 1 + r + r^2 q(r), q the Taylor series */
+    static const T q[] = {1.0 / 6227020800.0, 1.0 / 479001600.0, 1.0 / 39916800.0, 1.0 / 3628800.0,
+                          1.0 / 362880.0, 1.0 / 40320.0, 1.0 / 5040.0, 1.0 / 720.0, 1.0 / 120.0,
+                          1.0 / 24.0, 1.0 / 6.0, 0.5};
+    return horner(r, q, 12) * (r * r) + r + 1.0;
+#else /* 1 + r g(r) */
+    static const T g[] = {2.5105259538448493419e-8, 2.7626426376580332797e-7, 2.7557255297969644392e-6,
+                          2.4801504180837138252e-5, 1.9841269874901259234e-4, 1.3888888932619635148e-3,
+                          8.3333333333261120526e-3, 4.1666666666572767692e-2, 1.6666666666666671008e-1,
+                          5.0000000000000056451e-1, 1.0};
+    return horner(r, g, 11) * r + 1.0;
+#endif
+#else
+    const vec t = xc * 1.44269504088896341f + magic;
+    const vec nf = t - magic;
+    *t_out = (ivec)t;
+    *nf_out = nf;
+    vec r = xc - nf * 0.693359375f;
+    r = r + nf * 2.12194440e-4f;
+#if FA_VB == 16 /* see EXP_HORNER: 1 + r + r^2 q(r), q from Cephes */
+    static const T q[] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
+                          1.6666665459e-1f, 5.0000001201e-1f};
+    return horner(r, q, 6) * (r * r) + r + 1.0f;
+#else /* 1 + r g(r) */
+    static const T g[] = {1.3933685862617173589e-3f, 8.3691843822919614316e-3f, 4.1666464602026541557e-2f,
+                          1.6666504936963596529e-1f, 5.0000000134981778643e-1f, 1.00000001080395231f};
+    return horner(r, g, 6) * r + 1.0f;
+#endif
+#endif
+}
+
+#if FA_IS_F64
+#define EXP_BIAS 1023   /* exponent bias, mantissa bits, exp's range */
+#define EXP_MANT 52
+#define EXP_ZERO (-745.2)             /* exp rounds to 0 below */
+#define EXP_TINY (-708.3964185322641) /* ln of the smallest normal */
+#define EXP_HUGE 709.79               /* exp overflows above */
+#else
+#define EXP_BIAS 127
+#define EXP_MANT 23
+#define EXP_ZERO (-103.98f)
+#define EXP_TINY (-87.3365447f)
+#define EXP_HUGE 88.72f
+#endif
+
+/* exp for any argument.  Lanes whose exp rounds to 0 (masked scores are -inf)
+ * compute exp(0) and are zeroed at the end, so that no multiply underflows
+ * (subnormal arithmetic is slow); 2^n is applied in two halves so that
+ * subnormal results come out right. */
+INLINE vec vexp(vec x)
+{
+    const ivec zero = x < EXP_ZERO;
+    vec xc = vsel(zero, vset1(0), x);
+    xc = vsel(xc > EXP_HUGE, vset1(EXP_HUGE), xc);
+    ivec tb;
+    vec nf;
+    const vec p = exp_reduce(xc, 0, &tb, &nf);
+    const ivec n = tb - (ivec)vset1(EXP_MAGIC);
+    const ivec n1 = (ivec)((uvec)(n + 8 * EXP_BIAS) >> 1) - 4 * EXP_BIAS;
+    const ivec n2 = n - n1;
+    const vec y = p * (vec)((n1 + EXP_BIAS) << EXP_MANT) * (vec)((n2 + EXP_BIAS) << EXP_MANT);
+    return vsel(x > EXP_HUGE, vset1(INFINITY), (vec)((ivec)y & ~zero));
+}
+
+/* exp for the attention kernels, whose arguments are <= 0, or up to FUSE_LAG
+ * (24) in the fused exp, or NaN: no overflow handling and one exponent scale;
+ * results below the smallest normal number are flushed to 0 (an absolute error
+ * below 2.3e-308 / 1.2e-38 on weights that sum to 1).  NaN stays NaN, -inf
+ * gives 0.  Tested against NumPy as `vexp(x, neg=True)` in the test suite, on
+ * [-inf, 30]. */
+INLINE vec vexp_neg(vec x)
+{
+#if (defined(__x86_64__) || defined(_M_X64)) && FA_VB == 64
+    /* AVX-512: p * 2^n by vscalef, and the flush to 0 by its zero-masking (NaN
+     * compares not-less, so it stays NaN): 4 fewer integer and select
+     * operations.  With EXP_HORNER, the kernels' exp loop (load, subtract the
+     * max, exp, store, sum) took 7.1 cycles a vector here, against 10.0 before.
+     * The lanes it zeroes may compute garbage (inf - inf), at no cost. */
+    ivec tb; /* unused: the compiler drops it */
+    vec nf;
+    const vec p = exp_reduce(x, 0, &tb, &nf);
+#if FA_IS_F64
+    const __mmask8 keep = _mm512_cmp_pd_mask((__m512d)x, _mm512_set1_pd(EXP_TINY), _CMP_NLT_UQ);
+    return (vec)_mm512_maskz_scalef_pd(keep, (__m512d)p, (__m512d)nf);
+#else
+    const __mmask16 keep = _mm512_cmp_ps_mask((__m512)x, _mm512_set1_ps(EXP_TINY), _CMP_NLT_UQ);
+    return (vec)_mm512_maskz_scalef_ps(keep, (__m512)p, (__m512)nf);
+#endif
+#else
+    /* Lanes below EXP_TINY (masked scores are -inf) are raised to EXP_TINY by
+     * a max, which keeps NaN (vmax returns its second operand when either is
+     * NaN), and their scale 2^n is zeroed, so they come out p * 0 = 0 with no
+     * subnormal product (subnormal arithmetic costs the exp loop 2x on Zen 3
+     * where many scores are masked).  The zeroing is off the polynomial's
+     * dependency chain: against a select of the argument before and of the
+     * result after, measured 1.02-1.04x at B1 H2-H4 N2048 d64 (float32 and
+     * float64, one thread, AVX2 on Zen 3), and the exp loop alone 8.5 against
+     * 10.1 cycles a vector (float32), 12.8 against 15.0 (float64). */
+    const ivec zero = x < EXP_TINY;
+    ivec tb;
+    vec nf;
+    const vec p = exp_reduce(vmax(vset1(EXP_TINY), x), EXP_BIAS, &tb, &nf);
+    return p * (vec)((tb << EXP_MANT) & ~zero);
+#endif
+}
+
+/* tanh for the softcap: the odd Taylor series below |x| = 0.25 (terms to
+ * x^11 for float32, x^23 for float64), (1 - e) / (1 + e) with e = exp(-2|x|)
+ * above.  NaN stays NaN; +-inf give +-1. */
+INLINE vec vtanh(vec x)
+{
+    const ivec neg = x < 0;
+    const vec ax = vsel(neg, -x, x), x2 = x * x;
+#if FA_IS_F64
+    vec p = vset1(-113927491862.0 / 2900518163668125.0);
+    p = p * x2 + 18888466084.0 / 194896477400625.0;
+    p = p * x2 - 443861162.0 / 1856156927625.0;
+    p = p * x2 + 6404582.0 / 10854718875.0;
+    p = p * x2 - 929569.0 / 638512875.0;
+    p = p * x2 + 21844.0 / 6081075.0;
+    p = p * x2 - 1382.0 / 155925.0;
+    p = p * x2 + 62.0 / 2835.0;
+#else
+    vec p = vset1(-1382.0f / 155925.0f);
+    p = p * x2 + 62.0f / 2835.0f;
+#endif
+    p = p * x2 - (T)17 / 315;
+    p = p * x2 + (T)2 / 15;
+    p = p * x2 - (T)1 / 3;
+    const vec small = x + x * (x2 * p);
+    const vec e = vexp_neg(-2 * ax);
+    vec big = (1 - e) / (1 + e);
+    big = vsel(neg, -big, big);
+    return vsel(ax < (T)0.25, small, big);
+}
+
+/* y (n) = exp(x (n)) by vexp, or with neg by vexp_neg: the tests' view of
+ * the kernels' exp (fa_exp in internal.h). */
+INLINE void exp_array(const T *x, T *y, int64_t n, const int neg)
+{
+    int64_t i = 0;
+    for (; i + L <= n; i += L) vstore(y + i, neg ? vexp_neg(vload(x + i)) : vexp(vload(x + i)));
+    if (i < n) {
+        T buf[L] = {0};
+        memcpy(buf, x + i, (size_t)(n - i) * sizeof(T));
+        vec e = neg ? vexp_neg(vload(buf)) : vexp(vload(buf));
+        memcpy(buf, &e, sizeof buf);
+        memcpy(y + i, buf, (size_t)(n - i) * sizeof(T));
+    }
+}
+void FN(fa_exp)(const void *x, void *y, int64_t n) { exp_array(x, y, n, 0); }
+void FN(fa_exp_neg)(const void *x, void *y, int64_t n) { exp_array(x, y, n, 1); }
