@@ -21,6 +21,10 @@
  * scalar broadcasts: no packing of K or V, any row stride, no horizontal sums.
  * The output accumulator is kept transposed too, Ot (dv, bqp), and is turned
  * back and normalised once at the end (FlashAttention-2 loop order).
+ *
+ * The comments give shapes, invariants and, for each tuning constant or
+ * choice, its reason in a line; the measurements behind them are in
+ * docs/tuning.md, under the constant's or function's name.
  */
 /*
  * The parts, by role (each a header of src_c/kernel/, in this order):

@@ -8,27 +8,26 @@
  * heads of a (B, n, H, d) cache (layout "blhd"), where key j's rows of the
  * group's items lie side by side and one item's rows H d apart.  Item by item
  * (item_rows), a thread reads pieces of d elements H d apart, which memory
- * serves at 16-22 GB/s against 34-36 for the same bytes in address order
- * (H32 Nk4096 d128 float32, two threads, a plain read).  Here the items take
- * turns on each key tile of tl->bk keys (a few: a tile of 16 keys read as 16
- * rows of pieces was no faster than item by item), so that K and V stream
- * through in address order; each item keeps its own state.  The rows
- * GROUP_PF_BYTES of K and V ahead are prefetched into L2 in step (64-512 KiB
- * alike; none 0.83x, into L1 0.66-0.88x, non-temporal 0.80x).
+ * serves at roughly half the rate of the same bytes in address order
+ * (docs/tuning.md, fa_attn_group_rows).  Here the items take turns on each
+ * key tile of tl->bk keys (a few: a longer tile read as rows of pieces was no
+ * faster than item by item), so that K and V stream through in address order;
+ * each item keeps its own state.  The rows GROUP_PF_BYTES of K and V ahead
+ * are prefetched into L2 in step with the tiles.
  * Items of several rows (GQA's folded heads, a few new tokens) take longer
  * tiles (attention.c), and their work on a tile is long enough that a burst
- * of prefetches at its start stalls it (the group then ran at 0.43-0.78x item
- * by item, tiles of 4-64 keys): there the rows of the tile ahead are
+ * of prefetches at its start stalls it: there the rows of the tile ahead are
  * prefetched in step with the work, V's with the scores and K's key by key in
- * P . V (tile_pf.per_key).
- * All of them with the scores, as item_rows does, measured 0.94-1.45x item
- * by item; K's in step with P . V's column tiles 0.80-1.71x (bursts where
- * dv is one or two tiles).
+ * P . V (tile_pf.per_key); all of them with the scores (as item_rows does),
+ * or K's with P . V's column tiles, was slower than item by item on some
+ * shapes.
  *   its   (n) the items: the same rows i0 and at most tl->bq of them, keys
  *         [j_lo, j_hi) each; K and V rows of item g at it[g].k, it[g].v
  *         (row strides a->k_rs, a->v_rs)
  * Scratch, in elements of T: per item Qs (bq, dkp), A (bq, dv), m, l (bq)
  * (bq = tl->bq), then S (bq, bk): fa_group_scratch_elems.
+ * GROUP_PF_BYTES: 128 KiB, within the 64-512 KiB that measured alike; into L2,
+ * which beat no prefetch, L1 and non-temporal (docs/tuning.md, GROUP_PF_BYTES).
  * ------------------------------------------------------------------------- */
 enum { GROUP_PF_BYTES = 131072 };
 
@@ -37,9 +36,8 @@ enum { GROUP_PF_BYTES = 131072 };
  * s = Qs . K, the online softmax of the row (m, l), A += P . V, for nb <= 4
  * keys; its probabilities and the rescaling factor from one vector exp.  In
  * place of rows_scores, rows_softmax and rows_pv, which serve any rows and
- * tiles (and still take the other cases): 1.09-1.18x from memory (H32
- * Nk4096 d128 float32), 1.27x with K and V in the L3.  Only where a vector
- * has 4 lanes or more.
+ * tiles (and still take the other cases): faster from memory and in the L3
+ * (docs/tuning.md, group_step).  Only where a vector has 4 lanes or more.
  *   Qs (dkp) the row, times scale, zero-padded   K (nb, dk), V (nb, dv) row
  *   strides krs, vrs   A (dv) */
 INLINE void group_step(const T *restrict Qs, const T *restrict K, int64_t krs, int64_t dk, const T *restrict V,

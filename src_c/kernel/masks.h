@@ -109,10 +109,10 @@ static band_t item_band(const fa_attention_args *a, const fa_item *it)
  * these ranges only: a key that the mask hides from every row (padding) has
  * weight 0 everywhere, but 0 * NaN = NaN, so NaN or inf in its V row (a
  * padded cache from np.empty) would make every row of the item non-finite and
- * send it to the careful redo (redo_nonfinite_rows): B1 H8 N2048 d64 with its
- * last 100 keys masked and NaN there took 5.6x as long (the row kernel:
- * 1.5-3.1x at 1-8 rows; a float mask's -inf, 5.3x).  Skipping them is exact,
- * and saves their share of P.V. */
+ * send it to the careful redo (redo_nonfinite_rows), up to several times
+ * slower (docs/tuning.md, PV_RUNS).  Skipping them is exact, and saves their
+ * share of P.V.  PV_RUNS: ranges kept per tile; a tile with more takes P.V
+ * over all its keys, still correct (non-finite rows are redone). */
 enum { PV_RUNS = 4 };
 typedef struct {
     int64_t run[PV_RUNS][2];
@@ -153,9 +153,8 @@ INLINE int runs_whole(const key_runs *kr, int64_t nb)
  * the others out).  A mask row that is contiguous is read L keys of L rows at
  * a time and transposed in registers; a mask the same for every row (mrs ==
  * 0: key padding) is one broadcast per key.  Element by element, the
- * transposed read cost as much as the rest of the tile: B1 H8 N2048 d64
- * float32 with an N x N float mask took 97-103 ms against 48 with a bool mask
- * (AVX-512, 2 threads). */
+ * transposed read cost as much as the rest of the tile (docs/tuning.md,
+ * mask_tile). */
 INLINE void mask_put(T *s, vec x, int set) { vstore(s, set ? x : vload(s) + x); }
 static void mask_tile(T *St, int64_t ld, const T *mk, int64_t mrs, int64_t mcs, int64_t bq, int64_t bqp,
                       int64_t nb, int set, key_runs *kr)
@@ -351,15 +350,12 @@ static __attribute__((noinline)) void mask_runs(key_runs *r, const fa_attention_
 
 /* The row kernel's key range [b->j_lo, b->j_hi) without the keys at either
  * end that the mask hides from every row (padding, as HF-style decoding
- * passes it), so that neither their scores nor P . V are computed.  Decoding
- * 1, 4 and 12 rows against 4096 keys of which the last 3000 are padding, with
- * a bool mask: 2.2-5.6 ms before, 0.59-2.1 after, 0.56-0.72 with kv_lengths
- * (H32 d128; H8 Nk1024 d64 in cache 1.5-2.4x).  Under a float mask only where
- * no score of the cut keys can be NaN or +inf (scores_bounded, which takes
- * reading their K rows), and only for 2 rows or more:
- * 4 and 12 rows 1.7x and 1.7x (H32 Nk4096), 1.08x and 1.8x (H8 Nk1024 in
- * cache), but one row, whose scores cost no more than that check, 0.81x in
- * cache (mask_runs leaves the keys out of its P . V anyway).
+ * passes it), so that neither their scores nor P . V are computed: much
+ * faster where the padding is long (docs/tuning.md, mask_trim).  Under
+ * a float mask only where no score of the cut keys can be NaN or +inf
+ * (scores_bounded, which takes reading their K rows), and only for 2 rows or
+ * more: one row's scores cost no more than that check, and mask_runs leaves
+ * the keys out of its P . V anyway.
  *   Qs (bq, dkp) the scaled queries, zero-padded rows */
 static __attribute__((noinline)) void mask_trim(band_t *b, const fa_attention_args *a, const fa_item *it,
                                                 const T *Qs, int64_t dkp)

@@ -8,12 +8,10 @@
 /* Prefetch into L2 the rows [j, j + r) of what the item reads next (pf),
  * spread over the work of the current tile: this tile's V over Q.K^T (rows
  * [j, j + r) of the scores), the next tile's K (or the next item's first K rows
- * and queries) over P.V (the columns of Ot in step with the rows).  Against
- * prefetching both during Q.K^T, so that P.V streamed nothing: 1.04-1.12x for
- * 12-20 query rows from memory (H32 Nk4096 d128, float32 and float64, one and
- * two threads; H8 Nk2048 d128 20 rows 1.11x), 1.03-1.06x at B32 H12 N128 d64;
- * B1 H8 N2048 (d64, d128, float64, bool mask; one and two threads) and N4096
- * causal 0.97-1.02x, within the noise (AVX2 on Zen 3, alternating calls). */
+ * and queries) over P.V (the columns of Ot in step with the rows).  Memory then
+ * streams during both passes: faster than prefetching both during Q.K^T for
+ * 12-20 query rows from memory, and no slower elsewhere (docs/tuning.md,
+ * tile_pf). */
 typedef struct {
     const T *v;        /* V rows of this tile: (nv, dv) row stride vrs */
     const T *k;        /* K rows of the next tile, or of the thread's next item's
@@ -29,10 +27,9 @@ typedef struct {
  * into a line, so that a row of d128 float32 spans 9 lines, not 8: where rows
  * abut, the next row's first prefetch takes that last line; where they do not
  * (tail: the stride is not n; K and V of a (B, n, H, d) cache, each head's
- * rows H*d apart) it was a demand miss from memory on every row.  With tail,
- * decoding from such a cache (H32 Nk4096 d128, K and V from memory) 1.10-1.15x,
- * with GQA 32/8 (four rows a kv head) 1.32-1.37x, float64 1.21x, d64 1.30x;
- * the tail for abutting rows too cost 1-2 % (8 and 20 rows, head-major). */
+ * rows H*d apart) it was a demand miss from memory on every row.  The callers
+ * ask for the tail only where rows do not abut: there it pays, for abutting
+ * rows it costs a little (docs/tuning.md, prefetch_l2). */
 INLINE void prefetch_l2(const T *p, int64_t n, int tail)
 {
     for (int64_t c = 0; c < n; c += 64 / (int64_t)sizeof(T)) __builtin_prefetch(p + c, 0, 2);
@@ -59,17 +56,14 @@ INLINE void prefetch_in_step(const tile_pf *pf, int64_t c, int64_t c_end, int64_
 /* Software prefetch of the K and V rows that the row kernel streams, in two
  * kinds (far: fa_tiles.far, K and V beyond FA_KV_FAR_BYTES).
  * Near, K and V in cache: into L1, rows about PF_BYTES ahead of use (at least
- * 4 rows).  Measured at H32 Nk4096 d128 float32 (Zen 3): 1.3-1.4x PyTorch
- * without, 1.6-2.1x with; 4-8 KiB ahead was a plateau, 2 rows ahead too close.
- * In the pipelined decode loop (decode_step), which reads K and V together,
- * DECODE_PF_BYTES ahead: against 6 KiB, 1.5-3 KiB 1.10-1.14x (float32), 4 rows
- * of float64 1.17-1.19x; at d64 all within the noise.
- * Far, K and V from memory: into L2 (prefetcht1), FAR_PF_BYTES ahead.  On Zen 4
- * (H32 Nk4096 d128, two threads) against the near kind: decoding 1.34-1.68x
- * (float64 1.52x, one thread 1.60x), 2-20 rows 1.14-1.26x; 4-16 KiB ahead
- * alike; both kinds at once only 1.17x (the L1 prefetch
- * is what held the stream back).  With K and V in cache (1-8 MiB) the far kind
- * cost decoding 8-15 %; at 16 MiB the two were even, at 32 MiB far 1.46-1.63x. */
+ * 4 rows).  Far, K and V from memory: into L2 (prefetcht1), FAR_PF_BYTES
+ * ahead; the near kind's L1 prefetch held a stream from memory back, and the
+ * far kind costs decoding in cache.  The distances (docs/tuning.md, under
+ * each name):
+ *   PF_BYTES         mid-plateau (4-8 KiB ahead alike; 2 rows is too close)
+ *   DECODE_PF_BYTES  the pipelined decode loop (decode_step) reads K and V
+ *                    together, two streams: closer than PF_BYTES is faster
+ *   FAR_PF_BYTES     from memory into L2: 4-16 KiB ahead measured alike */
 enum { PF_BYTES = 6144, DECODE_PF_BYTES = 2048, FAR_PF_BYTES = 8192 };
 INLINE int64_t prefetch_dist_bytes(int64_t row_elems, int64_t bytes)
 {
@@ -81,8 +75,9 @@ INLINE int64_t prefetch_dist(int64_t row_elems, int far)
 {
     return prefetch_dist_bytes(row_elems, far ? FAR_PF_BYTES : PF_BYTES);
 }
-/* One K or V row (n elements), into L2 (far; tail: see prefetch_l2) or L1.
- * (In cache, the tail made no difference: 0.99-1.01x, H32 Nk512 d128.) */
+/* One K or V row (n elements), into L2 (far; tail: see prefetch_l2) or into
+ * L1 without the tail (in cache it makes no difference: docs/tuning.md,
+ * prefetch_l2). */
 INLINE void prefetch_row(const T *p, int64_t n, int far, int tail)
 {
     if (far)

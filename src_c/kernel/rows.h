@@ -5,9 +5,9 @@
 
 /* ---------------------------------------------------------------------------
  * Few query rows (decode, speculative verification): bq <= rows_max rows
- * (dispatch.c: with AVX-512 12, or 24 (float64: 20) when K and V come from
- * memory or dk >= 128, but not 14-16 float32 rows, which fill one vector of the
- * tiled kernel (rows_full); with AVX2 3 to 6; 10 on the portable path) against
+ * (the ISA table in dispatch.c: rows_max; rows_max_big when K and V come from
+ * memory, rows_max_dk when dk >= 128; but not from rows_full rows up to one
+ * vector's lanes, which fill one vector of the tiled kernel) against
  * a long key range; also the few rows past the tiled kernel's last whole
  * vector (attention.c, run: the tail), with the tiled kernel's tiles.
  * Per key tile: scores by dot products along dk (register tiles of up to 4
@@ -29,15 +29,13 @@
 /* Register tiles of the row kernel: RS_MAX query rows x 4 keys of scores and
  * R <= RP_MAX rows x up to PV_ACC / R vectors (at most 8) of P.V, so that a K
  * or V vector loaded once serves several rows (32 vector registers with
- * AVX-512, 16 otherwise).  Measured at 8 rows, H2 Nk2048 d128, one thread, K
- * and V in L3, ns per (row, key), row by row -> tiles: AVX-512 float32 8.0 -> 3.9, float64 17.9 -> 7.7;
- * AVX2 float32 9.9 -> 6.7, float64 21.6 -> 13.7; 2 and 4 rows (AVX-512
- * float32) 12.2 -> 10.0 and 9.8 -> 6.6.  At H32 Nk4096 from memory,
- * 8 rows went from 46-62 % to 72-78 % of a plain streaming read.
- * AVX-512 P.V: 8 rows x 3 vectors (24 accumulators), in place of 4 x 4:
- * 1.02-1.11x at 8-24 rows (d128 float32 and float64, K and V in L3; from
- * memory within the noise, 0.95-1.07x); splitting the key tile so that V stays in L1 across the row groups
- * measured no better (the V loads are not what limits it). */
+ * AVX-512, 16 otherwise): much faster than row by row (docs/tuning.md,
+ * RP_MAX, RS_MAX, PV_ACC).
+ *   RS_MAX  score rows of a tile: 4 x 4 accumulators with AVX-512, 2 x 4
+ *           with 16 registers, beside the four K loads
+ *   RP_MAX  P.V rows of a tile: 8 with AVX-512, 4 otherwise
+ *   PV_ACC  P.V accumulators: 24 of AVX-512's 32 registers (8 rows x 3 vectors,
+ *           faster than 4 x 4 in cache), 8 of 16 */
 #if FA_VB == 64
 #define RP_MAX 8
 #define RS_MAX 4
@@ -244,8 +242,8 @@ static void rows_pv(T *restrict A, const T *restrict S, int64_t ls, int64_t bq, 
 }
 
 /* rows_pv over the key ranges of kr (all nb keys when n < 0), pointers as
- * rows_pv's; off the common path (noinline: inlined, it slowed item_rows by
- * 4-5 % at 4 rows, mask or not) */
+ * rows_pv's; off the common path (noinline: inlined, it slowed item_rows,
+ * mask or not: docs/tuning.md, rows_pv_runs) */
 static __attribute__((noinline)) void rows_pv_runs(const key_runs *kr, T *restrict A, const T *restrict S,
                                                    int64_t ls, int64_t bq, const T *restrict V, int64_t vrs,
                                                    int64_t dv, int64_t nb, int64_t npf, int far,
@@ -392,11 +390,9 @@ INLINE void pv_1x4(T *restrict A, T p0, T p1, T p2, T p3, const T *restrict v0, 
 
 /* One decode step, K and V read side by side: the scores of the next key
  * tile (Sn[j] = Qs . K[j], j < nk) and A += P . V over this tile (j < nv),
- * four keys of each at a time.  Reading K and V as two streams at once, not one
- * tile after the other, measured 1.1-1.2x faster as a plain read of K and V
- * from memory (two threads, Zen 3; chunks of 16 keys or more lost it), and the
- * decode kernel 1.2-1.27x faster than the tile-by-tile loop (H32 Nk4096 and H8
- * Nk16384 d128, float32 and float64, one and two threads; K and V in the L3: the same).
+ * four keys of each at a time.  Two streams at once, in small chunks, keep
+ * memory busier than one tile after the other: faster than the tile-by-tile
+ * loop, from memory and in the L3 (docs/tuning.md, decode_step).
  *   Sn (nk)        Qs (dkp) the row, times scale, zero-padded
  *   K  (nk, dk)    row stride krs; rows j < npk exist (prefetched ahead)
  *   P  (nv)        probabilities of this tile
@@ -512,10 +508,9 @@ static void item_rows(const fa_attention_args *a, const fa_tiles *tl, const fa_i
         const int64_t nb = (b.j_hi - j0 < bk) ? b.j_hi - j0 : bk;
         /* K and V from memory (tl->stream): this tile's V rows prefetched during
          * its scores, the next tile's K rows during its P . V, so that memory
-         * streams through both passes.  Against each pass prefetching only its own
-         * rows a few KiB ahead: 1.09-1.27x at 2-10 rows, H32 Nk4096 d128 (float32
-         * and float64, one and two threads); with K and V in cache it cost 5-12 %
-         * (H8 Nk512 and Nk4096 d64, 8 rows), hence only from memory. */
+         * streams through both passes.  Faster than each pass prefetching only
+         * its own rows from memory, slower in cache, hence only from memory
+         * (docs/tuning.md, item_rows). */
         const int64_t nb_next = b.j_hi - (j0 + nb) < bk ? b.j_hi - (j0 + nb) : bk;
         const tile_pf pf_v = {.v = v + j0 * a->v_rs, .nv = nb, .vrs = a->v_rs, .dv = dv};
         const tile_pf pf_k = {.k = k + (j0 + nb) * a->k_rs, .nk = nb_next > 0 ? nb_next : 0,

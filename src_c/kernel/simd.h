@@ -175,9 +175,8 @@ INLINE T hsum(vec x)
 
 /* The horizontal sums of four vectors: s[r] = sum of the lanes of ar.  On
  * AVX2/AVX-512 by a tree of adds and hadds (about 13 instructions for 16
- * float32 lanes, in place of 60 scalar adds).  With the vector row max and
- * the attention exp below, the decode kernel went from 66 to 83 GB/s on one
- * core with K and V in cache (float32, AVX-512). */
+ * float32 lanes, in place of 60 scalar adds): the row kernel ends every four
+ * keys' dot products with one (docs/tuning.md, hsum4). */
 INLINE void hsum4(vec a0, vec a1, vec a2, vec a3, T *restrict s)
 {
 #if (defined(__x86_64__) || defined(_M_X64)) && FA_VB >= 32 && !FA_IS_F64

@@ -9,12 +9,12 @@
  * Register-blocked micro-kernels.  R rows of one operand times NV = 2 vectors
  * (TW query columns) of the other: 2R accumulators.  R is at most RB: 6 with
  * 16 registers (12 accumulators, plus two loads and a broadcast: 15 of the 16
- * AVX2 registers), FA_RB64 with the 32 registers of AVX-512.  NV = 1 (L query
- * columns) serves a last odd vector of query rows, so that bqp is a multiple
- * of L, not of TW: few query rows waste less (5 rows on AVX-512 pad to 16, not
- * 32).  One loop over the head dim serves every d: copies of qk_block and
- * pv_block compiled for d = 64 (bqp 128) and d = 128 (bqp 64), and the dk loop
- * unrolled by 4, measured within +-2 % (B1 H2/H8 N2048, one and two threads).
+ * AVX2 registers), FA_RB64 (12: 24 accumulators and the same three, 27 of 32)
+ * with the 32 registers of AVX-512.  NV = 1 (L query columns) serves a last
+ * odd vector of query rows, so that bqp is a multiple of L, not of TW: few
+ * query rows waste less (5 rows on AVX-512 pad to 16, not 32).  One loop over
+ * the head dim serves every d: copies specialised for d = 64 and 128, or the
+ * dk loop unrolled by 4, were no faster (docs/tuning.md, RB).
  * ------------------------------------------------------------------------- */
 #ifndef FA_RB64
 #define FA_RB64 12
@@ -35,10 +35,11 @@ enum { RB = FA_VB == 64 ? FA_RB64 : 6 };
  * calls per query vector the item goes on unfused.  A row's Ot can overflow
  * only where n_k |v| is within a factor e^24 of the dtype's limit; such a row
  * comes out non-finite and is redone carefully (redo_nonfinite_rows).
- * Measured 2-4 % faster at B1 H8 N2048 d64 (float32 and float64, one and two
- * threads; at d128 within the noise), against 42e4aba in one process, with
- * AVX-512; with 16 registers it was slower, so only AVX-512 takes it
- * (tl->fuse, from the ISA table in dispatch.c; the tests force it on and off). */
+ * FUSE_LAG (24): the lag that makes rescaling rare while p <= e^24 keeps l and
+ * Ot far from overflow.  The fused exp is faster with the 32 registers of
+ * AVX-512; with 16 the exp has no room beside the accumulators and it was
+ * slower, so only AVX-512 takes it (tl->fuse, from the ISA table in
+ * dispatch.c; the tests force it on and off; docs/tuning.md, FUSE_LAG). */
 #define FUSE_LAG 24
 typedef struct {
     T *m, *l;        /* (bqp) reference max and row sums of the item */
@@ -73,8 +74,7 @@ static __attribute__((noinline)) void fuse_regrow(fuse_t *f, int64_t i, int64_t 
  * [j, j + R) of the tile: st[r * ld] <- exp(a[r] - m), their sum added to l.
  * Each probability goes straight to St rather than back into a[r], which
  * shortens the registers' lives while the exps of a register tile overlap:
- * against the write-back, 1.01-1.03x across B1 H8 N512-N4096 d64-d128, BERT
- * and B4 H8 N1024, float32 and float64 (AVX-512, 2 threads, one process). */
+ * a little faster than the write-back (docs/tuning.md, fuse_exp). */
 INLINE void fuse_exp(const int R, vec *a, fuse_t *f, int64_t i, int64_t j, T *st, int64_t ld)
 {
     vec bm = vset1(-INFINITY);
@@ -174,8 +174,7 @@ INLINE void qk_rows(const int R, T *St, const T *restrict K, int64_t krs,
  * single rows, take the rest.  A rest of 1-3 single rows takes one RB tile
  * with it where 4-row tiles then leave fewer single rows (with RB 6: 8 = 4 + 4,
  * 9 = 4 + 4 + 1): a single row has too few accumulators to cover the FMA
- * latency.  At B1 H8 N2048 d128 (dv 128: 20 tiles of 6 and two of 4, not 21
- * and two single columns) 1.016x (float32, AVX2, two threads). */
+ * latency (docs/tuning.md, rb_tiles_end). */
 INLINE int64_t rb_tiles_end(int64_t n)
 {
     const int64_t rem = n % RB, end = n - rem;
@@ -345,10 +344,8 @@ static __attribute__((noinline)) void pv_block_runs(const key_runs *kr, T *restr
  * [i, i + NV L) of the key tile's scores St (nb, ld): a bool mask's bits W
  * applied (bits), each row's max, the probabilities exp(s - m) in place, m and
  * l updated, Ot (dv, ld) rescaled where a max grew.  Two vectors (a cache
- * line's worth with AVX2) walk the rows of St once, not twice: against one
- * vector at a time, 1.01-1.05x at B1 H4 N2048 d64 float32 (one thread), 1.03-1.06x
- * with a bool mask, 1.00-1.05x at B1 H8 N2048 d128 (two threads), float64 the
- * same (AVX2 on Zen 3). */
+ * line's worth with AVX2) walk the rows of St once, not twice: a little faster
+ * than one vector at a time (docs/tuning.md, tile_softmax). */
 INLINE void tile_softmax(const int NV, T *St, const IT *W, int bits, int64_t ld, int64_t nb, T *m, T *l,
                          T *Ot, int64_t dv, int64_t i)
 {

@@ -14,8 +14,8 @@
  * EXP_HORNER: the AVX2 and AVX-512 builds (FMA) take exp(r) = 1 + r g(r) in
  * plain Horner form, g a Chebyshev fit of (exp(r) - 1) / r on |r| <= ln 2 / 2
  * (mpmath.chebyfit): float32 degree 6 (relative error 4e-9), float64 degree 11
- * (6e-18).  Max error over every float32 argument of vexp_neg: 0.965 ulp (the
- * earlier Cephes polynomial: 1.01); float64: 0.89 ulp on 4e7 samples.  The
+ * (6e-18).  Max error over every float32 argument of vexp_neg: 0.965 ulp
+ * (docs/tuning.md, EXP_HORNER); float64: 0.89 ulp on 4e7 samples.  The
  * baseline build has no FMA (x86-64), where that form rounds to 1.24 ulp, so it
  * keeps the more expensive 1 + r + r^2 q(r) with r added exactly: float32
  * degree 7 (Cephes), float64 the Taylor series to degree 13; both within 1 ulp.
@@ -33,8 +33,7 @@ INLINE vec horner(vec r, const T *c, const int n)
  * the bits of t = xc / ln 2 + EXP_MAGIC + bias, whose low bits are n + bias:
  * with bias = EXP_BIAS, t_out << EXP_MANT is the bit pattern of 2^n itself
  * (for a normal 2^n; the magic's own bits shift out), which saves the integer
- * add and subtract of the exponent per vector (measured 3-4 % faster at B1 H8
- * N2048 d64 float32 on AVX2). */
+ * add and subtract of the exponent per vector (docs/tuning.md, EXP_MAGIC). */
 #if FA_IS_F64
 #define EXP_MAGIC 6755399441055744.0 /* 1.5 * 2^52: adding it rounds to an integer */
 #else
@@ -125,9 +124,8 @@ INLINE vec vexp_neg(vec x)
 #if (defined(__x86_64__) || defined(_M_X64)) && FA_VB == 64
     /* AVX-512: p * 2^n by vscalef, and the flush to 0 by its zero-masking (NaN
      * compares not-less, so it stays NaN): 4 fewer integer and select
-     * operations.  With EXP_HORNER, the kernels' exp loop (load, subtract the
-     * max, exp, store, sum) took 7.1 cycles a vector here, against 10.0 before.
-     * The lanes it zeroes may compute garbage (inf - inf), at no cost. */
+     * operations, a shorter exp loop (docs/tuning.md, vexp_neg).  The lanes it
+     * zeroes may compute garbage (inf - inf), at no cost. */
     ivec tb; /* unused: the compiler drops it */
     vec nf;
     const vec p = exp_reduce(x, 0, &tb, &nf);
@@ -142,12 +140,10 @@ INLINE vec vexp_neg(vec x)
     /* Lanes below EXP_TINY (masked scores are -inf) are raised to EXP_TINY by
      * a max, which keeps NaN (vmax returns its second operand when either is
      * NaN), and their scale 2^n is zeroed, so they come out p * 0 = 0 with no
-     * subnormal product (subnormal arithmetic costs the exp loop 2x on Zen 3
-     * where many scores are masked).  The zeroing is off the polynomial's
-     * dependency chain: against a select of the argument before and of the
-     * result after, measured 1.02-1.04x at B1 H2-H4 N2048 d64 (float32 and
-     * float64, one thread, AVX2 on Zen 3), and the exp loop alone 8.5 against
-     * 10.1 cycles a vector (float32), 12.8 against 15.0 (float64). */
+     * subnormal product (subnormal arithmetic is slow, and many scores may be
+     * masked).  The zeroing is off the polynomial's dependency chain, faster
+     * than a select of the argument before and of the result after
+     * (docs/tuning.md, vexp_neg). */
     const ivec zero = x < EXP_TINY;
     ivec tb;
     vec nf;
