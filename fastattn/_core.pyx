@@ -29,6 +29,14 @@ cdef extern from "fastattn.h" nogil:
         FA_MASK_BOOL
         FA_MASK_ADD
 
+    ctypedef struct fa_overrides:
+        int64_t bq, bk, rows_max
+        int fuse, stream, group, mask_pack
+        int64_t split_keys, parts_bytes
+
+    ctypedef struct fa_stats:
+        int64_t group_runs, tail_rows, redo_rows
+
     ctypedef struct fa_attention_args:
         int n_lead
         int64_t lead_shape[FA_MAX_DIMS]
@@ -68,6 +76,8 @@ cdef extern from "fastattn.h" nogil:
         int64_t kst_lead[FA_MAX_DIMS]
         int num_threads
         const volatile int *stop
+        const fa_overrides *force
+        fa_stats *stats
 
     ctypedef struct fa_softmax_args:
         int n_lead
@@ -87,16 +97,6 @@ cdef extern from "fastattn.h" nogil:
     const char *fa_isa_name()
     int fa_set_isa(const char *name)
     int fa_isa_available(const char *name)
-    void fa_set_tiles(int64_t bq, int64_t bk)
-    void fa_set_rows_max(int64_t n)
-    void fa_set_fused(int mode)
-    void fa_set_stream(int mode)
-    void fa_set_mask_pack(int mode)
-    int64_t fa_take_redo_count()
-    int64_t fa_take_tail_count()
-    void fa_set_group(int mode)
-    void fa_set_long_split(int64_t keys, int64_t parts_bytes)
-    int64_t fa_take_group_count()
     int fa_openmp_enabled()
     int fa_max_threads()
     uint64_t fa_stream_read(const void *x, int64_t n, int num_threads)
@@ -114,6 +114,28 @@ cdef extern from "fastattn.h" nogil:
 
 cdef extern from "internal.h" nogil:
     int fa_exp(int dtype, int which, const void *x, void *y, int64_t n)
+
+    enum:
+        FA_KERNEL_TILED
+        FA_KERNEL_ROWS
+        FA_KERNEL_WEIGHTS
+
+    ctypedef struct fa_tiles:
+        int64_t bq, bk, bqp, ld, q_main
+        int fuse, stream, far
+
+    ctypedef struct fa_plan:
+        int kernel
+        fa_tiles tiles
+        int64_t lanes, rows_max, full_lo, full_hi, tail_max, kv_bytes
+        int from_memory, tail, few
+        int64_t group, n_groups, n_lead, n_qb, n_items, n_splits, long_splits, chunk, part_elems, wave
+        int mask_pack, threads
+        int64_t scratch_elems
+        double q_rows, work
+
+    int fa_attention_plan(const fa_attention_args *a, int weights, fa_plan *p)
+    int fa_gqa_fold(int64_t n_q, int64_t kv_bytes)
 
 fa_init()
 
@@ -218,7 +240,7 @@ def attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask
               double softcap=0.0, int64_t win_left=-1, int64_t win_right=-1, object slopes=None,
               object kv_len=None, bint weights=False, int64_t row_group=1, object q_len=None,
               object q_start=None, object kv_start=None, int64_t nq=-1, int64_t nk=-1,
-              bint top_left=False):
+              bint top_left=False, bint plan_only=False):
     """Fill `out` (and `lse`) with attention, or with the attention weights
     when `weights` (out is then lead + (nq, nk), zero-filled, v unused).
     q, k, v, mask have shape (..., rows, cols) with leading dims that
@@ -232,8 +254,12 @@ def attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask
     `lead`) are each leading index's first row of q, out, lse and of k, v (no
     mask then); nq and nk (>= 0) replace the row counts of the arrays, which
     hold every sequence's rows (q_start + q_len <= q's rows, kv_start + kv_len
-    <= k's)."""
+    <= k's).
+    plan_only: return the plan of the call (a dict: plan.c) and compute nothing.
+    Inside a forcing() block of this thread, the call takes its overrides."""
     cdef fa_attention_args a
+    cdef fa_plan pl
+    cdef Forcing f = _current_forcing() if _n_forcing else None
     cdef int nl = len(lead)
     cdef int d
     cdef cnp.ndarray m_arr, l_arr
@@ -301,6 +327,14 @@ def attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask
     a.win_left = win_left
     a.win_right = win_right
     a.num_threads = num_threads
+    a.force = NULL
+    a.stats = NULL
+    if f is not None:
+        a.force = &f.ov
+        a.stats = &f.st
+    if plan_only:
+        _check(fa_attention_plan(&a, weights, &pl))
+        return _plan_dict(&pl)
     cdef double work = float(a.nq) * float(a.nk) * float(a.dk + a.dv + 1)
     for d in range(nl):
         work *= a.lead_shape[d]
@@ -405,69 +439,142 @@ def _stream_read(cnp.ndarray buf, int num_threads=0):
     return r
 
 
-def _set_tiles(int64_t bq=0, int64_t bk=0):
-    """Force the tiled kernel's tile sizes (0: defaults).  Tuning and tests only;
-    not thread-safe."""
-    fa_set_tiles(bq, bk)
+_forcing_local = threading.local()
+cdef int _n_forcing = 0      # open forcing blocks on any thread: the calls look for theirs only then
+_OVERRIDES = ("bq", "bk", "rows_max", "fuse", "stream", "group", "mask_pack", "split_keys", "parts_bytes")
 
 
-def _set_rows_max(int64_t n=0):
-    """Force the largest number of query rows that takes the row kernel (at most
-    24; 0: the SIMD path's default).  Tuning and tests only; not thread-safe."""
-    fa_set_rows_max(n)
+cdef class Forcing:
+    """Overrides of the plan (fastattn.h: fa_overrides) for the attention calls
+    that this thread makes inside ``with forcing(...)``, and what those calls ran.
+    Tests and tuning only.  Sizes 0 and switches -1 leave the plan's choice:
+      bq, bk       the tiled kernel's query rows per item and keys per tile
+      rows_max     the most query rows that take the row kernel (at most 24; set,
+                   it also turns off rows_full and the tail)
+      fuse         the tiled kernel's fused exp (1 on, 0 off)
+      stream       the row kernel's prefetch across passes and far prefetch
+      group        the group kernel over the heads of a (B, n, H, d) cache (1:
+                   wherever it can run, 0: never; -1: from memory only)
+      mask_pack    a bool mask packed to bits for the tiled kernel
+      split_keys   rows of more keys are split (0: 2^20)
+      parts_bytes  the split partials of one wave (0: 256 MiB)
+    The counts, over the calls of the block: group_runs (item groups the group
+    kernel ran), tail_rows (query rows the row kernel ran as the tiled kernel's
+    tails), redo_rows (rows recomputed carefully after a non-finite result)."""
+    cdef fa_overrides ov
+    cdef fa_stats st
+
+    def __cinit__(self):
+        self.ov.bq = self.ov.bk = self.ov.rows_max = 0
+        self.ov.fuse = self.ov.stream = self.ov.group = self.ov.mask_pack = -1
+        self.ov.split_keys = self.ov.parts_bytes = 0
+        self.st.group_runs = self.st.tail_rows = self.st.redo_rows = 0
+
+    def set(self, **overrides):
+        """Change some overrides (names as above); returns self."""
+        for name, value in overrides.items():
+            if name not in _OVERRIDES:
+                raise TypeError(f"forcing: no override named {name!r}")
+            value = int(value)
+            size, switch = max(value, 0), (-1 if value < 0 else int(value != 0))
+            if name == "bq":
+                self.ov.bq = size
+            elif name == "bk":
+                self.ov.bk = size
+            elif name == "rows_max":
+                self.ov.rows_max = size
+            elif name == "split_keys":
+                self.ov.split_keys = size
+            elif name == "parts_bytes":
+                self.ov.parts_bytes = size
+            elif name == "fuse":
+                self.ov.fuse = switch
+            elif name == "stream":
+                self.ov.stream = switch
+            elif name == "group":
+                self.ov.group = switch
+            else:
+                self.ov.mask_pack = switch
+        return self
+
+    @property
+    def overrides(self):
+        return {"bq": self.ov.bq, "bk": self.ov.bk, "rows_max": self.ov.rows_max, "fuse": self.ov.fuse,
+                "stream": self.ov.stream, "group": self.ov.group, "mask_pack": self.ov.mask_pack,
+                "split_keys": self.ov.split_keys, "parts_bytes": self.ov.parts_bytes}
+
+    @property
+    def group_runs(self):
+        return self.st.group_runs
+
+    @property
+    def tail_rows(self):
+        return self.st.tail_rows
+
+    @property
+    def redo_rows(self):
+        return self.st.redo_rows
+
+    def reset_counts(self):
+        self.st.group_runs = self.st.tail_rows = self.st.redo_rows = 0
+
+    def __enter__(self):
+        global _n_forcing
+        stack = getattr(_forcing_local, "stack", None)
+        if stack is None:
+            stack = _forcing_local.stack = []
+        stack.append(self)
+        _n_forcing += 1
+        return self
+
+    def __exit__(self, *exc):
+        global _n_forcing
+        _forcing_local.stack.remove(self)
+        _n_forcing -= 1
+        return False
 
 
-def _set_fused(int mode=-1):
-    """Force the tiled kernel's fused exp on (1) or off (0); -1: the SIMD path's
-    default.  Tuning and tests only; not thread-safe."""
-    fa_set_fused(mode)
+def forcing(**overrides):
+    """A Forcing block: this thread's attention calls inside ``with forcing(...)
+    as f`` take the overrides (those of an enclosing block too, unless named
+    again), and f counts what they ran.  Tests and tuning only."""
+    cdef Forcing f = Forcing()
+    cdef Forcing outer = _current_forcing()
+    if outer is not None:
+        f.ov = outer.ov
+    return f.set(**overrides)
 
 
-def _set_stream(int mode=-1):
-    """Force the row kernel's prefetch across passes and its far prefetch into L2
-    (for K and V streamed from memory) on (1) or off (0); -1: on when K and V
-    exceed 48 MiB and 16 MiB.  Tuning and tests only; not thread-safe."""
-    fa_set_stream(mode)
+cdef Forcing _current_forcing():
+    stack = getattr(_forcing_local, "stack", None)
+    return stack[len(stack) - 1] if stack else None   # (wraparound is off)
 
 
-def _set_mask_pack(int mode=-1):
-    """Force the tiled kernel's packing of a bool mask into bits once per call on
-    (1) or off (0: each tile reads the mask's bytes); -1: the default.  Tuning and
-    tests only; not thread-safe."""
-    fa_set_mask_pack(mode)
+def gqa_fold(int64_t n_q, int64_t kv_bytes):
+    """GQA: whether a group's query heads of n_q rows each become the rows of one
+    work item over their K and V (kv_bytes in all), on the SIMD path in use."""
+    return bool(fa_gqa_fold(n_q, kv_bytes))
 
 
-def _set_long_split(int64_t keys=0, int64_t parts_bytes=0):
-    """Tests: split rows of more than `keys` keys (0: the default, 2^20)
-    and run their items in waves of at most parts_bytes of partials (0: 256 MiB)."""
-    fa_set_long_split(keys, parts_bytes)
+_KERNELS = {FA_KERNEL_TILED: "tiled", FA_KERNEL_ROWS: "rows", FA_KERNEL_WEIGHTS: "weights"}
 
 
-def _set_group(int mode=-1):
-    """Force the row kernel over interleaved items (the heads of a (B, n, H, d)
-    cache, read key tile by key tile across the heads) on (1) or off (0) where the
-    items interleave and hold at most 8 query rows each; -1: on when K and V exceed
-    48 MiB.  Tuning and tests only; not thread-safe."""
-    fa_set_group(mode)
-
-
-def _take_group_count():
-    """The number of item groups (heads of a (B, n, H, d) cache) the row kernel
-    ran together since the last call; tests only."""
-    return fa_take_group_count()
-
-
-def _take_redo_count():
-    """The number of rows the kernels recomputed in their careful mode (a result
-    that came out inf or NaN) since the last call; tests only."""
-    return fa_take_redo_count()
-
-
-def _take_tail_count():
-    """The number of query rows the row kernel ran as the tiled kernel's tails
-    (the rows of the last block past its whole vectors) since the last call;
-    tests only."""
-    return fa_take_tail_count()
+cdef dict _plan_dict(const fa_plan *p):
+    return {
+        "kernel": "group" if p.group else _KERNELS[p.kernel],
+        "isa": fa_isa_name().decode(),
+        "bq": p.tiles.bq, "bk": p.tiles.bk, "bqp": p.tiles.bqp, "ld": p.tiles.ld,
+        "fuse": bool(p.tiles.fuse), "stream": bool(p.tiles.stream), "far": bool(p.tiles.far),
+        "lanes": p.lanes, "rows_max": p.rows_max,
+        "rows_full": (p.full_lo, p.full_hi) if p.full_lo <= p.full_hi else None,
+        "tail_max": p.tail_max,
+        "tail": bool(p.tail), "q_main": p.tiles.q_main,
+        "kv_bytes": p.kv_bytes, "from_memory": bool(p.from_memory), "few": bool(p.few),
+        "group": p.group, "n_groups": p.n_groups, "n_lead": p.n_lead, "n_qb": p.n_qb,
+        "n_items": p.n_items, "n_splits": p.n_splits, "long_splits": p.long_splits,
+        "chunk": p.chunk, "wave": p.wave, "mask_pack": bool(p.mask_pack), "threads": p.threads,
+        "scratch_elems": p.scratch_elems,
+    }
 
 
 def isa_name():

@@ -12,46 +12,48 @@
 
 #include "internal.h"
 
-/* rows_max, rows_max_big and rows_max_dk for float32 (r..32) and float64 (r..64);
- * full32 and full64: rows_full; tail32 and tail64: tail_max */
-#define FA_TABLE(isa, r32, r64, big32, big64, dk32, dk64, full32, full64, tail32, tail64, fuse) \
-    {                                                                              \
-        #isa,                                                                      \
-        {0, 0}, /* lanes are filled in from the kernel files at first use */      \
-        {r32, r64},                                                                \
-        {big32, big64},                                                            \
-        {dk32, dk64},                                                              \
-        {full32, full64},                                                          \
-        {tail32, tail64},                                                          \
-        fuse,                                                                      \
-        {fa_attn_item_f32_##isa, fa_attn_item_f64_##isa},                          \
-        {fa_attn_item_rows_f32_##isa, fa_attn_item_rows_f64_##isa},                \
-        {fa_attn_group_rows_f32_##isa, fa_attn_group_rows_f64_##isa},              \
-        {fa_attn_merge_f32_##isa, fa_attn_merge_f64_##isa},                        \
-        {fa_weights_item_f32_##isa, fa_weights_item_f64_##isa},                    \
-        {fa_softmax_row_f32_##isa, fa_softmax_row_f64_##isa},                      \
-        {fa_exp_f32_##isa, fa_exp_f64_##isa},                                      \
-        {fa_exp_neg_f32_##isa, fa_exp_neg_f64_##isa},                              \
-    }
+/* The kernels of one ISA, for both dtypes; lanes are filled in from the
+ * kernel files at first use (lookup). */
+#define FA_KERNELS(isa)                                                                     \
+    .attn_item = {fa_attn_item_f32_##isa, fa_attn_item_f64_##isa},                          \
+    .attn_item_rows = {fa_attn_item_rows_f32_##isa, fa_attn_item_rows_f64_##isa},           \
+    .attn_group_rows = {fa_attn_group_rows_f32_##isa, fa_attn_group_rows_f64_##isa},        \
+    .attn_merge = {fa_attn_merge_f32_##isa, fa_attn_merge_f64_##isa},                       \
+    .weights_item = {fa_weights_item_f32_##isa, fa_weights_item_f64_##isa},                \
+    .softmax_row = {fa_softmax_row_f32_##isa, fa_softmax_row_f64_##isa},                    \
+    .exp = {fa_exp_f32_##isa, fa_exp_f64_##isa}, .exp_neg = {fa_exp_neg_f32_##isa, fa_exp_neg_f64_##isa}
 
-/* The tuning of each path (docs/tuning.md has the measurements, by field):
- *   rows_max     the most query rows that take the row kernel rather than the tiled
- *                one, whose query rows fill the SIMD lanes (9 rows cost as much as 16);
- *   rows_max_big the same when K and V exceed FA_KV_MEM_BYTES: from memory the row
- *                kernel's prefetch keeps ahead of the tiled kernel for more rows;
- *   rows_max_dk  the same when dk >= FA_ROWS_DK_BIG, K and V in cache: long dot
- *                products hide the row kernel's horizontal sums;
- *   rows_full    from this many rows up to one vector's lanes, the tiled kernel even
- *                below rows_max (0: never), since one vector of rows is its best block;
- *   tail_max     the most rows past the tiled kernel's last whole vector (of at least
- *                16 rows) that the row kernel takes, after that block;
- *   fuse         the tiled kernel's fused exp, where 32 vector registers leave it room. */
-static fa_isa_table table_generic = FA_TABLE(generic, 10, 10, 10, 10, 10, 10, 0, 0, 3, 1, 0);
+/* The tuning of each path, {float32, float64} where there are two
+ * (docs/tuning.md has the measurements, by field; plan.c uses them):
+ *   rows_max      the most query rows that take the row kernel rather than the tiled
+ *                 one, whose query rows fill the SIMD lanes;
+ *   rows_max_big  the same when K and V exceed FA_KV_MEM_BYTES: from memory the row
+ *                 kernel's prefetch keeps ahead of the tiled kernel for more rows;
+ *   rows_max_dk   the same when dk >= FA_ROWS_DK_BIG, K and V in cache: long dot
+ *                 products hide the row kernel's horizontal sums;
+ *   rows_full     from this many rows up to one vector's lanes, the tiled kernel even
+ *                 below rows_max (0: never), since one vector of rows is its best block;
+ *   tail_max      the most rows past the tiled kernel's last whole vector (of at least
+ *                 16 rows) that the row kernel takes, after that block;
+ *   fuse          the tiled kernel's fused exp, where 32 vector registers leave it room;
+ *   fold_rows, fold_rows_big, fold_big_bytes  the GQA fold (fa_gqa_fold): a group's
+ *                 heads as one item's rows, where the row kernel then reads K and V
+ *                 once for them; more rows with large K and V on the SIMD paths. */
+static fa_isa_table table_generic = {
+    .name = "generic", .rows_max = {10, 10}, .rows_max_big = {10, 10}, .rows_max_dk = {10, 10},
+    .rows_full = {0, 0}, .tail_max = {3, 1}, .fuse = 0,
+    .fold_rows = 8, .fold_rows_big = 8, .fold_big_bytes = INT64_MAX, FA_KERNELS(generic)};
 #ifdef FA_HAVE_AVX2_BUILD
-static fa_isa_table table_avx2 = FA_TABLE(avx2, 6, 3, 5, 5, 6, 3, 0, 0, 4, 2, 0);
+static fa_isa_table table_avx2 = {
+    .name = "avx2", .rows_max = {6, 3}, .rows_max_big = {5, 5}, .rows_max_dk = {6, 3},
+    .rows_full = {0, 0}, .tail_max = {4, 2}, .fuse = 0,
+    .fold_rows = 8, .fold_rows_big = 12, .fold_big_bytes = 4 << 20, FA_KERNELS(avx2)};
 #endif
 #ifdef FA_HAVE_AVX512_BUILD
-static fa_isa_table table_avx512 = FA_TABLE(avx512, 12, 12, 24, 20, 24, 20, 14, 0, 8, 4, 1);
+static fa_isa_table table_avx512 = {
+    .name = "avx512", .rows_max = {12, 12}, .rows_max_big = {24, 20}, .rows_max_dk = {24, 20},
+    .rows_full = {14, 0}, .tail_max = {8, 4}, .fuse = 1,
+    .fold_rows = 8, .fold_rows_big = 12, .fold_big_bytes = 4 << 20, FA_KERNELS(avx512)};
 #endif
 
 static const fa_isa_table *current = NULL;

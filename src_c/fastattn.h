@@ -56,6 +56,28 @@ enum {
     FA_MASK_ADD = 2,  /* compute dtype: added to the scaled score (-inf allowed) */
 };
 
+/* Per-call overrides of the plan (plan.c), for the tests and for tuning:
+ * fa_attention_args.force.  0 in a size, -1 in a switch: the plan's choice. */
+typedef struct {
+    int64_t bq, bk;      /* the tiled kernel's query rows per item and keys per tile */
+    int64_t rows_max;    /* the most query rows that take the row kernel (at most
+                          * FA_ROWS_CAP); set, it also turns off rows_full and the tail */
+    int fuse;            /* the tiled kernel's fused exp: 1 on, 0 off */
+    int stream;          /* the row kernel's prefetch across passes and far prefetch */
+    int group;           /* the group kernel over interleaved heads: 1 wherever it
+                          * can run, 0 never (-1: from memory only) */
+    int mask_pack;       /* a bool mask packed to bits for the tiled kernel */
+    int64_t split_keys;  /* rows of more keys are split (0: FA_SPLIT_KEYS) */
+    int64_t parts_bytes; /* the partials of one wave (0: FA_PARTS_BYTES) */
+} fa_overrides;
+
+/* What a call ran, for the tests: fa_attention_args.stats (atomic adds). */
+typedef struct {
+    int64_t group_runs;  /* item groups the group kernel ran */
+    int64_t tail_rows;   /* query rows the row kernel ran as the tiled kernel's tails */
+    int64_t redo_rows;   /* rows recomputed carefully (a result came out non-finite) */
+} fa_stats;
+
 /* Arguments of fa_attention.
  *   q     (lead, nq, dk)    compute dtype
  *   k     (lead, nk, dk)    compute dtype
@@ -119,6 +141,8 @@ typedef struct {
     int64_t kst_lead[FA_MAX_DIMS];
     int num_threads;                    /* <= 0: the OpenMP default */
     const volatile int *stop;           /* nonzero: stop soon, return FA_EINTR; NULL: never */
+    const fa_overrides *force;          /* the plan's choices overridden (tests, tuning), or NULL */
+    fa_stats *stats;                    /* what the call ran, counted, or NULL */
 } fa_attention_args;
 
 /* Arguments of fa_softmax: softmax along the last axis.
@@ -147,42 +171,6 @@ int fa_softmax(const fa_softmax_args *a);
 const char *fa_isa_name(void);
 int fa_set_isa(const char *name);
 int fa_isa_available(const char *name);
-
-/* Force the tile sizes of the tiled kernel (query rows, key rows per tile);
- * 0 restores the defaults.  Not thread-safe: for tuning and tests only. */
-void fa_set_tiles(int64_t bq, int64_t bk);
-/* Force the largest n_q that takes the row kernel (at most 24); 0 restores the
- * ISA's default.  Not thread-safe: for tuning and tests only. */
-void fa_set_rows_max(int64_t n);
-/* Force the tiled kernel's fused exp on (1) or off (0); -1 restores the ISA's
- * default.  Not thread-safe: for tuning and tests only. */
-void fa_set_fused(int mode);
-/* Force the row kernel's prefetch across passes and its far prefetch
- * (tiles.stream and tiles.far in internal.h) on (1) or off (0); -1 restores
- * the default (on when K and V exceed FA_KV_MEM_BYTES, FA_KV_FAR_BYTES).  Not
- * thread-safe: for tuning and tests only. */
-void fa_set_stream(int mode);
-/* Force the tiled kernel's packing of a bool mask into bits (mask_pack in
- * attention.c) on (1) or off (0: it reads the mask's bytes); -1 restores the
- * default.  Not thread-safe: for tuning and tests only. */
-void fa_set_mask_pack(int mode);
-/* Force the row kernel over interleaved items (the heads of a (B, n, H, d)
- * cache: fa_attn_group_rows in kernel_body.h) on (1) or off (0) where the
- * items interleave and hold at most FA_GROUP_ROWS (8) query rows each (that
- * many rows the row kernel takes); -1 restores the default (on when K and V
- * exceed FA_KV_MEM_BYTES).  Not thread-safe: for tuning and tests only. */
-void fa_set_group(int mode);
-/* Tests: rows of more than `keys` keys split (0: FA_SPLIT_KEYS),
- * their partials in waves of at most parts_bytes (0: FA_PARTS_BYTES). */
-void fa_set_long_split(int64_t keys, int64_t parts_bytes);
-/* The number of item groups that kernel ran since the last call of this; for tests. */
-int64_t fa_take_group_count(void);
-/* The number of rows the kernels recomputed in their careful mode (a result
- * that came out inf or NaN) since the last call of this; for tests. */
-int64_t fa_take_redo_count(void);
-/* The number of query rows the row kernel ran as the tiled kernel's tails
- * (attention.c, run) since the last call of this; for tests. */
-int64_t fa_take_tail_count(void);
 
 /* keep[i] = (x[i] == 0) for a contiguous (rows, len) float32 or float64
  * (dtype) x, and *all_ok = whether every x[i] is 0 or at most floor (<= 0;

@@ -150,7 +150,11 @@ typedef struct {
                                        * take the row kernel up to this many (attention.c,
                                        * run: the tail) */
     int fuse;                         /* the tiled kernel's fused exp: 1 where it
-                                       * measured faster (see dispatch.c) */
+                                       * is the faster (see dispatch.c) */
+    int fold_rows, fold_rows_big;     /* GQA: up to fold_rows query rows a head (or up
+                                       * to fold_rows_big with K and V of at least */
+    int64_t fold_big_bytes;           /* fold_big_bytes), a group's heads fold into the
+                                       * rows of one item (fa_gqa_fold) */
     fa_attn_item_fn attn_item[2];      /* tiled: many query rows */
     fa_attn_item_fn attn_item_rows[2]; /* few query rows (decode) */
     fa_attn_group_fn attn_group_rows[2]; /* ... over interleaved items (a (B, n, H, d) cache) */
@@ -160,9 +164,6 @@ typedef struct {
     fa_exp_fn exp[2];
     fa_exp_fn exp_neg[2];
 } fa_isa_table;
-
-/* Rows recomputed by redo_nonfinite_rows (atomic adds), read by fa_take_redo_count. */
-extern int64_t fa_redo_rows;
 
 /* The table in use (dispatch.c). */
 const fa_isa_table *fa_isa_current(void);
@@ -175,13 +176,13 @@ static inline int64_t fa_attn_scratch_elems(const fa_tiles *t, int64_t dk, int64
 }
 /* The row kernel takes n_q <= rows_max query rows (the ISA table's rows_max,
  * rows_max_big when the call's K and V exceed FA_KV_MEM_BYTES, else
- * rows_max_dk when dk is at least FA_ROWS_DK_BIG; or the value forced by
- * fa_set_rows_max, at most FA_ROWS_CAP); dk is padded to a whole number of
+ * rows_max_dk when dk is at least FA_ROWS_DK_BIG; or the override
+ * fa_overrides.rows_max, at most FA_ROWS_CAP); dk is padded to a whole number of
  * vectors (at most FA_LANES_MAX lanes: float32 in 64 bytes). */
 #define FA_ROWS_CAP 24
 #define FA_KV_MEM_BYTES ((int64_t)48 << 20)
-/* K and V beyond this: the row kernel's far prefetch (fa_tiles.far; measured
- * on Zen 4 with a 32 MiB L3: even at 16 MiB, ahead from 32 MiB on). */
+/* K and V beyond this: the row kernel's far prefetch (fa_tiles.far), which
+ * pays once they outgrow the L2s and most of the L3 (docs/tuning.md). */
 #define FA_KV_FAR_BYTES ((int64_t)16 << 20)
 #define FA_ROWS_DK_BIG 128
 #define FA_LANES_MAX 16
@@ -240,6 +241,61 @@ FA_DECLARE_ISA(avx2)
 FA_DECLARE_ISA(avx512)
 #endif
 #endif
+
+/* The plan of one attention call (plan.c), which attention.c carries out. */
+enum { FA_KERNEL_TILED = 0, FA_KERNEL_ROWS = 1, FA_KERNEL_WEIGHTS = 2 };
+typedef struct {
+    int kernel;            /* FA_KERNEL_*: what runs the items */
+    fa_tiles tiles;
+    int64_t lanes;         /* SIMD lanes of the dtype */
+    int64_t rows_max;      /* n_q up to this takes the row kernel (the table's, or forced) */
+    int64_t full_lo, full_hi; /* ... but not n_q in [full_lo, full_hi] (rows_full; empty: lo > hi) */
+    int64_t tail_max;      /* the most rows a tail may have (the table's) */
+    int64_t kv_bytes;      /* K and V bytes the call reads */
+    int from_memory;       /* kv_bytes > FA_KV_MEM_BYTES */
+    int tail;              /* each leading index's rows [tiles.q_main, nq) run on the row
+                            * kernel right after its last block */
+    int few;               /* packed sequences under the tiled kernel: items of few rows
+                            * (fa_few_rows) take the row kernel */
+    int64_t group, n_groups; /* the group kernel: items a group (0: not used), groups */
+    int64_t n_lead;        /* leading indices */
+    int64_t n_qb;          /* query blocks of each leading index, the tail's included */
+    int64_t n_items;       /* work items (packed sequences: the live ones); 0: nothing to do */
+    int64_t n_splits;      /* key splits of each item (1: none) */
+    int64_t long_splits;   /* ... at least, for rows of more than FA_SPLIT_KEYS keys */
+    int64_t chunk;         /* keys a split */
+    int64_t part_elems;    /* elements of one split's partials: bq (dv + 2) */
+    int64_t wave;          /* items a wave (their partials within FA_PARTS_BYTES) */
+    int mask_pack;         /* pack a bool mask into bits first */
+    int threads;           /* the team */
+    int64_t scratch_elems; /* each thread's scratch, in elements of the dtype */
+    double q_rows, work;   /* real query rows; the work estimate behind the team size */
+} fa_plan;
+int fa_attention_plan(const fa_attention_args *a, int weights, fa_plan *p);
+/* GQA: whether a group's query heads, n_q rows each, become the rows of one
+ * item over their K and V (kv_bytes in all): the row kernel then reads K and
+ * V once for the group (the Python layer folds the arrays). */
+int fa_gqa_fold(int64_t n_q, int64_t kv_bytes);
+/* Do n query rows take the row kernel?  Up to rows_max, but not from full_lo
+ * to full_hi. */
+static inline int fa_few_rows(int64_t n, int64_t rows_max, int64_t full_lo, int64_t full_hi)
+{
+    return n <= rows_max && !(n >= full_lo && n <= full_hi);
+}
+/* The real query positions of the leading index whose q_len offset is oql:
+ * q_len there, cut to [0, nq / row_group] (nq / row_group without q_len). */
+static inline int64_t fa_real_positions(const fa_attention_args *a, int64_t oql)
+{
+    const int64_t qn = a->nq / a->row_group;
+    if (!a->q_len || a->q_len[oql] >= qn) return qn;
+    return a->q_len[oql] < 0 ? 0 : a->q_len[oql];
+}
+/* Packed sequences (q_start): the items that hold real rows, as indices
+ * w = lead * n_qb + qb, in order, into live (NULL: only count them); the
+ * others have nothing to do (their rows are other sequences').  Returns their
+ * number; *rows is the real rows in all. */
+int64_t fa_live_items(const fa_attention_args *a, int64_t n_lead_total, int64_t n_qb, int64_t bq, int64_t *live,
+                      double *rows);
 
 /* Exposed for the tests: the chosen path's vector exp (which = 0) and the
  * attention kernels' exp for arguments <= 0 (which = 1). */

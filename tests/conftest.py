@@ -83,30 +83,66 @@ def rand(rng, shape, dtype=np.float32, scale=1.0):
     return (rng.standard_normal(shape) * scale).astype(dtype)
 
 
+# Forcing a path: the plan's per-call overrides (fastattn._core.forcing), which
+# apply to this test's calls on its own thread only and end with the test.
+
 @pytest.fixture
-def tiles():
-    """Force the tiled kernel's tile sizes (bq, bk; 0: the default); restore the defaults after."""
-    yield _core._set_tiles
-    _core._set_tiles(0, 0)
+def force():
+    """The overrides of this test's calls: force.set(bq=..., rows_max=..., ...)
+    (fastattn._core.Forcing names them), and what the calls ran: force.group_runs,
+    force.tail_rows, force.redo_rows, counted from force.reset_counts()."""
+    with _core.forcing() as f:
+        yield f
+
+
+@pytest.fixture
+def tiles(force):
+    """tiles(bq, bk): force the tiled kernel's tile sizes (0: the plan's)."""
+    return lambda bq=0, bk=0: force.set(bq=bq, bk=bk)
+
+
+@pytest.fixture
+def rows_max(force):
+    """rows_max(n): force the largest n_q that takes the row kernel (0: the plan's)."""
+    return lambda n=0: force.set(rows_max=n)
+
+
+@pytest.fixture
+def stream(force):
+    """stream(mode): force the row kernel's prefetch across passes and its far
+    prefetch into L2 on (1) or off (0); -1: the plan's (by the size of K and V)."""
+    return lambda mode=-1: force.set(stream=mode)
+
+
+@pytest.fixture
+def group(force):
+    """group(mode): force the group kernel over the interleaved heads of a
+    (B, n, H, d) cache on (1) or off (0); -1: the plan's (from memory only)."""
+    return lambda mode=-1: force.set(group=mode)
+
+
+@pytest.fixture
+def long_split(force):
+    """long_split(keys, parts_bytes): split rows of more than `keys` keys, in waves
+    of at most parts_bytes of partials (0: the plan's)."""
+    return lambda keys=0, parts_bytes=0: force.set(split_keys=keys, parts_bytes=parts_bytes)
 
 
 @pytest.fixture(params=[1, 0], ids=["fused", "unfused"])
-def fused(request):
+def fused(request, force):
     """Run with the tiled kernel's fused exp forced on, then off (each SIMD path's
-    default is one of the two: dispatch.c); restore the default after."""
-    _core._set_fused(request.param)
-    yield request.param
-    _core._set_fused(-1)
+    default is one of the two: dispatch.c)."""
+    force.set(fuse=request.param)
+    return request.param
 
 
 @pytest.fixture(params=[1, 0], ids=["packed", "bytes"])
-def mask_pack(request):
+def mask_pack(request, force):
     """Run with the tiled kernel's packing of a bool mask into bits forced on, then
     off (the tiles read the mask's bytes; by default only a mask of its own per
-    head is read so); restore the default after."""
-    _core._set_mask_pack(request.param)
-    yield request.param
-    _core._set_mask_pack(-1)
+    head is read so)."""
+    force.set(mask_pack=request.param)
+    return request.param
 
 
 @pytest.fixture

@@ -163,12 +163,8 @@ def run_case(seed, verbose=False):
         print(f"seed {seed}: q {q.shape} k {k.shape} v {v.shape} {q.dtype} {shapes} {s}")
     before = _core.isa_name()
     _core.set_isa(s["isa"])
-    _core._set_tiles(*s["tiles"])
-    _core._set_fused(s["fused"])
-    _core._set_stream(s["stream"])
-    _core._set_rows_max(s["rows_max"])
-    _core._set_mask_pack(s["mask_pack"])
-    _core._set_group(s["group"])
+    force = _core.forcing(bq=s["tiles"][0], bk=s["tiles"][1], fuse=s["fused"], stream=s["stream"],
+                          rows_max=s["rows_max"], mask_pack=s["mask_pack"], group=s["group"]).__enter__()
     _api._FLOAT_MASKS_AS_BOOL = s["float_masks_as_bool"]
     try:
         out, lse = fastattn.attention(q, k, v, return_lse=True, num_threads=s["threads"], **kw)
@@ -195,12 +191,7 @@ def run_case(seed, verbose=False):
                                                      num_threads=s["threads"], **options)
     finally:
         _core.set_isa(before)
-        _core._set_tiles(0, 0)
-        _core._set_fused(-1)
-        _core._set_stream(-1)
-        _core._set_rows_max(0)
-        _core._set_mask_pack(-1)
-        _core._set_group(-1)
+        force.__exit__(None, None, None)
         _api._FLOAT_MASKS_AS_BOOL = True
     with warnings.catch_warnings(), np.errstate(all="ignore"):
         warnings.simplefilter("ignore")

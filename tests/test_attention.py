@@ -350,7 +350,7 @@ def test_hidden_nonfinite_values_split_keys(isa, rng, dtype, threads):
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("layout", ["end", "start", "both", "middle", "many"])
 @pytest.mark.parametrize("kind", ["bool", "float"])
-def test_padding_mask_skips_hidden_keys(isa, rng, dtype, nq, threads, layout, kind):
+def test_padding_mask_skips_hidden_keys(isa, rng, dtype, nq, threads, layout, kind, force):
     """Keys that a mask hides from every row (padding: False, or -inf in a
     float mask) are left out of P.V by ranges (visible_runs and mask_tile in
     the tiled kernel, mask_runs in the row kernel and its decode loop): NaN
@@ -382,9 +382,9 @@ def test_padding_mask_skips_hidden_keys(isa, rng, dtype, nq, threads, layout, ki
     vb[:, hidden, 1::3] = np.nan
     vb[:, hidden, 2::3] = -np.inf
     for h in (2, 1):
-        _core._take_redo_count()
+        force.reset_counts()
         out = check(q[:h], kb[:h], vb[:h], mask=mask, num_threads=threads)[0]
-        redone = _core._take_redo_count()
+        redone = force.redo_rows
         assert np.isfinite(out).all()
         assert_close(out, fastattn.attention(q[:h], k[:h], v[:h], mask=mask, num_threads=threads), dtype)
         # the fast kernels skipped the hidden keys; too many stretches: the careful redo did
@@ -395,7 +395,7 @@ def test_padding_mask_skips_hidden_keys(isa, rng, dtype, nq, threads, layout, ki
 @pytest.mark.parametrize("nq", [1, 2, 3, 8])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("kind", ["bool", "float"])
-def test_row_kernel_trims_padding(isa, rng, dtype, nq, threads, kind):
+def test_row_kernel_trims_padding(isa, rng, dtype, nq, threads, kind, force):
     """The row kernel drops the keys at either end that a mask hides from every
     row (mask_trim): their scores and P.V are never computed, so NaN in their K
     and V rows stays out under a bool mask (no careful redo).  Under a float
@@ -420,10 +420,10 @@ def test_row_kernel_trims_padding(isa, rng, dtype, nq, threads, kind):
         kb = k.copy()
         if kind == "bool":
             kb[:, pad] = np.nan
-        _core._take_redo_count()
+        force.reset_counts()
         out = check(q[:h], kb[:h], vb[:h], mask=mask, num_threads=threads)[0]
         assert np.isfinite(out).all()
-        assert _core._take_redo_count() == 0
+        assert force.redo_rows == 0
     if kind == "float":
         kb = k.copy()
         kb[0, 650, 5] = np.nan                # NaN + -inf = NaN in every row of head 0
@@ -1290,12 +1290,6 @@ def test_decode_rows_and_splits(isa, rng, dtype, nq, nk, threads):
     check(q, k, v, causal=True, num_threads=threads)
 
 
-@pytest.fixture
-def rows_max():
-    """Force the largest n_q that takes the row kernel; restore the default after."""
-    from fastattn import _core
-    yield _core._set_rows_max
-    _core._set_rows_max(0)
 
 
 @pytest.mark.parametrize("dtype", [F32, F64])
@@ -1362,14 +1356,6 @@ def test_row_group(isa, rng, rows_max, tiles, dtype, G, P, nk, kernel):
             assert_close(lse.reshape(B, P, G).transpose(0, 2, 1), want_lse, dtype, "lse")
 
 
-@pytest.fixture
-def stream():
-    """Force the row kernel's prefetch across passes and its far prefetch into
-    L2 (on by default only when K and V exceed 48 MiB and 16 MiB); restore the
-    default after."""
-    from fastattn import _core
-    yield _core._set_stream
-    _core._set_stream(-1)
 
 
 @pytest.mark.parametrize("dtype", [F32, F64])
@@ -1441,7 +1427,7 @@ def tail_rows(isa, dtype, nq):
 
 @pytest.mark.parametrize("dtype", [F32, F64])
 @pytest.mark.parametrize("kv_mib, d", [(1, 64), (40, 64), (50, 64), (1, 127), (1, 128), (1, 200), (50, 200)])
-def test_row_kernel_choice(isa, rng, rows_max, dtype, kv_mib, d):
+def test_row_kernel_choice(isa, rng, rows_max, dtype, kv_mib, d, force):
     """Which kernel takes 2 to 24 query rows depends on the SIMD path, the
     dtype, whether K and V exceed 48 MiB (then they come from memory, and the
     tiled kernel takes 32-key tiles up to 32 rows) and the head dim (from 128
@@ -1462,9 +1448,9 @@ def test_row_kernel_choice(isa, rng, rows_max, dtype, kv_mib, d):
         full = None
     for nq in (2, 3, 4, 6, 7, 9, 11, 13, 14, 15, 16, 17, 20, 21, 24):
         q = rand(rng, (2, h_kv, nq, d), dtype)
-        _core._take_tail_count()
+        force.reset_counts()
         out, lse = fastattn.attention(q, k, v, num_threads=2, return_lse=True)
-        tails = _core._take_tail_count()
+        tails = force.tail_rows
         rows_max(24)
         by_rows = fastattn.attention(q, k, v, num_threads=2)
         rows_max(1)
@@ -1488,7 +1474,7 @@ def test_row_kernel_choice(isa, rng, rows_max, dtype, kv_mib, d):
 @pytest.mark.parametrize("dtype", [F32, F64])
 @pytest.mark.parametrize("nq", [17, 20, 33, 100, 259])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_tiled_tail(isa, rng, stream, dtype, nq, threads):
+def test_tiled_tail(isa, rng, stream, dtype, nq, threads, force):
     """The rows of the tiled kernel's last block past its last whole vector
     (17 = 16 + 1 on every path; 20 = 16 + 4 on AVX-512 and AVX2 float32, AVX-512
     float64; 100 and 259 past 96 and 256 in blocks of 128) take the row kernel
@@ -1503,9 +1489,9 @@ def test_tiled_tail(isa, rng, stream, dtype, nq, threads):
     tail = tail_rows(isa, dtype, nq)
     nk = 150
     q, k, v = rand(rng, (2, 3, nq, 40), dtype), rand(rng, (2, 3, nk, 40), dtype), rand(rng, (2, 3, nk, 24), dtype)
-    _core._take_tail_count()
+    force.reset_counts()
     check(q, k, v, num_threads=threads)
-    assert _core._take_tail_count() == 6 * tail
+    assert force.tail_rows == 6 * tail
     check(q, k, v, causal=True, num_threads=threads)
     check(q, k, v, causal="upper_left", num_threads=threads)
     check(q, k, v, window=(9, 3), softcap=4.0, num_threads=threads)
@@ -1518,17 +1504,17 @@ def test_tiled_tail(isa, rng, stream, dtype, nq, threads):
     gq = rand(rng, (2, 6, nq, 40), dtype)   # 2 query heads a K/V head: rows folded by position
     check(gq, k, v, enable_gqa=True, causal=True, num_threads=threads)
     stream(1)
-    _core._take_tail_count()
+    force.reset_counts()
     check(q, k, v, mask=rng.random((nq, nk)) < 0.6, num_threads=threads)
-    assert _core._take_tail_count() == 6 * tail
+    assert force.tail_rows == 6 * tail
     stream(-1)
-    _core._take_tail_count()
-    _core._set_rows_max(1)
+    force.reset_counts()
+    force.set(rows_max=1)
     try:
         check(q, k, v, causal=True, num_threads=threads)
     finally:
-        _core._set_rows_max(0)
-    assert _core._take_tail_count() == 0
+        force.set(rows_max=0)
+    assert force.tail_rows == 0
 
 
 @pytest.mark.parametrize("dtype", [F32, F64])
@@ -1690,7 +1676,7 @@ def test_float_mask_tiles(isa, fused, tiles, rng, dtype, bq, bk):
 @pytest.mark.parametrize("dtype", [F32, F64])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("layout", ["full", "keys", "transposed"])
-def test_float_mask_hidden_tiles(isa, fused, tiles, rng, dtype, threads, layout):
+def test_float_mask_hidden_tiles(isa, fused, tiles, rng, dtype, threads, layout, force):
     """A key tile where a float mask is -inf for every row is skipped (its P.V
     too), and keys where it is -inf for every row are left out of P.V (tiles
     of 128 keys, the last one of 60 partly hidden: a tail of keys that are not a
@@ -1712,9 +1698,9 @@ def test_float_mask_hidden_tiles(isa, fused, tiles, rng, dtype, threads, layout)
     for hidden in (slice(512, 698), slice(300, 330)):   # P.V leaves these keys out
         vb[:, hidden, ::2] = np.nan
         vb[:, hidden, 1::2] = np.inf
-    _core._take_redo_count()
+    force.reset_counts()
     out = check(q, k, vb, mask=mask, num_threads=threads)[0]
-    assert _core._take_redo_count() == 0
+    assert force.redo_rows == 0
     assert np.isfinite(out).all()
     w = fastattn.attention_weights(q, k, mask=mask, num_threads=threads)
     assert_close(w, ref.attention_weights(q.astype(F64), k.astype(F64), mask=mask.astype(F64)), dtype, "weights")
@@ -2021,7 +2007,7 @@ def hf_padded_mask(lengths, n, dtype, value=None):
 
 
 @pytest.mark.parametrize("dtype", [F32, F64])
-def test_padding_rows_of_large_negative_mask_run_as_bool(isa, rng, monkeypatch, dtype):
+def test_padding_rows_of_large_negative_mask_run_as_bool(isa, rng, monkeypatch, dtype, force):
     """Hugging Face's eager masks with left padding: the padding query rows hold
     np.finfo(dtype).min throughout, which absorbs every score, so such a row
     attends every key alike (the mean of v, lse = c + log(n_k)).  The mask still
@@ -2057,11 +2043,11 @@ def test_padding_rows_of_large_negative_mask_run_as_bool(isa, rng, monkeypatch, 
     assert_close(lse, want_lse, dtype, "lse")
     assert np.all(lse[pad_rows[:, None].repeat(H, 1)] == np.finfo(dtype).min)   # c + log(n_k) rounds to c
     for bq, bk in ((16, 16), (32, 64)):                                   # tails of query and key tiles
-        _core._set_tiles(bq, bk)
+        force.set(bq=bq, bk=bk)
         try:
             assert_close(fastattn.attention(q, k, v, mask=mask), out, dtype)
         finally:
-            _core._set_tiles(0, 0)
+            force.set(bq=0, bk=0)
     w = fastattn.attention_weights(q, k, mask=mask)
     assert_close(w, ref.attention_weights(q.astype(F64), k.astype(F64), mask=mask.astype(F64)), dtype, "weights")
     assert_close(w, float_path(fastattn.attention_weights, q, k, mask=mask), dtype, "weights")
@@ -2164,18 +2150,12 @@ def test_layout_blhd(isa, rng, dtype, nq, threads):
     assert_close(w, ref.attention_weights(qh.astype(F64), kh.astype(F64), causal=True), dtype, "weights")
 
 
-@pytest.fixture
-def group():
-    """Force the row kernel over the interleaved heads of a (B, n, H, d) cache (on
-    by default only when K and V exceed 48 MiB); restore the default after."""
-    yield _core._set_group
-    _core._set_group(-1)
 
 
 @pytest.mark.parametrize("dtype", [F32, F64])
 @pytest.mark.parametrize("B,nk", [(1, 2), (2, 7), (1, 150), (1, 1030), (3, 1100)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_group_rows(isa, rng, group, dtype, B, nk, threads):
+def test_group_rows(isa, rng, group, dtype, B, nk, threads, force):
     """Decoding from a (B, n, H, d) cache with the heads of a batch entry taken
     together, key tile by key tile (forced on: by default only from memory):
     against the reference with every option that moves a row's keys (causal, a
@@ -2194,9 +2174,9 @@ def test_group_rows(isa, rng, group, dtype, B, nk, threads):
     q, k, v = _heads_last(qh), _heads_last(kh), _heads_last(vh)
 
     def both(**kw):
-        _core._take_group_count()
+        force.reset_counts()
         out, lse = fastattn.attention(q, k, v, layout="blhd", return_lse=True, num_threads=threads, **kw)
-        assert _core._take_group_count() >= 1
+        assert force.group_runs >= 1
         want, want_lse = reference64(qh, kh, vh, **kw)
         assert_close(out, _heads_last(want), dtype)
         assert_close(lse, want_lse, dtype, "lse")
@@ -2217,26 +2197,26 @@ def test_group_rows(isa, rng, group, dtype, B, nk, threads):
     both()
 
     qw, kw_, vw = rand(rng, (1, 1, 130, 8), dtype), rand(rng, (1, nk, 130, 8), dtype), rand(rng, (1, nk, 130, 8), dtype)
-    _core._take_group_count()
+    force.reset_counts()
     out = fastattn.attention(qw, kw_, vw, layout="blhd", num_threads=threads)
-    assert _core._take_group_count() == 3 * (2 if threads == 2 and nk >= 1024 else 1)   # 3 groups: split in 2
+    assert force.group_runs == 3 * (2 if threads == 2 and nk >= 1024 else 1)   # 3 groups: split in 2
     want = reference64(*(np.swapaxes(a, 1, 2) for a in (qw, kw_, vw)))[0]
     assert_close(out, np.swapaxes(want, 1, 2), dtype)
 
     for qq, kk, vv, lay in ((rand(rng, (B, 9, H, d), dtype), k, v, "blhd"), (qh, kh, vh, "bhld")):
-        _core._take_group_count()
+        force.reset_counts()
         fastattn.attention(qq, kk, vv, layout=lay, num_threads=threads)
-        assert _core._take_group_count() == 0
+        assert force.group_runs == 0
     group(0)
-    _core._take_group_count()
+    force.reset_counts()
     fastattn.attention(q, k, v, layout="blhd", num_threads=threads)
-    assert _core._take_group_count() == 0
+    assert force.group_runs == 0
 
 
 @pytest.mark.parametrize("dtype", [F32, F64])
 @pytest.mark.parametrize("B,nk", [(1, 2), (2, 7), (1, 150), (1, 1030), (3, 1100)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_group_rows_several(isa, rng, group, rows_max, dtype, B, nk, threads):
+def test_group_rows_several(isa, rng, group, rows_max, dtype, B, nk, threads, force):
     """The group row kernel (forced on) for items of several query rows: a few
     new tokens a head (2, 3 and 8, the most it takes; causal, so that the rows
     see different keys) and GQA's heads folded into one item's rows (2 and 4
@@ -2260,10 +2240,10 @@ def test_group_rows_several(isa, rng, group, rows_max, dtype, B, nk, threads):
             kw["mask"] = ~hide
         if kw.pop("nan_seen", False):
             vh[0, 1, -1, 0] = np.nan
-        _core._take_group_count()
+        force.reset_counts()
         out, lse = fastattn.attention(_heads_last(qh), _heads_last(kh), _heads_last(vh), layout="blhd",
                                       return_lse=True, num_threads=threads, enable_gqa=hq != H, **kw)
-        count = _core._take_group_count()
+        count = force.group_runs
         assert count >= 1
         want, want_lse = reference64(qh, kh, vh, enable_gqa=hq != H, **kw)
         assert_close(out, _heads_last(want), dtype)
@@ -2285,15 +2265,15 @@ def test_group_rows_several(isa, rng, group, rows_max, dtype, B, nk, threads):
     check(1, hq=2 * H, inf_hidden=True)
 
     qw, kw_, vw = rand(rng, (1, 3, 40, 8), dtype), rand(rng, (1, nk, 40, 8), dtype), rand(rng, (1, nk, 40, 8), dtype)
-    _core._take_group_count()
+    force.reset_counts()
     out = fastattn.attention(qw, kw_, vw, layout="blhd", causal=True, num_threads=threads)
-    assert _core._take_group_count() == 2                   # 120 rows: 2 groups (a thread each)
+    assert force.group_runs == 2                   # 120 rows: 2 groups (a thread each)
     want = reference64(*(np.swapaxes(a, 1, 2) for a in (qw, kw_, vw)), causal=True)[0]
     assert_close(out, np.swapaxes(want, 1, 2), dtype)
 
 
 @pytest.mark.parametrize("nq", [1, 3])
-def test_group_rows_empty_head_dims(isa, group, nq):
+def test_group_rows_empty_head_dims(isa, group, nq, force):
     """d_k = d_v = 0 from views whose heads lie apart (slices of a wider cache),
     with the group kernel forced: every key scores 0, so the lse is log(n_k) and
     the output has no columns (as the reference), and no key tile is sized by
@@ -2301,34 +2281,34 @@ def test_group_rows_empty_head_dims(isa, group, nq):
     group(1)
     wide = np.ones((1, 5, 4, 8), F32)
     q, k, v = np.ones((1, nq, 4, 8), F32)[..., :0], wide[..., :0], wide[..., 1:1]
-    _core._take_group_count()
+    force.reset_counts()
     out, lse = fastattn.attention(q, k, v, layout="blhd", return_lse=True, causal=nq > 1)
-    assert _core._take_group_count() == 1
+    assert force.group_runs == 1
     want, want_lse = reference64(*(np.swapaxes(a, 1, 2) for a in (q, k, v)), causal=nq > 1)
     assert out.shape == (1, nq, 4, 0)
     assert_close(lse, want_lse, F32, "lse")
 
 
-def test_group_rows_default(rng):
+def test_group_rows_default(rng, force):
     """By default the heads of a (B, n, H, d) cache are taken together only when
     K and V come from memory (beyond 48 MiB): then against the reference, with one
     query row a head and with GQA's two query heads a key/value head folded into
     one item's rows (d64: whole vectors, and the next tiles prefetched in step)."""
     q, k, v = rand(rng, (1, 1, 16, 64)), rand(rng, (1, 6200, 16, 64)), rand(rng, (1, 6200, 16, 64))
-    _core._take_group_count()
+    force.reset_counts()
     out = fastattn.attention(q, k, v, layout="blhd", num_threads=2)
-    assert _core._take_group_count() == 2                    # one group, its keys split between the threads
+    assert force.group_runs == 2                    # one group, its keys split between the threads
     want = reference64(*(np.swapaxes(a, 1, 2) for a in (q, k, v)))[0]
     assert_close(out, np.swapaxes(want, 1, 2), F32)
     q2 = rand(rng, (1, 1, 32, 64))
-    _core._take_group_count()
+    force.reset_counts()
     out = fastattn.attention(q2, k, v, layout="blhd", enable_gqa=True, causal=True, num_threads=2)
-    assert _core._take_group_count() == 2                    # 16 items of 2 rows: one group, split
+    assert force.group_runs == 2                    # 16 items of 2 rows: one group, split
     want = reference64(*(np.swapaxes(a, 1, 2) for a in (q2, k, v)), enable_gqa=True, causal=True)[0]
     assert_close(out, np.swapaxes(want, 1, 2), F32)
-    _core._take_group_count()
+    force.reset_counts()
     fastattn.attention(q, k[:, :1000], v[:, :1000], layout="blhd", num_threads=2)
-    assert _core._take_group_count() == 0
+    assert force.group_runs == 0
 
 
 def test_layout_errors(rng):

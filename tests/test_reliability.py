@@ -167,11 +167,6 @@ def test_long_rows_float32(isa, n_q):
         np.testing.assert_allclose(lse, np.log(n) + 8 * 0.25 * 3.0 / np.sqrt(8), rtol=1e-6)
 
 
-@pytest.fixture
-def long_split():
-    """Force the split of long rows at few keys (and its waves); restore after."""
-    yield _core._set_long_split
-    _core._set_long_split(0, 0)
 
 
 @pytest.mark.parametrize("case", ["plain", "causal_mask", "gqa_lengths", "window_alibi", "decode"])

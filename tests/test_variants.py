@@ -460,11 +460,11 @@ def test_varlen_layouts_and_dtypes(rng):
 
 
 @pytest.mark.parametrize("rows_max", [0, 1, 24])
-def test_varlen_mixed_prefill_and_decode(isa, rng, rows_max):
+def test_varlen_mixed_prefill_and_decode(isa, rng, rows_max, force):
     """A serving batch: one prefill chunk beside decoding sequences with long caches.
     The longest sequence takes the tiled kernel; the short ones' items the row
     kernel (up to rows_max rows: forced to 1 and 24, and the default)."""
-    _core._set_rows_max(rows_max)
+    force.set(rows_max=rows_max)
     try:
         for H, Hkv in ((4, 4), (4, 2)):
             q, k, v, cq, ck = packed(rng, [200, 1, 3, 1, 0, 30], [200, 1500, 700, 0, 9, 30], H, Hkv, F32)
@@ -472,11 +472,11 @@ def test_varlen_mixed_prefill_and_decode(isa, rng, rows_max):
                 check_varlen(q, k, v, cq, ck, F32, causal=causal)
             check_varlen(q, k, v, cq, ck, F32, window=(100, 0), softcap=4.0, num_threads=1)
     finally:
-        _core._set_rows_max(0)
+        force.set(rows_max=0)
 
 
 @pytest.mark.parametrize("dtype", [F32, F64])
-def test_varlen_short_sequences_take_the_kernel_a_call_would(isa, rng, dtype):
+def test_varlen_short_sequences_take_the_kernel_a_call_would(isa, rng, dtype, force):
     """Beside a long sequence (the tiled kernel), each short one takes the kernel a
     call of its own would (test_attention.py: ROWS_MAX, ROWS_FULL): its rows are
     bitwise those of that kernel, forced, and all agree with the reference."""
@@ -487,10 +487,10 @@ def test_varlen_short_sequences_take_the_kernel_a_call_would(isa, rng, dtype):
     forced = {}
     try:
         for n in (1, 24):
-            _core._set_rows_max(n)
+            force.set(rows_max=n)
             forced[n] = fastattn.attention_varlen(q, k, v, cq, ck, num_threads=2)
     finally:
-        _core._set_rows_max(0)
+        force.set(rows_max=0)
     limit, full = ROWS_MAX[isa][2][dtype == F64], ROWS_FULL[isa][dtype == F64]
     for b, n in enumerate(lq[1:], 1):
         few = n <= limit and not (full and full[0] <= n <= full[1])

@@ -144,7 +144,7 @@ static void redo_nonfinite_rows(const fa_attention_args *a, const fa_tiles *tl, 
     for (int64_t i = 0; i < it->bq; i++) {
         const T *r = it->part ? (const T *)it->part + i * (dv + 2) : (const T *)it->out + i * a->o_rs;
         if (all_finite(r, dv)) continue;
-        __atomic_fetch_add(&fa_redo_rows, 1, __ATOMIC_RELAXED);
+        if (a->stats) __atomic_fetch_add(&a->stats->redo_rows, 1, __ATOMIC_RELAXED);
         fa_item row = *it;
         row.bq = 1;
         row.i0 = it->i0 + i;

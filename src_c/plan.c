@@ -1,0 +1,256 @@
+/*
+ * The plan of an attention call: everything that chooses what runs, in one
+ * place.  From the arguments, the CPU's table (dispatch.c) and the call's
+ * overrides (fa_attention_args.force, for the tests and for tuning) it decides
+ * the kernel, the tiles, the tail, the group kernel, the key splits and their
+ * waves, the packing of a bool mask, the team and the scratch.  attention.c
+ * carries the plan out; _core.plan() returns it to Python.  The measurements
+ * behind each choice are in docs/tuning.md, under the names used here.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "internal.h"
+#include "runtime.h"
+
+static const fa_overrides no_overrides = {.fuse = -1, .stream = -1, .group = -1, .mask_pack = -1};
+
+/* Bytes of K and V that a call reads (broadcast leading dims counted once). */
+static int64_t kv_bytes(const fa_attention_args *a)
+{
+    int64_t nk_rows = a->nk, nv_rows = a->nk;
+    for (int d = 0; d < a->n_lead; d++) {
+        if (a->k_lead[d] != 0) nk_rows *= a->lead_shape[d];
+        if (a->v_lead[d] != 0) nv_rows *= a->lead_shape[d];
+    }
+    return (nk_rows * a->dk + nv_rows * a->dv) * (a->dtype == FA_F32 ? 4 : 8);
+}
+
+/* The tiles (query rows per item, keys per tile, their padded layout).
+ * Query rows: 128, halved down to 32 while the packed queries Qt (dk, bq)
+ * would exceed 32 KiB (so that they stay in L1 beside the key tile) and while
+ * that leaves fewer than four items per thread; 32 under a narrow window,
+ * which wastes less at its edges.  Keys: the row kernel long tiles (fewer
+ * switches between the K and V streams: 256 for one row, 128 for more); the
+ * tiled kernel 64 (a tile's K and V arrive from memory in time through the
+ * prefetch one pass ahead), 32 for few rows from memory. */
+static void choose_tiles(const fa_attention_args *a, const fa_overrides *f, int64_t lanes, int64_t rows_max,
+                         int rows_kernel, int from_memory, int64_t n_lead, int threads, fa_tiles *t)
+{
+    int64_t bq_max = rows_kernel ? rows_max : 128;
+    const int64_t esz = a->dtype == FA_F32 ? 4 : 8;
+    while (!rows_kernel && bq_max > 32 && a->dk * bq_max * esz > 32768) bq_max /= 2;
+    while (!rows_kernel && bq_max > 32 && n_lead * ((a->nq + bq_max - 1) / bq_max) < 4 * (int64_t)threads)
+        bq_max /= 2;
+    if (!rows_kernel && a->win_left >= 0 && a->win_left < 1024 && bq_max > 32) bq_max = 32;
+    if (f->bq && !rows_kernel) bq_max = f->bq;
+    t->bq = a->nq < bq_max ? a->nq : bq_max;
+    if (t->bq < 1) t->bq = 1;
+    t->q_main = a->nq;
+    t->bqp = (t->bq + lanes - 1) / lanes * lanes; /* whole vectors: the micro-kernels take one or two */
+    /* Rows of the transposed tiles (St, Qt, Ot) one cache line further apart
+     * when bqp would put them a multiple of 128 bytes apart, so that a column
+     * slice of them spreads over more sets of the L1. */
+    t->ld = t->bqp;
+    if ((t->bqp * esz) % 128 == 0) t->ld += 64 / esz;
+    int64_t bk_max = !rows_kernel ? 64 : a->nq == 1 ? 256 : 128;
+    if (!rows_kernel && t->bq <= 32 && from_memory) bk_max = 32;
+    if (f->bk) bk_max = f->bk;
+    t->bk = a->nk < bk_max ? a->nk : bk_max;
+    if (t->bk < 1) t->bk = 1;
+}
+
+int64_t fa_live_items(const fa_attention_args *a, int64_t n_lead_total, int64_t n_qb, int64_t bq, int64_t *live,
+                      double *rows)
+{
+    int64_t n = 0;
+    *rows = 0;
+    for (int64_t l = 0; l < n_lead_total; l++) {
+        int64_t rest = l, oql = 0;
+        for (int d = a->n_lead - 1; d >= 0; d--) { /* row-major over lead_shape, as fill_item */
+            oql += rest % a->lead_shape[d] * a->qln_lead[d];
+            rest /= a->lead_shape[d];
+        }
+        const int64_t real = fa_real_positions(a, oql) * a->row_group, blocks = (real + bq - 1) / bq;
+        if (live)
+            for (int64_t qb = 0; qb < blocks; qb++) live[n + qb] = l * n_qb + qb;
+        n += blocks;
+        *rows += (double)real;
+    }
+    return n;
+}
+
+/* Decoding from a (B, n, H, d) cache: the last leading dim's indices h (the
+ * heads) have their K and V rows at h k_lead (v_lead) within key rows that
+ * hold all of them (k_rs = H k_lead).  With up to FA_GROUP_ROWS query rows an
+ * item and K and V from memory, the group kernel takes the heads of each group
+ * together, key tile by key tile, so that K and V are read in address order,
+ * not in pieces H d elements apart; in cache the item-by-item kernel's rows
+ * come from the L3 fast enough.  Sets p->group (0: none), p->n_groups and the
+ * group's key tile. */
+static void plan_group(const fa_attention_args *a, const fa_overrides *f, fa_plan *p)
+{
+    p->group = p->n_groups = 0;
+    if (p->kernel != FA_KERNEL_ROWS || a->nq > FA_GROUP_ROWS || a->q_start || a->kv_start || a->n_lead < 1 ||
+        f->group == 0 || p->long_splits > 1)
+        return;
+    const int d = a->n_lead - 1;
+    const int64_t hn = a->lead_shape[d];
+    if (!(hn >= 2 && a->k_lead[d] > 0 && a->k_lead[d] * hn == a->k_rs && a->v_lead[d] > 0 &&
+          a->v_lead[d] * hn == a->v_rs && (f->group == 1 || p->from_memory)))
+        return;
+    const int64_t n_sub = (hn * a->nq + FA_GROUP_MAX - 1) / FA_GROUP_MAX; /* rows a group */
+    p->group = (hn + n_sub - 1) / n_sub;
+    p->n_groups = p->n_lead / hn * n_sub;
+    /* FA_GROUP_BK keys for one row; for more, about FA_GROUP_TILE_BYTES of the
+     * group's K and V, 8 to 64 keys */
+    int64_t gbk = FA_GROUP_BK;
+    const int64_t key_bytes = p->group * (a->dk + a->dv) * (a->dtype == FA_F32 ? 4 : 8); /* 0: d_k = d_v = 0 */
+    if (a->nq > 1) {
+        gbk = key_bytes > 0 ? FA_GROUP_TILE_BYTES / key_bytes / 4 * 4 : 64;
+        gbk = gbk < 8 ? 8 : gbk > 64 ? 64 : gbk;
+    }
+    if (!f->bk) p->tiles.bk = a->nk < gbk ? (a->nk < 1 ? 1 : a->nk) : gbk;
+}
+
+/* The key splits: rows of more than FA_SPLIT_KEYS keys always (a float32
+ * running sum stops taking its increments well before 2^24 of them, and a unit
+ * stays short enough for Ctrl-C); otherwise when there are fewer units than
+ * threads (flash-decoding), or, for groups, few and long, where the threads
+ * would not get as many each.  Then the waves: items whose partials fit in
+ * FA_PARTS_BYTES at a time. */
+static void plan_splits(const fa_attention_args *a, const fa_overrides *f, int want, fa_plan *p)
+{
+    const int64_t n_work = p->group ? p->n_groups : p->n_items;
+    p->n_splits = 1;
+    if (p->kernel != FA_KERNEL_WEIGHTS && n_work < want && a->nk >= 1024) {
+        p->n_splits = (want + n_work - 1) / n_work;
+        if (p->n_splits > a->nk / 512) p->n_splits = a->nk / 512;
+    }
+    if (p->group && n_work >= want && n_work % want != 0 && n_work < 4 * (int64_t)want && a->nk >= 1024) {
+        p->n_splits = want;
+        if (p->n_splits > a->nk / 512) p->n_splits = a->nk / 512;
+    }
+    if (p->n_splits < p->long_splits) p->n_splits = p->long_splits;
+    const int64_t bk = p->tiles.bk;
+    p->chunk = p->n_splits > 1 ? ((a->nk + p->n_splits - 1) / p->n_splits + bk - 1) / bk * bk : a->nk;
+    p->part_elems = p->tiles.bq * (a->dv + 2);
+    p->wave = p->n_items;
+    if (p->n_splits > 1) {
+        const int64_t per_item = p->n_splits * p->part_elems * (a->dtype == FA_F32 ? 4 : 8);
+        const int64_t budget = f->parts_bytes ? f->parts_bytes : FA_PARTS_BYTES;
+        if (!p->group && per_item * p->n_items > budget) p->wave = budget / per_item > 0 ? budget / per_item : 1;
+    }
+}
+
+/* Each thread's scratch, in elements: the largest that any kernel the plan
+ * runs needs (the row kernel for one row always: the careful redo). */
+static int64_t plan_scratch(const fa_attention_args *a, const fa_plan *p)
+{
+    const fa_tiles *t = &p->tiles;
+    const int weights = p->kernel == FA_KERNEL_WEIGHTS;
+    int64_t n = p->kernel == FA_KERNEL_ROWS ? fa_rows_scratch_elems(t, a->dk, a->dv)
+                                           : fa_attn_scratch_elems(t, a->dk, weights ? 0 : a->dv);
+    if ((p->few || p->tail) && n < fa_rows_scratch_elems(t, a->dk, a->dv)) n = fa_rows_scratch_elems(t, a->dk, a->dv);
+    if (p->group && n < fa_group_scratch_elems(t, a->dk, a->dv, p->group))
+        n = fa_group_scratch_elems(t, a->dk, a->dv, p->group);
+    if (n < a->dv + 2) n = a->dv + 2;
+    const fa_tiles one = {.bq = 1, .bk = t->bk, .bqp = 1, .ld = 1, .fuse = 0};
+    const int64_t row = fa_rows_scratch_elems(&one, a->dk, a->dv);
+    if (!weights && n < row) n = row;
+    return n;
+}
+
+int fa_attention_plan(const fa_attention_args *a, int weights, fa_plan *p)
+{
+    if (a->dtype != FA_F32 && a->dtype != FA_F64) return FA_EINVAL;
+    if (a->n_lead < 0 || a->n_lead > FA_MAX_DIMS) return FA_EINVAL;
+    if (a->row_group < 1 || a->nq % a->row_group) return FA_EINVAL;
+    if ((a->q_start || a->kv_start) && a->mask_kind != FA_MASK_NONE) return FA_EINVAL;
+    const fa_overrides *f = a->force ? a->force : &no_overrides;
+    const fa_isa_table *isa = fa_isa_current();
+    const int dt = a->dtype;
+    *p = (fa_plan){0};
+    p->n_lead = 1;
+    for (int d = 0; d < a->n_lead; d++) p->n_lead *= a->lead_shape[d];
+    p->lanes = isa->lanes[dt];
+    p->tail_max = isa->tail_max[dt];
+    p->kv_bytes = kv_bytes(a);
+    p->from_memory = p->kv_bytes > FA_KV_MEM_BYTES; /* K and V beyond the L3 */
+
+    /* The kernel.  The row kernel up to rows_max query rows (more with K and V
+     * from memory, or long dot products), except that rows_full to lanes rows,
+     * which fill one vector of the tiled kernel, take that one; not where
+     * dk > FA_ROWS_DK_BIG with K and V from memory. */
+    p->rows_max = f->rows_max          ? (f->rows_max < FA_ROWS_CAP ? f->rows_max : FA_ROWS_CAP)
+                  : p->from_memory     ? isa->rows_max_big[dt]
+                  : a->dk >= FA_ROWS_DK_BIG ? isa->rows_max_dk[dt]
+                                            : isa->rows_max[dt];
+    p->full_lo = 1, p->full_hi = 0; /* (empty) */
+    if (!f->rows_max && isa->rows_full[dt] > 0 && !(p->from_memory && a->dk > FA_ROWS_DK_BIG)) {
+        p->full_lo = isa->rows_full[dt];
+        p->full_hi = isa->lanes[dt];
+    }
+    p->kernel = weights ? FA_KERNEL_WEIGHTS
+                : fa_few_rows(a->nq, p->rows_max, p->full_lo, p->full_hi) ? FA_KERNEL_ROWS
+                                                                           : FA_KERNEL_TILED;
+    if (p->n_lead == 0 || a->nq == 0 || (weights && a->nk == 0)) return FA_OK; /* nothing to do: n_items 0 */
+    const int rows_kernel = p->kernel == FA_KERNEL_ROWS;
+    const int want = fa_threads_wanted(a->num_threads);
+    choose_tiles(a, f, p->lanes, p->rows_max, rows_kernel, p->from_memory, p->n_lead, want, &p->tiles);
+    p->tiles.fuse = f->fuse >= 0 ? f->fuse : isa->fuse;
+    p->tiles.stream = f->stream >= 0 ? f->stream : p->from_memory;
+    p->tiles.far = f->stream >= 0 ? f->stream : p->kv_bytes > FA_KV_FAR_BYTES;
+
+    const int64_t split_keys = f->split_keys ? f->split_keys : FA_SPLIT_KEYS;
+    p->long_splits = !weights && a->nk > split_keys ? (a->nk + split_keys - 1) / split_keys : 1;
+
+    /* The tail: the rows of the last block past its last whole vector (fewer
+     * than the lanes, but the tiled kernel pays for the whole vector) take the
+     * row kernel, up to tail_max of them after at least 16 rows, right after
+     * the block before them on the same thread, while K and V are still in its
+     * caches.  Not with packed sequences, the weights, forced rows or tiles, or
+     * split keys. */
+    if (p->kernel == FA_KERNEL_TILED && !a->q_start && !f->rows_max && !f->bq && p->long_splits == 1) {
+        const int64_t bq = p->tiles.bq, last = a->nq - (a->nq - 1) / bq * bq, r = last % p->lanes;
+        const int64_t blocks = (a->nq - r + bq - 1) / bq;
+        if (r > 0 && r <= p->tail_max && a->nq - r >= 16 && p->n_lead * blocks >= want) {
+            p->tiles.q_main = a->nq - r;
+            p->tail = 1;
+        }
+    }
+    p->n_qb = (p->tiles.q_main + p->tiles.bq - 1) / p->tiles.bq + p->tail;
+    p->n_items = p->n_lead * (p->n_qb - p->tail);
+    p->q_rows = (double)p->n_lead * (double)a->nq;
+    /* Packed sequences: only the items with real rows (one long sequence among
+     * many short ones gives most (lead, block) pairs no row); under the tiled
+     * kernel, a short one's items, as few rows as a call of its own would give
+     * the row kernel, take the row kernel too. */
+    if (a->q_start) {
+        p->n_items = fa_live_items(a, p->n_lead, p->n_qb, p->tiles.bq, NULL, &p->q_rows);
+        p->few = p->kernel == FA_KERNEL_TILED;
+    }
+    plan_group(a, f, p);
+    plan_splits(a, f, want, p);
+    p->scratch_elems = plan_scratch(a, p);
+
+    /* A bool mask under the tiled kernel that two or more leading indices share
+     * (its rows broadcast too): packed into bits first, so that each tile reads
+     * an eighth of its bytes; not a mask of each head's own, whose packing pass
+     * would read it all from memory once more. */
+    if (a->mask_kind == FA_MASK_BOOL && !rows_kernel && f->mask_pack != 0) {
+        int64_t slices = 1;
+        for (int d = 0; d < a->n_lead; d++)
+            if (a->m_lead[d] != 0) slices *= a->lead_shape[d];
+        p->mask_pack = f->mask_pack == 1 || p->n_lead >= 2 * slices || a->m_rs == 0 || a->nq == 1;
+    }
+    p->work = p->q_rows * (double)(a->nk + 1) * (double)(a->dk + a->dv + 8);
+    p->threads = fa_team_size(a->num_threads, (p->group ? p->n_groups : p->n_items) * p->n_splits, p->work);
+    return FA_OK;
+}
+
+int fa_gqa_fold(int64_t n_q, int64_t kv_bytes)
+{
+    const fa_isa_table *isa = fa_isa_current();
+    return n_q <= isa->fold_rows || (n_q <= isa->fold_rows_big && kv_bytes >= isa->fold_big_bytes);
+}

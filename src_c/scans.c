@@ -1,0 +1,292 @@
+/*
+ * One-pass scans of an array, split across the threads: a float mask's zeros
+ * (fa_mask_keep), the largest magnitude (fa_abs_max), and the benchmark's
+ * streaming read (fa_stream_read).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+#include "runtime.h"
+#ifdef __SSE2__
+#include <emmintrin.h> /* ABS_MAX_SSE2 */
+#endif
+
+/* ---------------------------------------------------------------------------
+ * A float mask as the bool mask it acts as (see _mask_as_bool in
+ * fastattn/_api.py): keep[i] = (x[i] == 0), and whether every x[i] is 0
+ * (either sign) or at most `floor` (-inf among them) with a 0 in each row
+ * that holds a finite x[i] <= floor, in one pass split across the threads
+ * (num_threads <= 0: the OpenMP default), where NumPy takes several.  With
+ * pad, a row without a 0 may instead be one constant c <= pad_floor (a padding
+ * query row of a Hugging Face mask, which attends every key alike): pad[r] = 1
+ * for such a row (its keep all 0), else 0.
+ *   x     (rows, len) float32 or float64 (dtype), contiguous
+ *   keep  (rows, len) bytes, 0 or 1; all written whatever *all_ok
+ *   pad   (rows) bytes, 0 or 1, or NULL; all written whatever *all_ok
+ * floor = -inf asks for 0 and -inf only (no row then holds a finite one).
+ * ------------------------------------------------------------------------- */
+typedef struct {
+    const void *x;
+    uint8_t *keep, *pad;
+    int64_t rows, len, rows_per_unit;
+    double floor, pad_floor;
+    int dtype, ok;
+} keep_plan;
+
+enum { KEEP_CHUNK = 1 << 15 }; /* elements per work unit (whole rows, at least one) */
+
+/* For a row whose entries are all 0 or at most floor (keep marking its 0s):
+ * whether it holds a 0, which lets it go as bool. */
+static int row_has_zero(const uint8_t *keep, int64_t len)
+{
+    unsigned any = 0;
+    for (int64_t i = 0; i < len; i++) any |= keep[i];
+    return any != 0;
+}
+
+/* For a row without a 0 whose entries are all at most floor: whether they are
+ * all -inf (1: it attends nothing, as in bool), or, with pad, all one constant
+ * c <= pad_floor (2: it attends every key alike, a padding row), else 0. */
+static int row_without_zero(int dtype, const void *x, int64_t len, int pad, double pad_floor)
+{
+    int finite = 0, same = 1;
+    double first;
+    if (len == 0) return 1;
+    if (dtype == FA_F32) {
+        const float *f = x;
+        for (int64_t i = 0; i < len; i++) {
+            finite |= f[i] != -INFINITY;
+            same &= f[i] == f[0];
+        }
+        first = f[0];
+    } else {
+        const double *d = x;
+        for (int64_t i = 0; i < len; i++) {
+            finite |= d[i] != -INFINITY;
+            same &= d[i] == d[0];
+        }
+        first = d[0];
+    }
+    return !finite ? 1 : pad && same && first <= pad_floor ? 2 : 0;
+}
+
+/* keep[i] = x[i] == 0 over one row of len entries; whether each x[i] is 0 or
+ * at most floor, and the row holds a 0 if it holds a finite x[i] <= floor
+ * (or, with pad, is a padding row: *is_pad = 1).
+ * The first loop alone where floor is -inf, as GCC vectorises it (the row's
+ * checks inside it cost half as much again: docs/tuning.md, keep_row_f32). */
+static int keep_row_f32(const float *restrict x, uint8_t *restrict keep, int64_t len, float floor, int pad,
+                        double pad_floor, uint8_t *is_pad)
+{
+    int ok = 1;
+    for (int64_t i = 0; i < len; i++) {
+        keep[i] = x[i] == 0;
+        ok &= (x[i] == 0) | (x[i] <= floor);
+    }
+    if (!ok || floor == -INFINITY || row_has_zero(keep, len)) return ok;
+    const int kind = row_without_zero(FA_F32, x, len, pad, pad_floor);
+    *is_pad = kind == 2;
+    return kind != 0;
+}
+
+/* The same for float64, in pairs of lanes: GCC does not vectorise the loop of
+ * keep_row_f32 for double (docs/tuning.md, keep_row_f32). */
+static int keep_row_f64(const double *restrict x, uint8_t *restrict keep, int64_t len, double floor, int pad,
+                        double pad_floor, uint8_t *is_pad)
+{
+    typedef double d2 __attribute__((vector_size(16)));
+    typedef int64_t i2 __attribute__((vector_size(16)));
+    const d2 zero = {0, 0}, fl = {floor, floor};
+    i2 ok2 = {-1, -1};
+    int64_t i = 0;
+    for (; i + 2 <= len; i += 2) {
+        d2 v;
+        memcpy(&v, x + i, sizeof v);
+        const i2 z = v == zero;
+        ok2 &= z | (v <= fl);
+        keep[i] = (uint8_t)(z[0] & 1);
+        keep[i + 1] = (uint8_t)(z[1] & 1);
+    }
+    int ok = (ok2[0] & ok2[1]) != 0;
+    for (; i < len; i++) {
+        keep[i] = x[i] == 0;
+        ok &= (x[i] == 0) | (x[i] <= floor);
+    }
+    if (!ok || floor == -INFINITY || row_has_zero(keep, len)) return ok;
+    const int kind = row_without_zero(FA_F64, x, len, pad, pad_floor);
+    *is_pad = kind == 2;
+    return kind != 0;
+}
+
+static void mask_keep_team(void *arg)
+{
+    keep_plan *p = arg;
+    const int64_t units = (p->rows + p->rows_per_unit - 1) / p->rows_per_unit;
+    int ok = 1;
+    fa_record_team();
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < units; u++) {
+        const int64_t r1 = (u + 1) * p->rows_per_unit < p->rows ? (u + 1) * p->rows_per_unit : p->rows;
+        for (int64_t r = u * p->rows_per_unit; r < r1; r++) {
+            const int64_t at = r * p->len;
+            uint8_t is_pad = 0;
+            ok &= p->dtype == FA_F32 ? keep_row_f32((const float *)p->x + at, p->keep + at, p->len, (float)p->floor,
+                                                    p->pad != NULL, p->pad_floor, &is_pad)
+                                     : keep_row_f64((const double *)p->x + at, p->keep + at, p->len, p->floor,
+                                                    p->pad != NULL, p->pad_floor, &is_pad);
+            if (p->pad) p->pad[r] = is_pad;
+        }
+    }
+#pragma omp atomic
+    p->ok &= ok;
+}
+
+int fa_mask_keep(int dtype, const void *x, int64_t rows, int64_t len, double floor, uint8_t *keep,
+                 double pad_floor, uint8_t *pad, int num_threads, int *all_ok)
+{
+    if ((dtype != FA_F32 && dtype != FA_F64) || rows < 0 || len < 0 || !(floor <= 0) || !(pad_floor <= 0))
+        return FA_EINVAL;
+    keep_plan plan = {.x = x, .keep = keep, .pad = pad, .rows = rows, .len = len, .floor = floor,
+                      .pad_floor = pad_floor, .dtype = dtype, .ok = 1,
+                      .rows_per_unit = len >= KEEP_CHUNK ? 1 : KEEP_CHUNK / (len > 0 ? len : 1)};
+    const int64_t n = rows * len, units = (rows + plan.rows_per_unit - 1) / plan.rows_per_unit;
+    fa_run_parallel(mask_keep_team, &plan, fa_team_size(num_threads, units, 2.0 * (double)n));
+    *all_ok = plan.ok;
+    return FA_OK;
+}
+
+/* ---------------------------------------------------------------------------
+ * max |x[i]| of a contiguous float32 or float64 x of n entries (0 when n is 0;
+ * NaN when some x[i] is NaN), in one pass split across the threads
+ * (num_threads <= 0: the OpenMP default): the bound on the scores that the
+ * float mask conversion needs (_abs_max in fastattn/_api.py), where NumPy's
+ * max and min take two passes on one thread.
+ *   x  (n) float32 or float64 (dtype), contiguous
+ * ------------------------------------------------------------------------- */
+typedef struct {
+    const void *x;
+    int64_t n;
+    double max;
+    int dtype, nan;
+} abs_max_plan;
+
+enum { ABS_MAX_CHUNK = 1 << 14 }; /* elements per work unit */
+
+/* max |x[i]| of n entries into *max, and whether one is NaN into *nan: SSE2
+ * (the x86-64 baseline) four vectors at a time, a plain loop elsewhere and for
+ * the tail.  maxps and maxpd keep their second operand where the first is NaN,
+ * so NaN is counted apart (cmpunord).  ABS_MAX_SSE2 is the vector loop of both
+ * types: V the vector, S the intrinsics' suffix (ps, pd), W its lanes. */
+#ifdef __SSE2__
+#define ABS_MAX_SSE2(T, V, S, W)                                                        \
+    const V sign = _mm_set1_##S(-0.0);                                                  \
+    V m0 = _mm_setzero_##S(), m1 = m0, m2 = m0, m3 = m0, u = m0;                       \
+    for (; i + 4 * (W) <= n; i += 4 * (W)) {                                            \
+        const V a0 = _mm_andnot_##S(sign, _mm_loadu_##S(x + i));                        \
+        const V a1 = _mm_andnot_##S(sign, _mm_loadu_##S(x + i + (W)));                  \
+        const V a2 = _mm_andnot_##S(sign, _mm_loadu_##S(x + i + 2 * (W)));              \
+        const V a3 = _mm_andnot_##S(sign, _mm_loadu_##S(x + i + 3 * (W)));              \
+        m0 = _mm_max_##S(a0, m0);                                                       \
+        m1 = _mm_max_##S(a1, m1);                                                       \
+        m2 = _mm_max_##S(a2, m2);                                                       \
+        m3 = _mm_max_##S(a3, m3);                                                       \
+        u = _mm_or_##S(u, _mm_or_##S(_mm_cmpunord_##S(a0, a1), _mm_cmpunord_##S(a2, a3))); \
+    }                                                                                   \
+    T lanes[W];                                                                         \
+    _mm_storeu_##S(lanes, _mm_max_##S(_mm_max_##S(m0, m1), _mm_max_##S(m2, m3)));      \
+    for (int l = 0; l < (W); l++) m = lanes[l] > m ? lanes[l] : m;                      \
+    bad = _mm_movemask_##S(u) != 0;
+#else
+#define ABS_MAX_SSE2(T, V, S, W)
+#endif
+
+/* abs_max_f32 and abs_max_f64: the vector loop, then the rest one by one */
+#define ABS_MAX_FN(NAME, T, FABS, V, S, W)                                              \
+    static void NAME(const T *x, int64_t n, double *max, int *nan)                      \
+    {                                                                                   \
+        int64_t i = 0;                                                                  \
+        T m = 0;                                                                        \
+        int bad = 0;                                                                    \
+        ABS_MAX_SSE2(T, V, S, W)                                                        \
+        for (; i < n; i++) {                                                            \
+            const T a = FABS(x[i]);                                                     \
+            m = a > m ? a : m;                                                          \
+            bad |= a != a;                                                              \
+        }                                                                               \
+        *max = m;                                                                       \
+        *nan = bad;                                                                     \
+    }
+ABS_MAX_FN(abs_max_f32, float, fabsf, __m128, ps, 4)
+ABS_MAX_FN(abs_max_f64, double, fabs, __m128d, pd, 2)
+
+static void abs_max_team(void *arg)
+{
+    abs_max_plan *p = arg;
+    const int64_t units = (p->n + ABS_MAX_CHUNK - 1) / ABS_MAX_CHUNK;
+    double m = 0;
+    int nan = 0;
+    fa_record_team();
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < units; u++) {
+        const int64_t at = u * ABS_MAX_CHUNK, len = p->n - at < ABS_MAX_CHUNK ? p->n - at : ABS_MAX_CHUNK;
+        double um;
+        int un;
+        if (p->dtype == FA_F32)
+            abs_max_f32((const float *)p->x + at, len, &um, &un);
+        else
+            abs_max_f64((const double *)p->x + at, len, &um, &un);
+        m = um > m ? um : m;
+        nan |= un;
+    }
+#pragma omp critical(fa_abs_max)
+    {
+        p->max = m > p->max ? m : p->max;
+        p->nan |= nan;
+    }
+}
+
+int fa_abs_max(int dtype, const void *x, int64_t n, int num_threads, double *out)
+{
+    if ((dtype != FA_F32 && dtype != FA_F64) || n < 0) return FA_EINVAL;
+    abs_max_plan plan = {.x = x, .n = n, .max = 0, .dtype = dtype, .nan = 0};
+    const int64_t units = (n + ABS_MAX_CHUNK - 1) / ABS_MAX_CHUNK;
+    fa_run_parallel(abs_max_team, &plan, fa_team_size(num_threads, units, 0.5 * (double)n));
+    *out = plan.nan ? NAN : plan.max;
+    return FA_OK;
+}
+
+/* ---------------------------------------------------------------------------
+ * The benchmark's memory ceiling: read n bytes of x once, split across the
+ * threads (num_threads <= 0: the OpenMP default), as a plain streaming read
+ * with 16-byte loads and four independent XOR chains.  Returns the XOR of the
+ * 8-byte words (so that the reads cannot be optimised away).
+ *   x  (n) bytes, n a multiple of 64, 16-byte aligned
+ * ------------------------------------------------------------------------- */
+uint64_t fa_stream_read(const void *x, int64_t n, int num_threads)
+{
+    typedef uint64_t u2 __attribute__((vector_size(16)));
+    const u2 *p = x;
+    const int64_t nv = n / 16;
+    const int nthreads = fa_threads_wanted(num_threads);
+    (void)nthreads; /* unused without OpenMP */
+    uint64_t total = 0;
+#pragma omp parallel num_threads(nthreads) reduction(^ : total)
+    {
+        const int t = fa_thread_num(), nt = fa_num_threads();
+        const int64_t lo = nv * t / nt / 4 * 4, hi = t == nt - 1 ? nv : nv * (t + 1) / nt / 4 * 4;
+        u2 a = {0, 0}, b = a, c = a, d = a;
+        for (int64_t i = lo; i < hi; i += 4) {
+            a ^= p[i];
+            b ^= p[i + 1];
+            c ^= p[i + 2];
+            d ^= p[i + 3];
+        }
+        a ^= b ^ c ^ d;
+        total ^= a[0] ^ a[1];
+    }
+    return total;
+}
+
