@@ -884,7 +884,7 @@ def test_self_attention_errors():
 
 def test_gqa_reads_kv_in_place(rng):
     """K and V reach the kernel as views with a size-1 (broadcast) group axis: no copy, no repeat."""
-    from fastattn._api import _prepare
+    from fastattn._prepare import _prepare
     q, k, v = rand(rng, (2, 8, 5, 16)), rand(rng, (2, 2, 7, 16)), rand(rng, (2, 2, 7, 16))
     p = _prepare(q, k, v, None, False, None, True, None, None, None, None, None)
     assert p.lead == (2, 2, 4)
@@ -896,15 +896,14 @@ def test_gqa_reads_kv_in_place(rng):
 @pytest.fixture
 def core_calls(monkeypatch):
     """The (lead, q shape, row_group) of each call into the C core."""
-    from fastattn import _api
     calls = []
-    real = _api._core.attention
+    real = _core.attention
 
     def spy(q, k, v, mask, mask_kind, out, lse, lead, causal, *rest, **kw):
         calls.append((lead, q.shape, rest[8] if len(rest) > 8 else 1))
         return real(q, k, v, mask, mask_kind, out, lse, lead, causal, *rest, **kw)
 
-    monkeypatch.setattr(_api._core, "attention", spy)
+    monkeypatch.setattr(_core, "attention", spy)
     return calls
 
 
@@ -979,7 +978,7 @@ def test_gqa_decode_fold_many_rows_and_exclusions(rng, core_calls):
     split on 2 threads).  What the rows of a group would not share stays one
     item per head: ALiBi slopes, kv_lengths or q_lengths per head, more than 8
     query rows over small K and V, the weights."""
-    from fastattn._api import _FOLD_ROWS
+    from fastattn._prepare import _FOLD_ROWS
     q, k, v = rand(rng, (1, 32, 1, 16)), rand(rng, (1, 1, 2100, 16)), rand(rng, (1, 1, 2100, 16))
     check(q, k, v, F32, enable_gqa=True, num_threads=2)
     assert core_calls == [((1, 1), (1, 1, 32, 16), 32)]
@@ -1004,8 +1003,8 @@ def test_gqa_fold_up_to_12_rows_with_large_kv(isa, rng, core_calls, dtype, nq):
     least 4 MiB, on the avx512 and avx2 paths (not the portable one); 13 rows, or
     K and V one key short of 4 MiB, stay one item per head.  Causal or not, a bool
     mask, kv_lengths with a window, against the reference (output and lse)."""
-    from fastattn import _api
-    nk = _api._FOLD_BIG_BYTES // (2 * 2 * 16 * np.dtype(dtype).itemsize)   # K and V of 2 heads, d16: 4 MiB
+    from fastattn._prepare import _FOLD_BIG_BYTES
+    nk = _FOLD_BIG_BYTES // (2 * 2 * 16 * np.dtype(dtype).itemsize)   # K and V of 2 heads, d16: 4 MiB
     q = rand(rng, (1, 8, nq, 16), dtype)
     k, v = rand(rng, (1, 2, nk, 16), dtype), rand(rng, (1, 2, nk, 16), dtype)
     folded, per_head = ((1, 2), (1, 2, nq * 4, 16), 4), ((1, 2, 4), (1, 2, 4, nq, 16), 1)
