@@ -7,13 +7,19 @@ softmax, O(n * d) memory, OpenMP threads, SIMD chosen at run time).
 `fastattn.reference` is the plain NumPy version of the same semantics.
 
 Where things are:
-    fastattn/_api.py      attention, attention_weights, merge_attention, softmax:
-                          validation and conversion
-    fastattn/layers.py    self_attention, multihead_attention (projections + attention)
-    fastattn/plot.py      attention_map (matplotlib, optional)
-    fastattn/_core.pyx    the Cython binding to the C core
-    fastattn/reference.py the NumPy reference (the tests' oracle)
-    src_c/                the C kernels (start at src_c/fastattn.h)
+    fastattn/_attention.py   attention, attention_weights (the plain path, _call)
+    fastattn/_prepare.py     _prepare: one attention call's checks and conversions
+    fastattn/_validate.py    array conversion and argument checks shared by all
+    fastattn/_float_mask.py  float masks of 0 and -inf read as bool masks
+    fastattn/_varlen.py      attention_varlen (packed sequences)
+    fastattn/_merge.py       merge_attention
+    fastattn/_softmax.py     softmax
+    fastattn/dask.py         attention over Dask arrays (optional)
+    fastattn/layers.py       self_attention, multihead_attention (projections + attention)
+    fastattn/plot.py         attention_map (matplotlib, optional)
+    fastattn/_core.pyx       the Cython binding to the C core
+    fastattn/reference.py    the NumPy reference (the tests' oracle)
+    src_c/                   the C kernels (start at src_c/fastattn.h)
 """
 
 import os as _os
@@ -44,7 +50,10 @@ finally:
         _os.environ.pop("GOMP_SPINCOUNT", None)
 # (after _core, for the spin count above)
 from . import reference  # noqa: E402
-from ._api import attention, attention_varlen, attention_weights, merge_attention, softmax  # noqa: E402
+from ._attention import attention, attention_weights  # noqa: E402
+from ._merge import merge_attention  # noqa: E402
+from ._softmax import softmax  # noqa: E402
+from ._varlen import attention_varlen  # noqa: E402
 from ._version import __version__  # noqa: E402
 from .layers import multihead_attention, self_attention  # noqa: E402
 

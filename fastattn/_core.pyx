@@ -1,10 +1,10 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
 """Binding to the C core (src_c/).
 
-Takes arrays that fastattn/_api.py has already validated, broadcast and
+Takes arrays that fastattn/_prepare.py has already validated, broadcast and
 converted, fills the C argument structs with their pointers and element
 strides, and calls the C core with the GIL released.  Nothing here checks
-shapes: _api.py does.
+shapes: the Python layer (_validate.py, _prepare.py) does.
 """
 from libc.stdint cimport int64_t, uint64_t
 from cpython.exc cimport PyErr_CheckSignals
@@ -134,6 +134,19 @@ cdef extern from "internal.h" nogil:
         int64_t scratch_elems
         double q_rows, work
 
+    ctypedef struct fa_isa_table:
+        const char *name
+        int lanes[2]
+        int rows_max[2]
+        int rows_max_big[2]
+        int rows_max_dk[2]
+        int rows_full[2]
+        int tail_max[2]
+        int fuse
+        int fold_rows, fold_rows_big
+        int64_t fold_big_bytes
+
+    const fa_isa_table *fa_isa_current()
     int fa_attention_plan(const fa_attention_args *a, int weights, fa_plan *p)
     int fa_gqa_fold(int64_t n_q, int64_t kv_bytes)
 
@@ -369,7 +382,7 @@ def mask_keep(cnp.ndarray x, cnp.ndarray keep, double floor, int num_threads, cn
     1-D) and a C-contiguous bool keep of x's shape; returns whether every entry
     of x is 0 or at most floor (<= 0; -inf: 0 and -inf only), with a 0 in each
     row (last axis) that holds a finite entry <= floor (see _mask_as_bool in
-    _api.py).  With pad (a C-contiguous bool array of x.shape[:-1]), a row
+    _float_mask.py).  With pad (a C-contiguous bool array of x.shape[:-1]), a row
     without a 0 may instead hold one constant <= pad_floor throughout: pad
     marks those rows (True) and no others."""
     if (x.ndim == 0 or keep.size != x.size or keep.itemsize != 1 or not x.flags.c_contiguous
@@ -398,7 +411,7 @@ def mask_keep(cnp.ndarray x, cnp.ndarray keep, double floor, int num_threads, cn
 
 def abs_max(cnp.ndarray x, int num_threads):
     """max |x| of a C-contiguous float32 or float64 x, in one threaded pass: 0.0
-    when x is empty, NaN when x holds a NaN (see _abs_max in _api.py)."""
+    when x is empty, NaN when x holds a NaN (see _abs_max in _float_mask.py)."""
     if not x.flags.c_contiguous:
         raise ValueError("internal: abs_max takes a C-contiguous x")
     cdef int dt = _dtype_code(x)
@@ -554,6 +567,17 @@ def gqa_fold(int64_t n_q, int64_t kv_bytes):
     """GQA: whether a group's query heads of n_q rows each become the rows of one
     work item over their K and V (kv_bytes in all), on the SIMD path in use."""
     return bool(fa_gqa_fold(n_q, kv_bytes))
+
+
+def isa_table():
+    """The tuning table of the SIMD path in use (src_c/dispatch.c), {float32,
+    float64} pairs as tuples: what the plan reads (tests take their thresholds
+    from here and from plans, never from a copy)."""
+    cdef const fa_isa_table *t = fa_isa_current()
+    return {"name": t.name.decode(), "lanes": tuple(t.lanes), "rows_max": tuple(t.rows_max),
+            "rows_max_big": tuple(t.rows_max_big), "rows_max_dk": tuple(t.rows_max_dk),
+            "rows_full": tuple(t.rows_full), "tail_max": tuple(t.tail_max), "fuse": bool(t.fuse),
+            "fold_rows": t.fold_rows, "fold_rows_big": t.fold_rows_big, "fold_big_bytes": t.fold_big_bytes}
 
 
 _KERNELS = {FA_KERNEL_TILED: "tiled", FA_KERNEL_ROWS: "rows", FA_KERNEL_WEIGHTS: "weights"}

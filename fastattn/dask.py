@@ -25,9 +25,11 @@ except ImportError:  # pragma: no cover - exercised without dask only
     raise ImportError('fastattn.dask needs dask: pip install "fastattn[dask]" (or pip install "dask[array]")') \
         from None
 
-from . import _api, _core
-from ._api import attention as _attention
-from ._api import merge_attention
+from . import _core
+from ._attention import attention as _attention
+from ._merge import merge_attention
+from ._prepare import _prepare
+from ._validate import _as_array, _asarray, _blhd, _dtypes
 
 __all__ = ["attention"]
 
@@ -47,13 +49,13 @@ def _small(x: Any, name: str) -> Optional[np.ndarray]:
         return None
     if isinstance(x, da.Array):
         x = x.compute()
-    return _api._asarray(x, name)
+    return _asarray(x, name)
 
 
 def _as_dask(x: Any, name: str) -> Any:
     if isinstance(x, da.Array):
         return x
-    a = _api._as_array(x, name) if name in ("q", "k", "v") else _api._asarray(x, name)
+    a = _as_array(x, name) if name in ("q", "k", "v") else _asarray(x, name)
     return da.from_array(a, chunks=a.shape or ())
 
 
@@ -274,11 +276,11 @@ def attention(q: Any, k: Any, v: Any, *, mask: Any = None, causal: Any = False, 
     """
     if isinstance(split_every, bool) or not isinstance(split_every, int) or split_every < 2:
         raise ValueError(f"split_every must be an int of at least 2, got {split_every!r}")
-    blhd = _api._blhd(layout)
+    blhd = _blhd(layout)
     q, k, v = _as_dask(q, "q"), _as_dask(k, "k"), _as_dask(v, "v")
     if mask is not None:
         mask = _as_dask(mask, "mask")
-    res, comp = _api._dtypes(np.empty(0, q.dtype), np.empty(0, k.dtype), np.empty(0, v.dtype))
+    res, comp = _dtypes(np.empty(0, q.dtype), np.empty(0, k.dtype), np.empty(0, v.dtype))
     if blhd:
         for a, name in ((q, "q"), (k, "k"), (v, "v")):
             if a.ndim < 3:
@@ -292,9 +294,9 @@ def attention(q: Any, k: Any, v: Any, *, mask: Any = None, causal: Any = False, 
     # any other dtype goes in as it is, for _prepare's own dtype errors
     m_dt = None if mask is None else (np.dtype(bool) if mask.dtype.kind == "f" and mask.dtype.itemsize <= 8
                                       else mask.dtype)
-    p = _api._prepare(_stand_in(q.shape, q.dtype), _stand_in(k.shape, k.dtype), _stand_in(v.shape, v.dtype),
-                      None if mask is None else _stand_in(mask.shape, m_dt), causal, scale, enable_gqa, window,
-                      softcap, slopes, kvl, num_threads, q_lengths=qln, blhd=blhd)
+    p = _prepare(_stand_in(q.shape, q.dtype), _stand_in(k.shape, k.dtype), _stand_in(v.shape, v.dtype),
+                 None if mask is None else _stand_in(mask.shape, m_dt), causal, scale, enable_gqa, window,
+                 softcap, slopes, kvl, num_threads, q_lengths=qln, blhd=blhd)
     q1, v1 = q.ndim == 1, v.ndim == 1
     if q1:
         q = q[None, :]

@@ -15,7 +15,8 @@ from typing import Any, Optional
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from ._api import Causal, _as_array, _broadcast_shapes, _int_or_none, _lengths, attention
+from ._attention import attention
+from ._validate import Causal, _as_array, _broadcast_shapes, _int_or_none, _lengths
 
 __all__ = ["self_attention", "multihead_attention"]
 

@@ -8,7 +8,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 from numpy.typing import ArrayLike
 
-from ._api import _causal
+from ._validate import _causal
 
 __all__ = ["attention_map"]
 

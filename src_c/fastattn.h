@@ -3,7 +3,7 @@
  *
  *     out = softmax(q . k^T * scale + mask) . v
  *
- * The Python layer (fastattn/_api.py) validates shapes and dtypes, broadcasts the
+ * The Python layer (fastattn/_validate.py, _prepare.py) validates shapes and dtypes, broadcasts the
  * leading dims and converts dtypes; the Cython binding (fastattn/_core.pyx) fills
  * the argument structs below and calls in with the GIL released.  The C core
  * trusts its arguments: it never exits or aborts, and it reports allocation
@@ -176,7 +176,7 @@ int fa_isa_available(const char *name);
  * (dtype) x, and *all_ok = whether every x[i] is 0 or at most floor (<= 0;
  * -inf: 0 and -inf only) with a 0 in each row that holds a finite x[i] <=
  * floor (a float mask that acts as the bool mask keep: _mask_as_bool in
- * fastattn/_api.py), on num_threads threads (<= 0: the default).  pad (rows
+ * fastattn/_float_mask.py), on num_threads threads (<= 0: the default).  pad (rows
  * bytes, or NULL) lets a row without a 0 be one constant <= pad_floor (<= 0)
  * instead, and marks such rows with 1 (the others 0). */
 int fa_mask_keep(int dtype, const void *x, int64_t rows, int64_t len, double floor, uint8_t *keep,

@@ -16,7 +16,7 @@
 
 /* ---------------------------------------------------------------------------
  * A float mask as the bool mask it acts as (see _mask_as_bool in
- * fastattn/_api.py): keep[i] = (x[i] == 0), and whether every x[i] is 0
+ * fastattn/_float_mask.py): keep[i] = (x[i] == 0), and whether every x[i] is 0
  * (either sign) or at most `floor` (-inf among them) with a 0 in each row
  * that holds a finite x[i] <= floor, in one pass split across the threads
  * (num_threads <= 0: the OpenMP default), where NumPy takes several.  With
@@ -162,7 +162,7 @@ int fa_mask_keep(int dtype, const void *x, int64_t rows, int64_t len, double flo
  * max |x[i]| of a contiguous float32 or float64 x of n entries (0 when n is 0;
  * NaN when some x[i] is NaN), in one pass split across the threads
  * (num_threads <= 0: the OpenMP default): the bound on the scores that the
- * float mask conversion needs (_abs_max in fastattn/_api.py), where NumPy's
+ * float mask conversion needs (_abs_max in fastattn/_float_mask.py), where NumPy's
  * max and min take two passes on one thread.
  *   x  (n) float32 or float64 (dtype), contiguous
  * ------------------------------------------------------------------------- */

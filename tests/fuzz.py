@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from conftest import ISAS, RTOL, assert_close, reference64  # noqa: E402
 
 import fastattn  # noqa: E402
-from fastattn import _api, _core  # noqa: E402
+from fastattn import _core, _float_mask  # noqa: E402
 from fastattn import reference as ref  # noqa: E402
 
 
@@ -165,7 +165,7 @@ def run_case(seed, verbose=False):
     _core.set_isa(s["isa"])
     force = _core.forcing(bq=s["tiles"][0], bk=s["tiles"][1], fuse=s["fused"], stream=s["stream"],
                           rows_max=s["rows_max"], mask_pack=s["mask_pack"], group=s["group"]).__enter__()
-    _api._FLOAT_MASKS_AS_BOOL = s["float_masks_as_bool"]
+    _float_mask._FLOAT_MASKS_AS_BOOL = s["float_masks_as_bool"]
     try:
         out, lse = fastattn.attention(q, k, v, return_lse=True, num_threads=s["threads"], **kw)
         if s["out"]:   # any strides; the result's dtype, or another it casts to (same_kind),
@@ -192,7 +192,7 @@ def run_case(seed, verbose=False):
     finally:
         _core.set_isa(before)
         force.__exit__(None, None, None)
-        _api._FLOAT_MASKS_AS_BOOL = True
+        _float_mask._FLOAT_MASKS_AS_BOOL = True
     with warnings.catch_warnings(), np.errstate(all="ignore"):
         warnings.simplefilter("ignore")
         want, want_lse = reference64(q, k, v, **kw)

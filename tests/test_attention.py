@@ -133,7 +133,7 @@ def test_converted_broadcast_not_expanded(rng):
     """A float64 mask broadcast over rows (key padding) or heads, with float32
     inputs, is converted one broadcast entry at a time: it stays a stride-0 view
     (not an n_q x n_k copy), and the result agrees with the reference."""
-    from fastattn._api import _as_compute
+    from fastattn._validate import _as_compute
     q, k, v = rand(rng, (2, 3, 40, 8)), rand(rng, (2, 3, 50, 8)), rand(rng, (2, 3, 50, 8))
     pad = np.where(rng.random(50) < 0.8, rng.standard_normal(50), -np.inf)
     for mask in (np.broadcast_to(pad, (40, 50)), np.broadcast_to(rng.standard_normal((2, 1, 40, 50)), (2, 3, 40, 50))):
@@ -825,7 +825,7 @@ def _strided(a):
 @pytest.mark.parametrize("nq,nk", [(1, 64), (7, 1100), (70, 33)])
 @pytest.mark.parametrize("threads", [None, 1, 2])
 def test_plain_call_matches_general_path(isa, rng, dtype, lead, nq, nk, threads):
-    from fastattn._api import _plain
+    from fastattn._attention import _plain
     q, k, v = rand(rng, lead + (nq, 24), dtype), rand(rng, lead + (nk, 24), dtype), rand(rng, lead + (nk, 40), dtype)
     for causal, scale in [(False, None), (True, 0.3)]:
         assert _plain(q, k, v)
@@ -857,7 +857,7 @@ def test_plain_call_matches_general_path(isa, rng, dtype, lead, nq, nk, threads)
 
 def test_plain_call_recognised(rng):
     """_plain accepts exactly the calls that need no conversion and no broadcasting."""
-    from fastattn._api import _plain
+    from fastattn._attention import _plain
 
     class Sub(np.ndarray):
         pass
@@ -884,7 +884,7 @@ def test_plain_call_recognised(rng):
 def test_plain_out_recognised(rng):
     """An out= that the plain call writes into as it is; any other goes the
     general way, with the same result (and the same errors)."""
-    from fastattn._api import _plain, _plain_out
+    from fastattn._attention import _plain, _plain_out
 
     class Sub(np.ndarray):
         pass
@@ -936,7 +936,7 @@ def test_plain_masked_call_matches_general_path(isa, rng, dtype, threads):
     the general path (the same inputs as strided views), for every mask shape
     that broadcasts to the scores without growing the leading dims, and as the
     reference."""
-    from fastattn import _api
+    from fastattn import _attention
     b, h, nq, nk = 2, 3, 9, 70
     q, k, v = rand(rng, (b, h, nq, 16), dtype), rand(rng, (b, h, nk, 16), dtype), rand(rng, (b, h, nk, 8), dtype)
     gq, gk, gv = _strided(q), _strided(k), _strided(v)
@@ -951,7 +951,7 @@ def test_plain_masked_call_matches_general_path(isa, rng, dtype, threads):
     masks += [np.triu(np.full((nq, nk), -np.inf, dtype), 1)[None]]   # 0/-inf, too little reused to convert
     for mask in masks:
         kind = _core.MASK_BOOL if mask.dtype == bool else _core.MASK_ADD
-        assert _api._plain_mask(mask, q, k) == kind, mask.shape
+        assert _attention._plain_mask(mask, q, k) == kind, mask.shape
         for causal in (False, True):
             got, lse = fastattn.attention(q, k, v, mask=mask, causal=causal, num_threads=threads, return_lse=True)
             g_got, g_lse = fastattn.attention(gq, gk, gv, mask=mask, causal=causal, num_threads=threads,
@@ -970,7 +970,8 @@ def test_plain_mask_recognised(rng):
     """_plain_mask takes exactly the masks that the C core reads as they are in a
     plain call; any other goes the general way, with its conversions, its
     errors and the same result."""
-    from fastattn import _api
+    from fastattn import _attention
+    from fastattn._prepare import _prepare
 
     class Sub(np.ndarray):
         pass
@@ -978,7 +979,8 @@ def test_plain_mask_recognised(rng):
     q, k, v = rand(rng, (2, 5, 8)), rand(rng, (2, 6, 8)), rand(rng, (2, 6, 4))
     keep = rng.random((2, 5, 6)) < 0.8
     bias = rand(rng, (2, 5, 6))
-    assert _api._plain_mask(keep, q, k) == _core.MASK_BOOL and _api._plain_mask(bias, q, k) == _core.MASK_ADD
+    assert _attention._plain_mask(keep, q, k) == _core.MASK_BOOL
+    assert _attention._plain_mask(bias, q, k) == _core.MASK_ADD
     packed = np.zeros((5, 6), [("m", F32), ("flag", np.uint8)])
     packed["m"] = bias[0]
     odd = packed["m"]                              # strides (30, 5) bytes: not whole float32s
@@ -999,7 +1001,7 @@ def test_plain_mask_recognised(rng):
         (odd, None),                                 # copied by the general path
     ]
     for mask, exc in general:
-        assert _api._plain_mask(mask, q, k) == _core.MASK_NONE
+        assert _attention._plain_mask(mask, q, k) == _core.MASK_NONE
         if exc is not None:
             with pytest.raises(exc):
                 fastattn.attention(q, k, v, mask=mask)
@@ -1007,15 +1009,15 @@ def test_plain_mask_recognised(rng):
             m = np.asarray(mask)
             want = fastattn.attention(_strided(q), _strided(k), _strided(v), mask=m)
             np.testing.assert_array_equal(fastattn.attention(q, k, v, mask=mask), want)
-    assert _api._plain_mask(odd_bool, q, k) == _core.MASK_BOOL
+    assert _attention._plain_mask(odd_bool, q, k) == _core.MASK_BOOL
     np.testing.assert_array_equal(fastattn.attention(q, k, v, mask=odd_bool),
                                   fastattn.attention(q, k, v, mask=np.zeros((5, 6), bool)))
     # a float mask that the conversion to bool may pay for (0 and -inf, shared by the
     # heads of a call with enough scores) goes the general way, which converts it
     qq, kk, vv = rand(rng, (8, 64, 8)), rand(rng, (8, 64, 8)), rand(rng, (8, 64, 4))
     tri = np.triu(np.full((64, 64), -np.inf, F32), 1)
-    assert _api._plain_mask(tri, qq, kk) == _core.MASK_NONE
-    assert _api._prepare(qq, kk, vv, tri, False, None, False, None, None, None, None, None).mask_kind \
+    assert _attention._plain_mask(tri, qq, kk) == _core.MASK_NONE
+    assert _prepare(qq, kk, vv, tri, False, None, False, None, None, None, None, None).mask_kind \
         == _core.MASK_BOOL
     np.testing.assert_array_equal(fastattn.attention(qq, kk, vv, mask=tri), fastattn.attention(qq, kk, vv, causal=True))
 
@@ -1281,7 +1283,7 @@ def test_longdouble_rejected(rng):
 def test_decode_rows_and_splits(isa, rng, dtype, nq, nk, threads):
     """One head: few query rows take the row kernel, more the tiled one (up to
     6 with AVX2, float64 3; 10 on the portable path; 12 with AVX-512; see
-    ROWS_MAX): both sides of the limit on every path; with 2 or 4 threads
+    rows_limits): both sides of the limit on every path; with 2 or 4 threads
     and n_k >= 1024 the keys are split across threads and merged by the
     logsumexp rule."""
     d = 72  # not a multiple of the vector width: exercises the dot-product tails
@@ -1403,26 +1405,25 @@ def test_row_kernel_many_rows_split_keys(isa, rng, rows_max, dtype, nq):
     check(q, k, v, mask=rng.random((nq, 3000)) < 0.5, num_threads=2)
 
 
-# The most query rows that take the row kernel, by SIMD path (float32, float64):
-# K and V within 48 MiB and dk < 128, K and V beyond 48 MiB, K and V within 48 MiB
-# and dk >= 128 (dispatch.c: rows_max, rows_max_big, rows_max_dk).
-ROWS_MAX = {"avx512": ((12, 12), (24, 20), (24, 20)),
-            "avx2": ((6, 3), (5, 5), (6, 3)),
-            "generic": ((10, 10), (10, 10), (10, 10))}
-# ... except from rows_full to one vector's lanes (float32, float64), which take the tiled
-# kernel, unless dk > 128 with K and V beyond 48 MiB (dispatch.c: rows_full).
-ROWS_FULL = {"avx512": ((14, 16), None), "avx2": (None, None), "generic": (None, None)}
-# The tiled kernel's lanes, and the most rows past its last whole vector (of at least 16
-# rows) that the row kernel takes as a tail (float32, float64; dispatch.c: tail_max).
-LANES = {"avx512": (16, 8), "avx2": (8, 4), "generic": (4, 2)}
-TAIL_MAX = {"avx512": (8, 4), "avx2": (4, 2), "generic": (3, 1)}
+def rows_limits(dtype, kind):
+    """The most query rows that take the row kernel on the SIMD path in use, and
+    the (lo, hi) rows that take the tiled kernel below it (None: none), read from
+    its table (_core.isa_table, what the plan reads).  kind: 0 K and V within 48
+    MiB and dk < 128 (rows_max), 1 K and V beyond 48 MiB (rows_max_big), 2 within
+    48 MiB and dk >= 128 (rows_max_dk)."""
+    t, x = _core.isa_table(), int(dtype == F64)
+    limit = t[("rows_max", "rows_max_big", "rows_max_dk")[kind]][x]
+    full = t["rows_full"][x]
+    return limit, ((full, t["lanes"][x]) if full else None)
 
 
 def tail_rows(isa, dtype, nq):
     """The rows of nq that the row kernel takes as the tiled kernel's tail (with
     enough blocks for the threads; the blocks are whole vectors but the last)."""
-    r = nq % LANES[isa][dtype == F64]
-    return r if 0 < r <= TAIL_MAX[isa][dtype == F64] and nq - r >= 16 else 0
+    t, x = _core.isa_table(), int(dtype == F64)
+    assert t["name"] == isa
+    r = nq % t["lanes"][x]
+    return r if 0 < r <= t["tail_max"][x] and nq - r >= 16 else 0
 
 
 @pytest.mark.parametrize("dtype", [F32, F64])
@@ -1433,7 +1434,7 @@ def test_row_kernel_choice(isa, rng, rows_max, dtype, kv_mib, d, force):
     tiled kernel takes 32-key tiles up to 32 rows) and the head dim (from 128
     on, long dot products hide the row kernel's horizontal sums): the output is bitwise that
     of the kernel forced by rows_max, and both agree with the reference.  Rows
-    that fill (nearly) one vector take the tiled kernel (ROWS_FULL).  K and
+    that fill (nearly) one vector take the tiled kernel (rows_limits: rows_full).  K and
     V broadcast over a leading axis (shared by two query heads) count once (40
     MiB, not 80).  (Not enable_gqa, which folds a group's heads into the rows
     of one item up to 8 rows per head: test_variants.py.)"""
@@ -1442,8 +1443,7 @@ def test_row_kernel_choice(isa, rng, rows_max, dtype, kv_mib, d, force):
     k, v = rand(rng, (h_kv, nk, d), dtype), rand(rng, (h_kv, nk, d), dtype)
     k64, v64 = k.astype(F64), v.astype(F64)   # the reference's inputs, converted once (not per check)
     kind = 1 if kv_mib > 48 else 2 if d >= 128 else 0
-    limit = ROWS_MAX[isa][kind][dtype == F64]
-    full = ROWS_FULL[isa][dtype == F64]
+    limit, full = rows_limits(dtype, kind)
     if kv_mib > 48 and d > 128:
         full = None
     for nq in (2, 3, 4, 6, 7, 9, 11, 13, 14, 15, 16, 17, 20, 21, 24):
@@ -1726,9 +1726,9 @@ def test_abs_max(rng, dtype, threads):
     """_core.abs_max, the bound of the float mask conversion: max |x| in one
     threaded pass, for every length (the 16- and 8-element vector loops' tails,
     several work units), the max at either sign and any position, -0, inf; NaN
-    anywhere gives NaN (and _api._abs_max inf).  _abs_max takes NumPy's passes for
-    other layouts and dtypes, with the same result."""
-    from fastattn import _api
+    anywhere gives NaN (and _float_mask._abs_max inf).  _abs_max takes NumPy's
+    passes for other layouts and dtypes, with the same result."""
+    from fastattn import _float_mask
     for n in (0, 1, 3, 7, 8, 9, 15, 16, 17, 100, (1 << 14) - 1, (1 << 14) + 5, 3 * (1 << 14) + 11, 700_001):
         x = rand(rng, n, dtype)
         want = float(np.abs(x).max()) if n else 0.0
@@ -1744,11 +1744,11 @@ def test_abs_max(rng, dtype, threads):
             assert _core.abs_max(y, threads) == np.inf
             y[pos] = np.nan
             assert np.isnan(_core.abs_max(y, threads)), (n, pos)
-            assert _api._abs_max(y, threads) == np.inf
+            assert _float_mask._abs_max(y, threads) == np.inf
     assert _core.abs_max(np.array([-0.0, 0.0], dtype), threads) == 0.0
     x = rand(rng, (30, 40), dtype)
     for y in (x, x.T, x[:, ::3], x.astype(np.float16)):   # C, and NumPy's passes
-        assert _api._abs_max(y, threads) == float(np.abs(y).max())
+        assert _float_mask._abs_max(y, threads) == float(np.abs(y).max())
     with pytest.raises(ValueError, match="abs_max"):
         _core.abs_max(x.T, threads)
 
@@ -1864,22 +1864,23 @@ def test_zero_or_neginf_float_mask_runs_as_bool(isa, rng, monkeypatch, dtype):
     another value, key-padding masks and masks too little reused (one per
     head) stay float.  Every case against the reference, and with the
     conversion turned off."""
-    from fastattn import _api
+    from fastattn import _float_mask
+    from fastattn._prepare import _prepare
     h, n, d = 8, 100, 16
     q, k, v = rand(rng, (h, n, d), dtype), rand(rng, (h, n, d), dtype), rand(rng, (h, n, 12), dtype)
     causal = np.triu(np.full((n, n), -np.inf), 1)      # float64, as np.full makes it
 
     def kind(q, k, mask, **kw):
-        return _api._prepare(q, k, v, mask, False, kw.get("scale"), False, None, None, kw.get("alibi_slopes"),
-                             None, None).mask_kind
+        return _prepare(q, k, v, mask, False, kw.get("scale"), False, None, None, kw.get("alibi_slopes"),
+                        None, None).mask_kind
 
     def both(q, k, mask, **kw):
         """check() with the conversion on, then off: the same result."""
         out = check(q, k, v, dtype, mask=mask, **kw)[0]
-        monkeypatch.setattr(_api, "_FLOAT_MASKS_AS_BOOL", False)
+        monkeypatch.setattr(_float_mask, "_FLOAT_MASKS_AS_BOOL", False)
         assert kind(q, k, mask, **kw) == _core.MASK_ADD
         assert_close(fastattn.attention(q, k, v, mask=mask, **kw), out, dtype)
-        monkeypatch.setattr(_api, "_FLOAT_MASKS_AS_BOOL", True)
+        monkeypatch.setattr(_float_mask, "_FLOAT_MASKS_AS_BOOL", True)
         return out
 
     f_order = np.asfortranarray(causal.astype(dtype))   # not C-contiguous: NumPy's passes, not mask_keep
@@ -1937,24 +1938,25 @@ def test_large_negative_float_mask_runs_as_bool(isa, rng, monkeypatch, dtype):
     too close to 0 for the scores, causal, a window, kv_lengths, q_lengths or a
     non-finite v keep it float (a key it hides still adds its weight or its NaN
     there).  Every case against the reference, and with the conversion off."""
-    from fastattn import _api
+    from fastattn import _float_mask
+    from fastattn._prepare import _prepare
     h, n, d = 8, 100, 16
     q, k, v = rand(rng, (h, n, d), dtype), rand(rng, (h, n, d), dtype), rand(rng, (h, n, 12), dtype)
     tril = np.tril(np.ones((n, n), bool))
 
     def kind(q, k, v, mask, **kw):
-        return _api._prepare(q, k, v, mask, kw.get("causal", False), kw.get("scale"), False, kw.get("window"),
-                             kw.get("softcap"), kw.get("alibi_slopes"), kw.get("kv_lengths"), None,
-                             q_lengths=kw.get("q_lengths")).mask_kind
+        return _prepare(q, k, v, mask, kw.get("causal", False), kw.get("scale"), False, kw.get("window"),
+                        kw.get("softcap"), kw.get("alibi_slopes"), kw.get("kv_lengths"), None,
+                        q_lengths=kw.get("q_lengths")).mask_kind
 
     def both(q, k, v, mask, want_kind, **kw):
         """The kind, check() with the conversion on, then off: the same result."""
         assert kind(q, k, v, mask, **kw) == want_kind
         out = check(q, k, v, dtype, mask=mask, **kw)[0]
-        monkeypatch.setattr(_api, "_FLOAT_MASKS_AS_BOOL", False)
+        monkeypatch.setattr(_float_mask, "_FLOAT_MASKS_AS_BOOL", False)
         assert kind(q, k, v, mask, **kw) == _core.MASK_ADD
         assert_close(fastattn.attention(q, k, v, mask=mask, **kw), out, dtype)
-        monkeypatch.setattr(_api, "_FLOAT_MASKS_AS_BOOL", True)
+        monkeypatch.setattr(_float_mask, "_FLOAT_MASKS_AS_BOOL", True)
         return out
 
     for c in (np.finfo(dtype).min, np.finfo(F32).min, -1e9, -1e4):
@@ -1990,7 +1992,7 @@ def test_large_negative_float_mask_runs_as_bool(isa, rng, monkeypatch, dtype):
     vn[2, n - 1, 0] = np.nan                                # seen by every row (at weight 0) of head 2
     out = both(q, k, vn, np.where(tril, 0.0, -1e9).astype(dtype), _core.MASK_ADD)
     assert np.isnan(out[2, :, 0]).all() and np.isfinite(np.delete(out, 2, axis=0)).all()
-    monkeypatch.setattr(_api, "_hidden_floor", lambda p, slopes, bound: (-1e4, -np.inf))
+    monkeypatch.setattr(_float_mask, "_hidden_floor", lambda p, slopes, bound: (-1e4, -np.inf))
     for m in (mask, np.asfortranarray(mask)):   # an entry at the floor hides, in C and in NumPy's passes alike
         assert kind(q, k, v, m) == _core.MASK_BOOL
 
@@ -2015,21 +2017,22 @@ def test_padding_rows_of_large_negative_mask_run_as_bool(isa, rng, monkeypatch, 
     weights, GQA, out= and the tile sizes against the reference and against the
     float path.  A constant that does not absorb the scores, two constants, or a
     constant beside -inf keep the mask float."""
-    from fastattn import _api
+    from fastattn import _float_mask
+    from fastattn._prepare import _prepare
     B, H, n, d = 3, 4, 70, 16
     q, k, v = rand(rng, (B, H, n, d), dtype), rand(rng, (B, H, n, d), dtype), rand(rng, (B, H, n, 12), dtype)
     mask = hf_padded_mask([n, n - 9, 5], n, dtype)
 
     def kind(q, k, v, mask, **kw):
-        return _api._prepare(q, k, v, mask, False, None, kw.get("enable_gqa", False), None, None,
-                             kw.get("alibi_slopes"), None, None).mask_kind
+        return _prepare(q, k, v, mask, False, None, kw.get("enable_gqa", False), None, None,
+                        kw.get("alibi_slopes"), None, None).mask_kind
 
     def float_path(f, *args, **kw):
-        monkeypatch.setattr(_api, "_FLOAT_MASKS_AS_BOOL", False)
+        monkeypatch.setattr(_float_mask, "_FLOAT_MASKS_AS_BOOL", False)
         try:
             return f(*args, **kw)
         finally:
-            monkeypatch.setattr(_api, "_FLOAT_MASKS_AS_BOOL", True)
+            monkeypatch.setattr(_float_mask, "_FLOAT_MASKS_AS_BOOL", True)
 
     assert kind(q, k, v, mask) == _core.MASK_BOOL
     out, lse = check(q, k, v, dtype, mask=mask)

@@ -7,7 +7,7 @@ import re
 import numpy as np
 
 import fastattn
-from fastattn import _api
+from fastattn import _attention, _merge, _softmax, _varlen
 
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 GUIDE = README.parent / "docs" / "guide.md"
@@ -16,7 +16,8 @@ GUIDE = README.parent / "docs" / "guide.md"
 def test_docstring_examples():
     import fastattn.dask
     from fastattn import layers, reference
-    for mod, least in ((_api, 7), (layers, 2), (reference, 9), (fastattn.dask, 1)):
+    for mod, least in ((_attention, 8), (_softmax, 2), (_varlen, 7), (_merge, 7), (layers, 2), (reference, 9),
+                       (fastattn.dask, 1)):
         result = doctest.testmod(mod, optionflags=doctest.NORMALIZE_WHITESPACE)
         assert result.attempted >= least and result.failed == 0, mod.__name__
 

@@ -5,10 +5,10 @@ import threading
 
 import numpy as np
 import pytest
+from conftest import rand
 
 import fastattn
 from fastattn import _core
-from conftest import rand
 
 
 def plan_of(q, k, v, **kw):

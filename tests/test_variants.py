@@ -478,9 +478,9 @@ def test_varlen_mixed_prefill_and_decode(isa, rng, rows_max, force):
 @pytest.mark.parametrize("dtype", [F32, F64])
 def test_varlen_short_sequences_take_the_kernel_a_call_would(isa, rng, dtype, force):
     """Beside a long sequence (the tiled kernel), each short one takes the kernel a
-    call of its own would (test_attention.py: ROWS_MAX, ROWS_FULL): its rows are
+    call of its own would (test_attention.py: rows_limits): its rows are
     bitwise those of that kernel, forced, and all agree with the reference."""
-    from test_attention import ROWS_FULL, ROWS_MAX
+    from test_attention import rows_limits
     lq, lk = [200, 16, 15, 14, 13, 5], [300, 700, 700, 700, 700, 700]
     q, k, v, cq, ck = packed(rng, lq, lk, 2, 2, dtype, d=128, dv=24)
     out, _ = check_varlen(q, k, v, cq, ck, dtype, num_threads=2)
@@ -491,7 +491,7 @@ def test_varlen_short_sequences_take_the_kernel_a_call_would(isa, rng, dtype, fo
             forced[n] = fastattn.attention_varlen(q, k, v, cq, ck, num_threads=2)
     finally:
         force.set(rows_max=0)
-    limit, full = ROWS_MAX[isa][2][dtype == F64], ROWS_FULL[isa][dtype == F64]
+    limit, full = rows_limits(dtype, 2)
     for b, n in enumerate(lq[1:], 1):
         few = n <= limit and not (full and full[0] <= n <= full[1])
         rows = slice(cq[b], cq[b + 1])
@@ -884,7 +884,7 @@ def test_self_attention_errors():
 
 def test_gqa_reads_kv_in_place(rng):
     """K and V reach the kernel as views with a size-1 (broadcast) group axis: no copy, no repeat."""
-    from fastattn._api import _prepare
+    from fastattn._prepare import _prepare
     q, k, v = rand(rng, (2, 8, 5, 16)), rand(rng, (2, 2, 7, 16)), rand(rng, (2, 2, 7, 16))
     p = _prepare(q, k, v, None, False, None, True, None, None, None, None, None)
     assert p.lead == (2, 2, 4)
@@ -896,15 +896,14 @@ def test_gqa_reads_kv_in_place(rng):
 @pytest.fixture
 def core_calls(monkeypatch):
     """The (lead, q shape, row_group) of each call into the C core."""
-    from fastattn import _api
     calls = []
-    real = _api._core.attention
+    real = _core.attention
 
     def spy(q, k, v, mask, mask_kind, out, lse, lead, causal, *rest, **kw):
         calls.append((lead, q.shape, rest[8] if len(rest) > 8 else 1))
         return real(q, k, v, mask, mask_kind, out, lse, lead, causal, *rest, **kw)
 
-    monkeypatch.setattr(_api._core, "attention", spy)
+    monkeypatch.setattr(_core, "attention", spy)
     return calls
 
 
@@ -979,12 +978,12 @@ def test_gqa_decode_fold_many_rows_and_exclusions(rng, core_calls):
     split on 2 threads).  What the rows of a group would not share stays one
     item per head: ALiBi slopes, kv_lengths or q_lengths per head, more than 8
     query rows over small K and V, the weights."""
-    from fastattn._api import _FOLD_ROWS
+    fold_rows = _core.isa_table()["fold_rows"]
     q, k, v = rand(rng, (1, 32, 1, 16)), rand(rng, (1, 1, 2100, 16)), rand(rng, (1, 1, 2100, 16))
     check(q, k, v, F32, enable_gqa=True, num_threads=2)
     assert core_calls == [((1, 1), (1, 1, 32, 16), 32)]
     q, k, v = rand(rng, (2, 8, 2, 16)), rand(rng, (2, 2, 300, 16)), rand(rng, (2, 2, 300, 12))
-    q9 = rand(rng, (2, 8, _FOLD_ROWS + 1, 16))
+    q9 = rand(rng, (2, 8, fold_rows + 1, 16))
     for qq, extra in ((q, dict(alibi_slopes=rng.random(8))),
                       (q, dict(kv_lengths=rng.integers(0, 301, (2, 8)))), (q9, dict(causal=True)), (q9, dict()),
                       (q, dict(q_lengths=np.array([[1, 2, 0, 2, 1, 1, 2, 2], [2] * 8]), causal=True))):
@@ -1000,16 +999,20 @@ def test_gqa_decode_fold_many_rows_and_exclusions(rng, core_calls):
 @pytest.mark.parametrize("dtype", [F32, F64])
 @pytest.mark.parametrize("nq", [9, 12, 13])
 def test_gqa_fold_up_to_12_rows_with_large_kv(isa, rng, core_calls, dtype, nq):
-    """9 to 12 query rows per head fold too (_FOLD_ROWS_BIG) where K and V hold at
-    least 4 MiB, on the avx512 and avx2 paths (not the portable one); 13 rows, or
-    K and V one key short of 4 MiB, stay one item per head.  Causal or not, a bool
-    mask, kv_lengths with a window, against the reference (output and lse)."""
-    from fastattn import _api
-    nk = _api._FOLD_BIG_BYTES // (2 * 2 * 16 * np.dtype(dtype).itemsize)   # K and V of 2 heads, d16: 4 MiB
+    """9 to 12 query rows per head fold too (the SIMD path's fold_rows_big) where K
+    and V hold at least fold_big_bytes (4 MiB), on the avx512 and avx2 paths (not
+    the portable one); 13 rows, or K and V one key short, stay one item per head.
+    Causal or not, a bool mask, kv_lengths with a window, against the reference
+    (output and lse).  The thresholds are the table's (_core.isa_table), checked
+    against the values the tuning measured."""
+    t = _core.isa_table()
+    assert (t["fold_rows"], t["fold_rows_big"]) == ((8, 8) if isa == "generic" else (8, 12))
+    nk = (4 << 20) // (2 * 2 * 16 * np.dtype(dtype).itemsize)   # K and V of 2 heads, d16: 4 MiB
     q = rand(rng, (1, 8, nq, 16), dtype)
     k, v = rand(rng, (1, 2, nk, 16), dtype), rand(rng, (1, 2, nk, 16), dtype)
     folded, per_head = ((1, 2), (1, 2, nq * 4, 16), 4), ((1, 2, 4), (1, 2, 4, nq, 16), 1)
-    want = folded if nq <= 12 and isa != "generic" else per_head
+    want = folded if nq <= t["fold_rows_big"] and nk * 2 * 2 * 16 * np.dtype(dtype).itemsize >= t["fold_big_bytes"] \
+        else per_head
     for extra in (dict(causal=True), dict(), dict(mask=rng.random((nq, nk)) < 0.6, causal=True),
                   dict(kv_lengths=np.array([[nk - 7]]), window=(300, 0), causal=True)):
         core_calls.clear()
