@@ -281,9 +281,9 @@ int fa_team_size(int requested, int64_t items, double work)
 
 void *fa_scratch_alloc(size_t bytes, void **raw)
 {
-    *raw = malloc(bytes + 64);
+    *raw = malloc(bytes + FA_SCRATCH_ALIGN);
     if (!*raw) return NULL;
-    return (void *)(((uintptr_t)*raw + 63) & ~(uintptr_t)63);
+    return (void *)(((uintptr_t)*raw + FA_SCRATCH_ALIGN - 1) & ~(uintptr_t)(FA_SCRATCH_ALIGN - 1));
 }
 
 void *fa_team_scratch(size_t bytes, void **raw, int *status)

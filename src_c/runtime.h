@@ -26,7 +26,10 @@ int fa_threads_wanted(int requested);
 /* Team size: fa_threads_wanted, no more than the work items, and one thread
  * when the work is too small to pay for a team. */
 int fa_team_size(int requested, int64_t items, double work);
-/* 64-byte aligned scratch; free with free(raw). */
+/* Scratch aligned to FA_SCRATCH_ALIGN; free with free(raw).  Page-aligned, so
+ * that where the kernel's tiles fall among the cache sets, relative to K and V,
+ * does not depend on what the heap held before (docs/tuning.md). */
+#define FA_SCRATCH_ALIGN 4096
 void *fa_scratch_alloc(size_t bytes, void **raw);
 /* A team member's start: its own scratch (NULL, and *status = FA_ENOMEM, when
  * it cannot be allocated; free(*raw) in any case), and the team size recorded
