@@ -103,6 +103,10 @@ cdef extern from "fastattn.h" nogil:
     int fa_mask_keep(int dtype, const void *x, int64_t rows, int64_t len, double floor, unsigned char *keep,
                      double pad_floor, unsigned char *pad, int num_threads, int *all_ok)
     int fa_abs_max(int dtype, const void *x, int64_t n, int num_threads, double *out)
+    int fa_mask_as_bool(int dtype, const void *q, int64_t nq_el, const void *k, int64_t nk_el, const void *v,
+                        int64_t nv_el, double dk_scale, double slope_term, int try_neginf, int allow_finite,
+                        double margin, double pad_absorb, int mask_dtype, const void *x, int64_t rows,
+                        int64_t len, unsigned char *keep, unsigned char *pad, int num_threads, int *mode)
     int fa_last_threads()
     int fa_fork_serial()
     void fa_init()
@@ -407,6 +411,45 @@ def mask_keep(cnp.ndarray x, cnp.ndarray keep, double floor, int num_threads, cn
         status = fa_mask_keep(dt, px, rows, length, floor, pk, pad_floor, pp, num_threads, &ok)
     _check(status)
     return ok != 0
+
+
+def mask_as_bool(cnp.ndarray x, cnp.ndarray q, cnp.ndarray k, object v, double dk_scale, double slope_term,
+                 bint try_neginf, bint allow_finite, double margin, double pad_absorb, cnp.ndarray keep,
+                 cnp.ndarray pad, int num_threads):
+    """The float-mask-as-bool check of one call in one threaded team (see
+    _mask_as_bool in _float_mask.py and fa_mask_as_bool in src_c/scans.c): x the
+    mask, q, k and v (None: no finite floor) C-contiguous arrays (q, k and v of
+    one float dtype, the mask float32 or float64); keep (x's size) and pad (a byte per row of x) C-contiguous bool
+    arrays that it fills.  Returns 0 (the mask stays float), 1 (keep holds the
+    bool mask: 0 and -inf only) or 2 (keep and pad hold it: a finite floor)."""
+    cdef int mdt = _dtype_code(x)
+    cdef int dt = _dtype_code(q)
+    if x.ndim == 0 or not x.flags.c_contiguous or not keep.flags.c_contiguous or keep.size != x.size \
+            or keep.itemsize != 1 or not keep.flags.writeable:
+        raise ValueError("internal: mask_as_bool takes a C-contiguous mask and a writeable bool keep of its size")
+    cdef int64_t length = x.shape[x.ndim - 1]
+    cdef int64_t rows = x.size // length if length else 0
+    if pad.size != rows or pad.itemsize != 1 or not pad.flags.c_contiguous or not pad.flags.writeable:
+        raise ValueError("internal: mask_as_bool's pad must be a writeable bool array of a byte per mask row")
+    for a in (q, k) + ((v,) if v is not None else ()):
+        if _dtype_code(a) != dt or not (<cnp.ndarray>a).flags.c_contiguous:
+            raise ValueError("internal: mask_as_bool takes C-contiguous q, k, v of one dtype")
+    cdef cnp.ndarray va = <cnp.ndarray>v if v is not None else q
+    cdef const void *px = cnp.PyArray_DATA(x)
+    cdef const void *pq = cnp.PyArray_DATA(q)
+    cdef const void *pk = cnp.PyArray_DATA(k)
+    cdef const void *pv = cnp.PyArray_DATA(va)
+    cdef int64_t nq = q.size, nk = k.size, nv = va.size if v is not None else 0
+    cdef unsigned char *pkeep = <unsigned char *>cnp.PyArray_DATA(keep)
+    cdef unsigned char *ppad = <unsigned char *>cnp.PyArray_DATA(pad)
+    cdef int mode = 0
+    cdef int status
+    cdef bint finite = allow_finite and v is not None
+    with nogil:
+        status = fa_mask_as_bool(dt, pq, nq, pk, nk, pv, nv, dk_scale, slope_term, try_neginf, finite,
+                                 margin, pad_absorb, mdt, px, rows, length, pkeep, ppad, num_threads, &mode)
+    _check(status)
+    return mode
 
 
 def abs_max(cnp.ndarray x, int num_threads):

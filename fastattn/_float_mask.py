@@ -73,7 +73,7 @@ _PAD_ABSORB = 2.0 ** 56   # c + s rounds to c in float64 where |s| < |c| 2^-55
 def _hidden_floor(p: _Prepared, slopes: Optional[np.ndarray], bound: float) -> Tuple[float, float]:
     """The largest mask value that acts as a False in this call (see above), and the
     largest constant of a padding row: -inf unless finite ones can."""
-    if p.causal or p.win_left >= 0 or p.win_right >= 0 or p.kvl is not None or p.qln is not None:
+    if not _allows_finite_floor(p):
         return -math.inf, -math.inf
     if slopes is not None:
         bound += _abs_max(slopes) * (p.n_q + p.n_k)
@@ -90,7 +90,7 @@ def _abs_max(x: np.ndarray, nthreads: int = 0) -> float:
     (B, 1, N, N) mask) took 2.1 ms, not 3.5."""
     if x.size == 0:
         return 0.0
-    if x.flags.c_contiguous and x.flags.aligned and (x.dtype == _F32 or x.dtype == _F64):
+    if _scannable(x):
         m = _core.abs_max(x, nthreads)
         return math.inf if math.isnan(m) else m
     hi, lo = float(x.max()), float(x.min())
@@ -125,45 +125,16 @@ def _mask_as_bool(mm: np.ndarray, p: _Prepared, slopes: Optional[np.ndarray]) ->
     if not _pays(n_scores, core.size, qk_size):
         return None
 
-    def keep_of(x, floor, pad_floor=-math.inf):
-        """(x == 0, padding rows or None) where every entry of x is 0 or at most floor
-        and each row holding a finite one holds a 0 or (pad_floor > -inf) is one
-        constant at most pad_floor throughout (as _core.mask_keep), else None."""
-        pad = np.empty(x.shape[:-1], bool) if pad_floor > -math.inf else None  # every row written
-        if x.flags.c_contiguous and x.flags.aligned and (x.dtype == _F32 or x.dtype == _F64):
-            keep = np.empty(x.shape, bool)
-            if not _core.mask_keep(x, keep, floor, p.nthreads, pad, pad_floor):  # one pass, threaded
-                return None
-            return keep, pad
-        zero, low = x == 0, x <= np.float64(floor)  # (a float64 scalar: float16 holds no -1e20)
-        if np.count_nonzero(zero) + np.count_nonzero(low) != x.size:
-            return None
-        if floor > -math.inf:
-            bad = ~zero.any(axis=-1) & (low & (x != -math.inf)).any(axis=-1)
-            if pad is not None:
-                pad = bad & (x == x[..., :1]).all(axis=-1) & (x[..., 0] <= np.float64(pad_floor))
-                bad &= ~pad
-            if bad.any():
-                return None
-        return zero, pad
-
     last = core[..., -1, :]  # a float bias fails here, on one row
-    neginf_only = keep_of(last, -math.inf) is not None
-    if not neginf_only and keep_of(last, -_HIDDEN_MARGIN) is None:
+    neginf_only = _keep_of(last, -math.inf, p.nthreads) is not None
+    if not neginf_only and _keep_of(last, -_HIDDEN_MARGIN, p.nthreads) is None:
         return None
     if slopes is not None and not np.isfinite(slopes).all():
         return None
-    bound = p.q.shape[-1] * _abs_max(p.q, p.nthreads) * abs(p.scale) * _abs_max(p.k, p.nthreads)  # |score| at most
-    if not bound <= 0.5 * float(np.finfo(p.comp).max):
-        return None  # (not <=: scale 0 times an inf is NaN, and 0 * inf is a NaN score)
-    got = keep_of(core, -math.inf) if neginf_only else None
-    if got is None:  # a large finite negative number for hidden (its floor needs a pass over v)
-        floor, pad_floor = _hidden_floor(p, slopes, bound)
-        if floor == -math.inf:
-            return None
-        got = keep_of(core, floor, pad_floor)
-        if got is None:
-            return None
+    scannable = _scannable(core) and all(_scannable(a) and a.dtype == p.comp for a in (p.q, p.k, p.v))
+    got = (_check_in_one_team if scannable else _check_in_passes)(core, p, slopes, neginf_only)
+    if got is None:
+        return None
     keep, pad = got
     pads = None
     if pad is not None:
@@ -174,6 +145,66 @@ def _mask_as_bool(mm: np.ndarray, p: _Prepared, slopes: Optional[np.ndarray]) ->
             shape = mm.shape[:-1]
             pads = np.broadcast_to(pad, shape), np.broadcast_to(c, shape)
     return np.broadcast_to(keep, mm.shape), pads
+
+
+def _keep_of(x: np.ndarray, floor: float, nthreads: int, pad_floor: float = -math.inf) -> Any:
+    """(x == 0, padding rows or None) where every entry of x is 0 or at most floor
+    and each row holding a finite one holds a 0 or (pad_floor > -inf) is one
+    constant at most pad_floor throughout (as _core.mask_keep), else None."""
+    pad = np.empty(x.shape[:-1], bool) if pad_floor > -math.inf else None  # every row written
+    if _scannable(x):
+        keep = np.empty(x.shape, bool)
+        if not _core.mask_keep(x, keep, floor, nthreads, pad, pad_floor):  # one pass, threaded
+            return None
+        return keep, pad
+    zero, low = x == 0, x <= np.float64(floor)  # (a float64 scalar: float16 holds no -1e20)
+    if np.count_nonzero(zero) + np.count_nonzero(low) != x.size:
+        return None
+    if floor > -math.inf:
+        bad = ~zero.any(axis=-1) & (low & (x != -math.inf)).any(axis=-1)
+        if pad is not None:
+            pad = bad & (x == x[..., :1]).all(axis=-1) & (x[..., 0] <= np.float64(pad_floor))
+            bad &= ~pad
+        if bad.any():
+            return None
+    return zero, pad
+
+
+def _scannable(x: np.ndarray) -> bool:
+    """Can the C core scan x in place (C-contiguous, aligned, float32 or float64)?"""
+    return bool(x.flags.c_contiguous and x.flags.aligned and (x.dtype == _F32 or x.dtype == _F64))
+
+
+def _allows_finite_floor(p: _Prepared) -> bool:
+    """May a finite mask value act as a False here: nothing else hides keys (see above)?"""
+    return not (p.causal or p.win_left >= 0 or p.win_right >= 0 or p.kvl is not None or p.qln is not None)
+
+
+def _check_in_passes(core: np.ndarray, p: _Prepared, slopes: Optional[np.ndarray], neginf_only: bool) -> Any:
+    """The bool mask (keep, pad) that core acts as, or None: the score bound from
+    max |q| and max |k|, then a pass over the mask with floor -inf (neginf_only),
+    else, where allowed and v is finite, with the finite floor (see above)."""
+    bound = p.q.shape[-1] * _abs_max(p.q, p.nthreads) * abs(p.scale) * _abs_max(p.k, p.nthreads)  # |score| at most
+    if not bound <= 0.5 * float(np.finfo(p.comp).max):
+        return None  # (not <=: scale 0 times an inf is NaN, and 0 * inf is a NaN score)
+    got = _keep_of(core, -math.inf, p.nthreads) if neginf_only else None
+    if got is None:  # a large finite negative number for hidden (its floor needs a pass over v)
+        floor, pad_floor = _hidden_floor(p, slopes, bound)
+        if floor == -math.inf:
+            return None
+        got = _keep_of(core, floor, p.nthreads, pad_floor)
+    return got
+
+
+def _check_in_one_team(core: np.ndarray, p: _Prepared, slopes: Optional[np.ndarray], neginf_only: bool) -> Any:
+    """_check_in_passes in one threaded team of the C core (_core.mask_as_bool),
+    where core, q, k and v are C-contiguous float arrays: one team, not one a pass."""
+    finite = _allows_finite_floor(p)
+    slope_term = _abs_max(slopes) * (p.n_q + p.n_k) if slopes is not None else 0.0
+    keep, pad = np.empty(core.shape, bool), np.empty(core.shape[:-1], bool)
+    mode = _core.mask_as_bool(core, p.q, p.k, p.v if finite else None, p.q.shape[-1] * abs(p.scale), slope_term,
+                              neginf_only, finite, _HIDDEN_MARGIN, _PAD_ABSORB, keep, pad, p.nthreads)
+    return None if mode == 0 else (keep, pad if mode == 2 else None)
 
 
 def _fill_pad_rows(p, target, lse, weights):

@@ -182,6 +182,16 @@ int fa_isa_available(const char *name);
 int fa_mask_keep(int dtype, const void *x, int64_t rows, int64_t len, double floor, uint8_t *keep,
                  double pad_floor, uint8_t *pad, int num_threads, int *all_ok);
 
+/* The float-mask-as-bool check of one call in one team (scans.c): the
+ * largest |q|, |k| (and |v|), then fa_mask_keep's pass with floor -inf
+ * (try_neginf) or, where allowed, a finite floor from the score bound.
+ * *mode: 0 the mask stays float, 1 keep holds it (0 and -inf only), 2 keep
+ * and pad hold it (a finite floor). */
+int fa_mask_as_bool(int dtype, const void *q, int64_t nq_el, const void *k, int64_t nk_el, const void *v,
+                    int64_t nv_el, double dk_scale, double slope_term, int try_neginf, int allow_finite,
+                    double margin, double pad_absorb, int mask_dtype, const void *x, int64_t rows, int64_t len,
+                    uint8_t *keep, uint8_t *pad, int num_threads, int *mode);
+
 /* *out = max |x[i]| over a contiguous float32 or float64 (dtype) x of n
  * entries: 0 when n is 0, NaN when some x[i] is NaN; on num_threads threads
  * (<= 0: the default). */

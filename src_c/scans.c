@@ -1,8 +1,10 @@
 /*
  * One-pass scans of an array, split across the threads: a float mask's zeros
- * (fa_mask_keep), the largest magnitude (fa_abs_max), and the benchmark's
+ * (fa_mask_keep), the largest magnitude (fa_abs_max), both in one team for
+ * the float-mask-as-bool check (fa_mask_as_bool), and the benchmark's
  * streaming read (fa_stream_read).
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -37,6 +39,7 @@ typedef struct {
 } keep_plan;
 
 enum { KEEP_CHUNK = 1 << 15 }; /* elements per work unit (whole rows, at least one) */
+static int64_t keep_rows_per_unit(int64_t len) { return len >= KEEP_CHUNK ? 1 : KEEP_CHUNK / (len > 0 ? len : 1); }
 
 /* For a row whose entries are all 0 or at most floor (keep marking its 0s):
  * whether it holds a 0, which lets it go as bool. */
@@ -121,12 +124,12 @@ static int keep_row_f64(const double *restrict x, uint8_t *restrict keep, int64_
     return kind != 0;
 }
 
-static void mask_keep_team(void *arg)
+/* The pass of fa_mask_keep over the plan's rows, shared by the threads of the
+ * team that calls it (a worksharing loop; p->ok ends as the AND of every row's). */
+static void keep_rows(keep_plan *p)
 {
-    keep_plan *p = arg;
     const int64_t units = (p->rows + p->rows_per_unit - 1) / p->rows_per_unit;
     int ok = 1;
-    fa_record_team();
 #pragma omp for schedule(static)
     for (int64_t u = 0; u < units; u++) {
         const int64_t r1 = (u + 1) * p->rows_per_unit < p->rows ? (u + 1) * p->rows_per_unit : p->rows;
@@ -142,6 +145,13 @@ static void mask_keep_team(void *arg)
     }
 #pragma omp atomic
     p->ok &= ok;
+#pragma omp barrier
+}
+
+static void mask_keep_team(void *arg)
+{
+    fa_record_team();
+    keep_rows(arg);
 }
 
 int fa_mask_keep(int dtype, const void *x, int64_t rows, int64_t len, double floor, uint8_t *keep,
@@ -150,8 +160,7 @@ int fa_mask_keep(int dtype, const void *x, int64_t rows, int64_t len, double flo
     if ((dtype != FA_F32 && dtype != FA_F64) || rows < 0 || len < 0 || !(floor <= 0) || !(pad_floor <= 0))
         return FA_EINVAL;
     keep_plan plan = {.x = x, .keep = keep, .pad = pad, .rows = rows, .len = len, .floor = floor,
-                      .pad_floor = pad_floor, .dtype = dtype, .ok = 1,
-                      .rows_per_unit = len >= KEEP_CHUNK ? 1 : KEEP_CHUNK / (len > 0 ? len : 1)};
+                      .pad_floor = pad_floor, .dtype = dtype, .ok = 1, .rows_per_unit = keep_rows_per_unit(len)};
     const int64_t n = rows * len, units = (rows + plan.rows_per_unit - 1) / plan.rows_per_unit;
     fa_run_parallel(mask_keep_team, &plan, fa_team_size(num_threads, units, 2.0 * (double)n));
     *all_ok = plan.ok;
@@ -222,13 +231,13 @@ enum { ABS_MAX_CHUNK = 1 << 14 }; /* elements per work unit */
 ABS_MAX_FN(abs_max_f32, float, fabsf, __m128, ps, 4)
 ABS_MAX_FN(abs_max_f64, double, fabs, __m128d, pd, 2)
 
-static void abs_max_team(void *arg)
+/* The largest |x| over p's array, shared by the threads of the team that calls
+ * it (a worksharing loop; p->max and p->nan merged from each thread's). */
+static void abs_max_pass(abs_max_plan *p)
 {
-    abs_max_plan *p = arg;
     const int64_t units = (p->n + ABS_MAX_CHUNK - 1) / ABS_MAX_CHUNK;
     double m = 0;
     int nan = 0;
-    fa_record_team();
 #pragma omp for schedule(static)
     for (int64_t u = 0; u < units; u++) {
         const int64_t at = u * ABS_MAX_CHUNK, len = p->n - at < ABS_MAX_CHUNK ? p->n - at : ABS_MAX_CHUNK;
@@ -246,6 +255,13 @@ static void abs_max_team(void *arg)
         p->max = m > p->max ? m : p->max;
         p->nan |= nan;
     }
+#pragma omp barrier
+}
+
+static void abs_max_team(void *arg)
+{
+    fa_record_team();
+    abs_max_pass(arg);
 }
 
 int fa_abs_max(int dtype, const void *x, int64_t n, int num_threads, double *out)
@@ -255,6 +271,95 @@ int fa_abs_max(int dtype, const void *x, int64_t n, int num_threads, double *out
     const int64_t units = (n + ABS_MAX_CHUNK - 1) / ABS_MAX_CHUNK;
     fa_run_parallel(abs_max_team, &plan, fa_team_size(num_threads, units, 0.5 * (double)n));
     *out = plan.nan ? NAN : plan.max;
+    return FA_OK;
+}
+
+/* ---------------------------------------------------------------------------
+ * The float-mask-as-bool check of one attention call (_mask_as_bool in
+ * fastattn/_float_mask.py), in one team where it took up to four: the largest
+ * |q| and |k|, the bound on |score| they give, then the mask pass of
+ * fa_mask_keep with the floor that acts as a False: -inf first (try_neginf),
+ * then, where that pass fails and finite floors are allowed (allow_finite: no
+ * causal, window or lengths, which could hide a row's 0s), with v finite,
+ * floor = -(2 bound + margin) and padding rows of one constant at most
+ * min(floor, -pad_absorb bound).  Returns in *mode 0 (the mask stays float),
+ * 1 (0 and -inf only: keep holds the bool mask) or 2 (finite floor: keep and
+ * pad hold it).
+ *   q (nq_el), k (nk_el), v (nv_el)  contiguous, dtype
+ *   x (rows, len) the mask, contiguous, mask_dtype; keep (rows, len); pad (rows)
+ * |score| <= bound = dk_scale max|q| max|k|, which must be at most half the
+ * dtype's largest number (no score can then be NaN or +inf); ALiBi adds at
+ * most slope_term to it for the finite floor.
+ * ------------------------------------------------------------------------- */
+typedef struct {
+    abs_max_plan q, k, v;
+    keep_plan keep;
+    uint8_t *pad;
+    double dk_scale, slope_term, margin, pad_absorb, limit;
+    double bound; /* dk_scale max|q| max|k| */
+    int try_neginf, allow_finite;
+    int go, mode; /* shared between the passes */
+} bool_plan;
+
+static void mask_as_bool_team(void *arg)
+{
+    bool_plan *p = arg;
+    fa_record_team();
+    abs_max_pass(&p->q);
+    abs_max_pass(&p->k);
+#pragma omp single
+    {
+        p->bound = p->dk_scale * p->q.max * p->k.max;
+        p->go = !p->q.nan && !p->k.nan && p->bound <= p->limit; /* (false for a NaN bound) */
+        p->keep.floor = p->keep.pad_floor = -INFINITY;
+        p->keep.pad = NULL;
+        p->keep.ok = 1;
+    }
+    if (!p->go) return;
+    if (p->try_neginf) {
+        keep_rows(&p->keep);
+        if (p->keep.ok) {
+#pragma omp single
+            p->mode = 1;
+            return;
+        }
+    }
+    if (!p->allow_finite) return;
+    abs_max_pass(&p->v);
+#pragma omp single
+    {
+        const double bound = p->bound + p->slope_term; /* ALiBi moves a score by at most slope_term */
+        p->go = !p->v.nan && p->v.max <= DBL_MAX && bound < INFINITY;
+        p->keep.floor = -(2.0 * bound + p->margin);
+        p->keep.pad_floor = fmin(p->keep.floor, -p->pad_absorb * bound);
+        p->keep.pad = p->pad;
+        p->keep.ok = 1;
+    }
+    if (!p->go) return;
+    keep_rows(&p->keep);
+#pragma omp single
+    p->mode = p->keep.ok ? 2 : 0;
+}
+
+int fa_mask_as_bool(int dtype, const void *q, int64_t nq_el, const void *k, int64_t nk_el, const void *v,
+                    int64_t nv_el, double dk_scale, double slope_term, int try_neginf, int allow_finite,
+                    double margin, double pad_absorb, int mask_dtype, const void *x, int64_t rows, int64_t len,
+                    uint8_t *keep, uint8_t *pad, int num_threads, int *mode)
+{
+    if ((dtype != FA_F32 && dtype != FA_F64) || (mask_dtype != FA_F32 && mask_dtype != FA_F64) || rows < 0 ||
+        len < 0 || nq_el < 0 || nk_el < 0 || nv_el < 0)
+        return FA_EINVAL;
+    bool_plan plan = {.q = {.x = q, .n = nq_el, .dtype = dtype}, .k = {.x = k, .n = nk_el, .dtype = dtype},
+                      .v = {.x = v, .n = nv_el, .dtype = dtype},
+                      .keep = {.x = x, .keep = keep, .rows = rows, .len = len, .dtype = mask_dtype,
+                               .rows_per_unit = keep_rows_per_unit(len)},
+                      .pad = pad, .dk_scale = dk_scale, .slope_term = slope_term, .margin = margin,
+                      .pad_absorb = pad_absorb, .limit = 0.5 * (dtype == FA_F32 ? FLT_MAX : DBL_MAX),
+                      .try_neginf = try_neginf, .allow_finite = allow_finite, .go = 0, .mode = 0};
+    const double n = (double)(nq_el + nk_el + nv_el) + 2.0 * (double)(rows * len);
+    const int64_t units = (rows + plan.keep.rows_per_unit - 1) / plan.keep.rows_per_unit;
+    fa_run_parallel(mask_as_bool_team, &plan, fa_team_size(num_threads, units, n));
+    *mode = plan.mode;
     return FA_OK;
 }
 
