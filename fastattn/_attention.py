@@ -11,7 +11,7 @@ one work item when decoding.
 from __future__ import annotations
 
 import math
-from typing import Any, Literal, Optional, overload
+from typing import Any, Dict, Literal, Optional, overload
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
@@ -424,7 +424,8 @@ def _fold_mask(p: _Prepared, g: int) -> Optional[np.ndarray]:
     return _rows(np.broadcast_to(mask, mask.shape[:-3] + (g, p.n_q, mask.shape[-1])), 1)
 
 
-def _call(p: _Prepared, target: np.ndarray, lse: Optional[np.ndarray], weights: bool = False) -> None:
+def _call(p: _Prepared, target: np.ndarray, lse: Optional[np.ndarray], weights: bool = False,
+          plan_only: bool = False) -> Any:
     q, k, v, mask, kvl, qln, lead, g = p.q, p.k, p.v, p.mask, p.kvl, p.qln, p.lead, 1
     rows, rows_lse = target, lse
     if p.fold:  # (see _prepare) q (..., Hkv, g, n_q, d) -> (..., Hkv, n_q * g, d), position-
@@ -439,11 +440,37 @@ def _call(p: _Prepared, target: np.ndarray, lse: Optional[np.ndarray], weights: 
             kvl = kvl[..., 0]
         if qln is not None and qln.ndim:  # (..., Hkv|1, 1): in positions, as the C core takes it
             qln = qln[..., 0]
+    if plan_only:   # (rows may be a zero-stride stand-in: nothing is written)
+        return _core.attention(q, k, v, mask, p.mask_kind, rows, rows_lse, lead, p.causal, p.scale, p.nthreads,
+                               softcap=p.softcap, win_left=p.win_left, win_right=p.win_right, slopes=p.slopes,
+                               kv_len=kvl, weights=weights, row_group=g, q_len=qln, top_left=p.top_left,
+                               plan_only=True)
     _core.attention(q, k, v, mask, p.mask_kind, rows, rows_lse, lead, p.causal, p.scale, p.nthreads,
-                    p.softcap, p.win_left, p.win_right, p.slopes, kvl, weights, g, qln, top_left=p.top_left)
+                    softcap=p.softcap, win_left=p.win_left, win_right=p.win_right, slopes=p.slopes, kv_len=kvl,
+                    weights=weights, row_group=g, q_len=qln, top_left=p.top_left)
     if rows is not target and not np.may_share_memory(rows, target):
         _unrows(target, rows, 1)  # rows written as a copy (no view of them): back in place
     if rows_lse is not lse and not np.may_share_memory(rows_lse, lse):
         _unrows(lse, rows_lse, 0)
     if p.pad is not None:
         _fill_pad_rows(p, target, lse, weights)
+    return None
+
+
+def _plan(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, mask: Optional[ArrayLike] = None, causal: Causal = False,
+          scale: Optional[float] = None, num_threads: Optional[int] = None, enable_gqa: bool = False,
+          window: Optional[Window] = None, softcap: Optional[float] = None,
+          alibi_slopes: Optional[ArrayLike] = None, kv_lengths: Optional[ArrayLike] = None,
+          q_lengths: Optional[ArrayLike] = None, layout: Layout = "bhld", weights: bool = False) -> Dict[str, Any]:
+    """The plan that attention(q, k, v, **options) (attention_weights with weights)
+    would run, computed and not run (src_c/plan.c; _core.plan has its fields):
+    the kernel, tiles, tail, GQA fold, key splits, team.  Tests and tuning."""
+    blhd = _blhd(layout)
+    if blhd:
+        q, k, v = _heads_first((q, k, v), "qkv")
+    p = _prepare(q, k, v, mask, causal, scale, enable_gqa, window, softcap, alibi_slopes, kv_lengths,
+                 num_threads, weights=weights, q_lengths=q_lengths, blhd=blhd)
+    stand_in = np.broadcast_to(np.zeros((), p.comp), p.lead + (p.n_q, p.n_k if weights else p.d_v))
+    plan: Dict[str, Any] = _call(p, stand_in, None, weights, plan_only=True)
+    plan["fold"] = p.fold
+    return plan

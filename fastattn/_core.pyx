@@ -606,6 +606,17 @@ cdef Forcing _current_forcing():
     return stack[len(stack) - 1] if stack else None   # (wraparound is off)
 
 
+def plan(*args, **kwargs):
+    """The plan of an attention call (src_c/plan.c) as a dict, computed and not
+    run: attention(*args, plan_only=True, **kwargs).  Its fields: kernel
+    ("tiled", "rows", "group", "weights"), the tiles (bq, bk, bqp, ld), the
+    switches (fuse, stream, far), the thresholds that applied (lanes, rows_max,
+    rows_full, tail_max), the tail (tail, q_main), K and V (kv_bytes,
+    from_memory), the work (n_lead, n_qb, n_items, group, n_groups, n_splits,
+    long_splits, chunk, wave, few), mask_pack, threads and scratch_elems."""
+    return attention(*args, plan_only=True, **kwargs)
+
+
 def gqa_fold(int64_t n_q, int64_t kv_bytes):
     """GQA: whether a group's query heads of n_q rows each become the rows of one
     work item over their K and V (kv_bytes in all), on the SIMD path in use."""

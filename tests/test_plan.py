@@ -84,3 +84,24 @@ def test_counts_are_per_block(isa, rng):
         assert f.redo_rows == 0
         fastattn.attention(q, k, np.nan_to_num(v, posinf=1.0))
         assert f.redo_rows == 0
+
+
+def test_python_plan_matches_the_table(isa, rng):
+    """fastattn._attention._plan: the plan of a public call.  The row kernel takes
+    n_q up to rows_max but not rows_full..lanes (the table's, read back from the
+    plan), and a GQA group's heads fold into one item's rows up to fold_rows."""
+    from fastattn._attention import _plan
+    k, v = rand(rng, (2, 600, 64)), rand(rng, (2, 600, 64))
+    for nq in range(1, 30):
+        p = _plan(rand(rng, (2, nq, 64)), k, v)
+        few = nq <= p["rows_max"] and not (p["rows_full"] and p["rows_full"][0] <= nq <= p["rows_full"][1])
+        assert p["kernel"] == ("rows" if few else "tiled"), nq
+        assert p["n_lead"] == 2 and p["n_qb"] * p["bq"] >= nq and p["n_items"] == 2 * (p["n_qb"] - p["tail"]), nq
+    t = _core.isa_table()
+    kg, vg = rand(rng, (1, 2, 600, 64)), rand(rng, (1, 2, 600, 64))
+    for nq in (1, t["fold_rows"], t["fold_rows"] + 1):
+        p = _plan(rand(rng, (1, 8, nq, 64)), kg, vg, enable_gqa=True)
+        assert p["fold"] == (nq <= t["fold_rows"]), nq
+        assert p["n_lead"] == (2 if p["fold"] else 8)
+    w = _plan(rand(rng, (2, 40, 64)), k, v, weights=True)
+    assert w["kernel"] == "weights" and w["n_splits"] == 1

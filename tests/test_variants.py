@@ -900,7 +900,7 @@ def core_calls(monkeypatch):
     real = _core.attention
 
     def spy(q, k, v, mask, mask_kind, out, lse, lead, causal, *rest, **kw):
-        calls.append((lead, q.shape, rest[8] if len(rest) > 8 else 1))
+        calls.append((lead, q.shape, rest[8] if len(rest) > 8 else kw.get("row_group", 1)))
         return real(q, k, v, mask, mask_kind, out, lse, lead, causal, *rest, **kw)
 
     monkeypatch.setattr(_core, "attention", spy)
