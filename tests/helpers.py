@@ -38,15 +38,21 @@ _CORE_ARGS = ("q", "k", "v", "mask", "mask_kind", "out", "lse", "lead", "causal"
 _core_attention = _core.attention   # the binding itself, for plans (not a test's spy on it)
 
 
+def _operands(arrays):
+    """Arrays (array-likes such as lists as arrays) and dtypes, for np.result_type."""
+    return [a if isinstance(a, (np.dtype, type)) else np.asarray(a) for a in arrays]
+
+
 def compute_dtype(*arrays):
-    """The dtype fastattn computes in: float32 for float16 and float32 inputs, else float64."""
-    res = np.result_type(*arrays)
+    """The dtype fastattn computes in: float32 for float16 and float32 inputs, else float64
+    (arrays: the inputs, or their dtypes)."""
+    res = np.result_type(*_operands(arrays))
     return np.dtype(F32) if res in (np.dtype(np.float16), np.dtype(F32)) else np.dtype(F64)
 
 
 def result_dtype(*arrays):
     """The dtype of the result: NumPy's result_type of the inputs, float64 for integers and bools."""
-    res = np.result_type(*arrays)
+    res = np.result_type(*_operands(arrays))
     return res if res.kind == "f" else np.dtype(F64)
 
 
@@ -106,7 +112,7 @@ def _thread_counts(num_threads):
     return list(num_threads) if isinstance(num_threads, (list, tuple)) else [num_threads]
 
 
-def check(q, k, v, dtype=None, *, num_threads=None, out=None, want=None, **kw):
+def check(q, k, v, dtype=None, *, num_threads=None, out=None, want=None, what="output", **kw):
     """fastattn.attention(q, k, v, **kw) against the float64 reference (reference64):
 
     - the output and the lse within the tolerance of `dtype` (assert_close; by
@@ -117,7 +123,8 @@ def check(q, k, v, dtype=None, *, num_threads=None, out=None, want=None, **kw):
       each with the team it ran on (team_check);
     - out: an array the result is written into (it must be the one returned, and
       its values are compared);
-    - want: the reference's (output, lse), when the caller has it already.
+    - want: the reference's (output, lse), when the caller has it already;
+    - what: the call's name in a failure's message.
 
     Returns the (output, lse) of the first run."""
     res_dt = result_dtype(q, k, v)
@@ -133,7 +140,7 @@ def check(q, k, v, dtype=None, *, num_threads=None, out=None, want=None, **kw):
         else:
             assert got is out, "out= given: the result must be out"
         assert lse.dtype == compute_dtype(q, k, v), f"lse dtype {lse.dtype}"
-        _compare(got, lse, *want, dtype, f"output ({threads} threads)")
+        _compare(got, lse, *want, dtype, f"{what} ({threads} threads)")
         first = first or (got.copy() if out is not None else got, lse)
     return first
 

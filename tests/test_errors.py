@@ -3,11 +3,10 @@ message that names what was wrong (and, for the common slips, how to pass it).
 The errors of one feature (GQA, windows, lengths, varlen, merge, layers) are in
 that feature's file."""
 
-
 import numpy as np
 import pytest
 from conftest import rand
-from helpers import F32
+from helpers import F32, check
 
 import fastattn
 
@@ -126,6 +125,7 @@ def test_layout_errors(rng):
     with pytest.raises(ValueError, match=r"leading dims do not broadcast: q \(2, 5, 3, 8\), k \(2, 6, 2, 8\)"):
         fastattn.attention_weights(q, k[:, :, :2], layout="blhd")
 
+
 # ---------------------------------------------------------------------------
 # hints for the common slips
 # ---------------------------------------------------------------------------
@@ -142,7 +142,7 @@ def test_gqa_hint(rng):
         fastattn.attention(*(np.swapaxes(a, 1, 2) for a in (q, k, v)), layout="blhd")
     with pytest.raises(ValueError, match=r"\(q has 4 heads, k 2: for grouped-query attention pass enable_gqa=True\)"):
         fastattn.attention_weights(q, k)
-    assert fastattn.attention(q, k, v, enable_gqa=True).shape == (2, 4, 5, 4)
+    assert check(q, k, v, enable_gqa=True)[0].shape == (2, 4, 5, 4)          # the hint, followed
     for kk, vv in ((k[:, :1].repeat(3, 1), v[:, :1].repeat(3, 1)),   # 3 does not divide 4
                    (k[:1, :1], v[:1, :2]),                           # k and v differ
                    (rand(rng, (3, 4, 6, 8)), rand(rng, (3, 4, 6, 4)))):  # the heads agree, the batch not

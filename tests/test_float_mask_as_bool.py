@@ -150,6 +150,7 @@ def test_mask_keep_floor(rng, dtype, threads):
         assert _core.mask_keep(y, keep, floor, threads), (rows, n)
         assert not _core.mask_keep(x, keep, -np.inf, threads) or (x != 0).sum() == np.isneginf(x).sum()
 
+
 # ---------------------------------------------------------------------------
 # the conversion, against the reference and with it turned off
 # ---------------------------------------------------------------------------
@@ -356,7 +357,7 @@ def test_padding_rows_of_large_negative_mask_run_as_bool(isa, rng, monkeypatch, 
     assert_close(w, float_path(fastattn.attention_weights, q, k, mask=mask), dtype, "weights")
     assert np.all(w[pad_rows[:, None].repeat(H, 1)] == dtype(1) / dtype(n))
     dst = np.full((B, H, n, 24), np.nan, dtype)[..., ::2]                   # out= with strides
-    fastattn.attention(q, k, v, mask=mask, out=dst)
+    assert fastattn.attention(q, k, v, mask=mask, out=dst) is dst
     assert_close(dst, out, dtype)
     kg, vg = k[:, :2], v[:, :2]                                           # GQA: 4 query heads on 2
     assert kind(q, kg, vg, mask, enable_gqa=True) == _core.MASK_BOOL

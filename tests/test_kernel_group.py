@@ -2,13 +2,13 @@
 entry taken together, key tile by key tile (forced on, and by default from
 memory); counted by force.group_runs."""
 
-
 import numpy as np
 import pytest
 from conftest import assert_close, rand, reference64
-from helpers import F32, F64, heads_last
+from helpers import F32, F64, check, heads_last, team_check
 
 import fastattn
+from fastattn import _core
 
 
 @pytest.mark.parametrize("dtype", [F32, F64])
@@ -26,7 +26,7 @@ def test_group_rows(isa, rng, group, dtype, B, nk, threads, force):
     130 heads run as three groups (at most 64 a group), whose keys two threads
     split when there are 1024 or more.  Not with more than 8 query rows an
     item (test_group_rows_several), nor head-major K and V: counted by
-    _take_group_count."""
+    force.group_runs."""
     group(1)
     H, d, dv = 5, 24, 12
     qh, kh, vh = rand(rng, (B, H, 1, d), dtype), rand(rng, (B, H, nk, d), dtype), rand(rng, (B, H, nk, dv), dtype)
@@ -34,11 +34,8 @@ def test_group_rows(isa, rng, group, dtype, B, nk, threads, force):
 
     def both(**kw):
         force.reset_counts()
-        out, lse = fastattn.attention(q, k, v, layout="blhd", return_lse=True, num_threads=threads, **kw)
+        check(q, k, v, dtype, layout="blhd", num_threads=threads, **kw)
         assert force.group_runs >= 1
-        want, want_lse = reference64(qh, kh, vh, **kw)
-        assert_close(out, heads_last(want), dtype)
-        assert_close(lse, want_lse, dtype, "lse")
 
     both()
     both(causal=True, alibi_slopes=np.linspace(0.01, 0.5, H))
@@ -57,18 +54,19 @@ def test_group_rows(isa, rng, group, dtype, B, nk, threads, force):
 
     qw, kw_, vw = rand(rng, (1, 1, 130, 8), dtype), rand(rng, (1, nk, 130, 8), dtype), rand(rng, (1, nk, 130, 8), dtype)
     force.reset_counts()
-    out = fastattn.attention(qw, kw_, vw, layout="blhd", num_threads=threads)
+    with team_check(threads):
+        out = fastattn.attention(qw, kw_, vw, layout="blhd", num_threads=threads)
     assert force.group_runs == 3 * (2 if threads == 2 and nk >= 1024 else 1)   # 3 groups: split in 2
     want = reference64(*(np.swapaxes(a, 1, 2) for a in (qw, kw_, vw)))[0]
     assert_close(out, np.swapaxes(want, 1, 2), dtype)
 
     for qq, kk, vv, lay in ((rand(rng, (B, 9, H, d), dtype), k, v, "blhd"), (qh, kh, vh, "bhld")):
         force.reset_counts()
-        fastattn.attention(qq, kk, vv, layout=lay, num_threads=threads)
+        check(qq, kk, vv, dtype, layout=lay, num_threads=threads)
         assert force.group_runs == 0
     group(0)
     force.reset_counts()
-    fastattn.attention(q, k, v, layout="blhd", num_threads=threads)
+    check(q, k, v, dtype, layout="blhd", num_threads=threads)
     assert force.group_runs == 0
 
 
@@ -89,7 +87,7 @@ def test_group_rows_several(isa, rng, group, rows_max, dtype, B, nk, threads, fo
     rows_max(8)
     H, d, dv = 5, 24, 12
 
-    def check(nq, hq=H, nkv=nk, **kw):
+    def run(nq, hq=H, nkv=nk, **kw):
         qh = rand(rng, (B, hq, nq, d), dtype)
         kh, vh = rand(rng, (B, H, nkv, d), dtype), rand(rng, (B, H, nkv, dv), dtype)
         if kw.pop("inf_hidden", False):                     # only hidden keys hold inf: finite results
@@ -100,32 +98,29 @@ def test_group_rows_several(isa, rng, group, rows_max, dtype, B, nk, threads, fo
         if kw.pop("nan_seen", False):
             vh[0, 1, -1, 0] = np.nan
         force.reset_counts()
-        out, lse = fastattn.attention(heads_last(qh), heads_last(kh), heads_last(vh), layout="blhd",
-                                      return_lse=True, num_threads=threads, enable_gqa=hq != H, **kw)
-        count = force.group_runs
-        assert count >= 1
-        want, want_lse = reference64(qh, kh, vh, enable_gqa=hq != H, **kw)
-        assert_close(out, heads_last(want), dtype)
-        assert_close(lse, want_lse, dtype, "lse")
+        check(heads_last(qh), heads_last(kh), heads_last(vh), dtype, layout="blhd", num_threads=threads,
+              enable_gqa=hq != H, **kw)
+        assert force.group_runs >= 1
 
-    check(3)
-    check(2, causal=True)
-    check(8, causal=True, alibi_slopes=np.linspace(0.01, 0.5, H))
-    check(3, causal=True, window=(nk // 3, 0), softcap=3.0, kv_lengths=rng.integers(0, nk + 1, (B, 1)))
-    check(3, causal=True, kv_lengths=rng.integers(0, nk + 1, (B, H)), q_lengths=np.array([[2], [0], [3]])[:B])
-    check(3, mask=rng.random((B, 1, 3, nk)) < 0.7)
-    check(2, mask=np.where(rng.random((B, H, 2, nk)) < 0.6, 0.0, -np.inf).astype(dtype))
-    check(3, causal=True, inf_hidden=True)
-    check(2, nan_seen=True)
-    check(1, hq=2 * H)                                      # GQA: 2 rows an item
-    check(1, hq=4 * H, causal=True, kv_lengths=rng.integers(0, nk + 1, (B, 1)))
-    check(2, hq=4 * H, causal=True)                         # 8 rows an item
-    check(1, hq=2 * H, mask=rng.random((B, 1, 1, nk)) < 0.7)
-    check(1, hq=2 * H, inf_hidden=True)
+    run(3)
+    run(2, causal=True)
+    run(8, causal=True, alibi_slopes=np.linspace(0.01, 0.5, H))
+    run(3, causal=True, window=(nk // 3, 0), softcap=3.0, kv_lengths=rng.integers(0, nk + 1, (B, 1)))
+    run(3, causal=True, kv_lengths=rng.integers(0, nk + 1, (B, H)), q_lengths=np.array([[2], [0], [3]])[:B])
+    run(3, mask=rng.random((B, 1, 3, nk)) < 0.7)
+    run(2, mask=np.where(rng.random((B, H, 2, nk)) < 0.6, 0.0, -np.inf).astype(dtype))
+    run(3, causal=True, inf_hidden=True)
+    run(2, nan_seen=True)
+    run(1, hq=2 * H)                                      # GQA: 2 rows an item
+    run(1, hq=4 * H, causal=True, kv_lengths=rng.integers(0, nk + 1, (B, 1)))
+    run(2, hq=4 * H, causal=True)                         # 8 rows an item
+    run(1, hq=2 * H, mask=rng.random((B, 1, 1, nk)) < 0.7)
+    run(1, hq=2 * H, inf_hidden=True)
 
     qw, kw_, vw = rand(rng, (1, 3, 40, 8), dtype), rand(rng, (1, nk, 40, 8), dtype), rand(rng, (1, nk, 40, 8), dtype)
     force.reset_counts()
-    out = fastattn.attention(qw, kw_, vw, layout="blhd", causal=True, num_threads=threads)
+    with team_check(threads):
+        out = fastattn.attention(qw, kw_, vw, layout="blhd", causal=True, num_threads=threads)
     assert force.group_runs == 2                   # 120 rows: 2 groups (a thread each)
     want = reference64(*(np.swapaxes(a, 1, 2) for a in (qw, kw_, vw)), causal=True)[0]
     assert_close(out, np.swapaxes(want, 1, 2), dtype)
@@ -145,7 +140,9 @@ def test_group_rows_empty_head_dims(isa, group, nq, force):
     assert force.group_runs == 1
     want, want_lse = reference64(*(np.swapaxes(a, 1, 2) for a in (q, k, v)), causal=nq > 1)
     assert out.shape == (1, nq, 4, 0)
+    assert_close(out, np.swapaxes(want, 1, 2), F32)
     assert_close(lse, want_lse, F32, "lse")
+    np.testing.assert_allclose(lse[..., -1], np.log(5), rtol=1e-6)      # the last row sees all 5 keys
 
 
 def test_group_rows_default(rng, force):
@@ -155,16 +152,20 @@ def test_group_rows_default(rng, force):
     one item's rows (d64: whole vectors, and the next tiles prefetched in step)."""
     q, k, v = rand(rng, (1, 1, 16, 64)), rand(rng, (1, 6200, 16, 64)), rand(rng, (1, 6200, 16, 64))
     force.reset_counts()
-    out = fastattn.attention(q, k, v, layout="blhd", num_threads=2)
+    with team_check(2):
+        out = fastattn.attention(q, k, v, layout="blhd", num_threads=2)
     assert force.group_runs == 2                    # one group, its keys split between the threads
+    assert _core.last_threads() == (2 if _core.openmp_enabled() else 1)
     want = reference64(*(np.swapaxes(a, 1, 2) for a in (q, k, v)))[0]
     assert_close(out, np.swapaxes(want, 1, 2), F32)
     q2 = rand(rng, (1, 1, 32, 64))
     force.reset_counts()
-    out = fastattn.attention(q2, k, v, layout="blhd", enable_gqa=True, causal=True, num_threads=2)
+    with team_check(2):
+        out = fastattn.attention(q2, k, v, layout="blhd", enable_gqa=True, causal=True, num_threads=2)
     assert force.group_runs == 2                    # 16 items of 2 rows: one group, split
+    assert _core.last_threads() == (2 if _core.openmp_enabled() else 1)
     want = reference64(*(np.swapaxes(a, 1, 2) for a in (q2, k, v)), enable_gqa=True, causal=True)[0]
     assert_close(out, np.swapaxes(want, 1, 2), F32)
     force.reset_counts()
-    fastattn.attention(q, k[:, :1000], v[:, :1000], layout="blhd", num_threads=2)
+    check(q, k[:, :1000], v[:, :1000], F32, layout="blhd", num_threads=2)
     assert force.group_runs == 0

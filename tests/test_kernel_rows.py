@@ -2,11 +2,10 @@
 its register tiles, its prefetch for K and V from memory, the decode loop's
 pipeline, and the padding it trims."""
 
-
 import numpy as np
 import pytest
 from conftest import assert_close, rand
-from helpers import F32, F64, check, rows_limits, tail_rows
+from helpers import F32, F64, check, rows_limits, tail_rows, team_check
 
 import fastattn
 from fastattn import reference as ref
@@ -54,7 +53,8 @@ def test_row_kernel_choice(isa, rng, rows_max, dtype, kv_mib, d, force):
     for nq in (2, 3, 4, 6, 7, 9, 11, 13, 14, 15, 16, 17, 20, 21, 24):
         q = rand(rng, (2, h_kv, nq, d), dtype)
         force.reset_counts()
-        out, lse = fastattn.attention(q, k, v, num_threads=2, return_lse=True)
+        with team_check(2):
+            out, lse = fastattn.attention(q, k, v, num_threads=2, return_lse=True)
         tails = force.tail_rows
         rows_max(24)
         by_rows = fastattn.attention(q, k, v, num_threads=2)
@@ -74,6 +74,7 @@ def test_row_kernel_choice(isa, rng, rows_max, dtype, kv_mib, d, force):
             want, want_lse = ref.attention(q.astype(F64), k64, v64, return_lse=True)
             assert_close(out, want, dtype, f"{nq} rows")
             assert_close(lse, want_lse, dtype, f"{nq} rows, lse")
+
 
 # ---------------------------------------------------------------------------
 # register tiles, streaming, the decode pipeline
@@ -157,6 +158,7 @@ def test_decode_batched_heads_with_mask(isa, rng):
     check(q, k, v, mask=mask)
     check(q, k, v, mask=mask.astype(F32) - 1.0)
 
+
 # ---------------------------------------------------------------------------
 # padding trimmed
 # ---------------------------------------------------------------------------
@@ -203,6 +205,7 @@ def test_row_kernel_trims_padding(isa, rng, dtype, nq, threads, kind, force):
         kb[1, 10] = np.finfo(dtype).max / 2   # +inf scores in the even rows of head 1
         qs[1, ::2] = np.abs(q[1, ::2])
         qs[1, 1::2] = -np.abs(q[1, 1::2])
-        out = fastattn.attention(qs, kb, v, mask=mask, num_threads=threads)
+        with team_check(threads):
+            out = fastattn.attention(qs, kb, v, mask=mask, num_threads=threads)
         assert np.isnan(out[1, ::2]).all() and np.isfinite(out[1, 1::2]).all()
         assert_close(out, ref.attention(qs, kb, v, mask=mask), dtype)

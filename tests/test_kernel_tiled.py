@@ -3,11 +3,10 @@ max, the tail rows it hands to the row kernel, and masks read per tile (bool
 masks packed into bits or read as bytes, float masks transposed in registers,
 hidden tiles skipped)."""
 
-
 import numpy as np
 import pytest
 from conftest import assert_close, rand
-from helpers import F32, F64, check, tail_rows
+from helpers import F32, F64, check, tail_rows, team_check
 
 import fastattn
 from fastattn import reference as ref
@@ -33,6 +32,7 @@ def test_tile_sizes(isa, rng, tiles, dtype, bq, bk):
     check(q, k, v, dtype, softcap=2.0, alibi_slopes=0.3, kv_lengths=np.array([100, nk]), causal=True)
     w = fastattn.attention_weights(q, k, mask=mask, causal=True)
     assert_close(w, ref.attention_weights(q.astype(F64), k.astype(F64), mask=mask, causal=True), dtype)
+
 
 # ---------------------------------------------------------------------------
 # the fused exp (kernel_body.h, FUSE_LAG): a key tile takes its probabilities
@@ -117,6 +117,7 @@ def test_fused_exp_many_keys_far_above(isa, fused, rng, dtype):
     q, k, v = _scored_inputs(rng, dtype, 40, nk, scores)
     check(q, k, v, dtype, scale=1.0)
 
+
 # ---------------------------------------------------------------------------
 # the tail: the last block's rows past its last whole vector
 # ---------------------------------------------------------------------------
@@ -166,6 +167,7 @@ def test_tiled_tail(isa, rng, stream, dtype, nq, threads, force):
         force.set(rows_max=0)
     assert force.tail_rows == 0
 
+
 # ---------------------------------------------------------------------------
 # masks, tile by tile
 # ---------------------------------------------------------------------------
@@ -190,7 +192,7 @@ def test_bool_mask_tiles(isa, mask_pack, rng, dtype):
     check(q, k, v, mask=np.broadcast_to(rng.random((nq, 1)) < 0.5, (nq, nk)))  # column stride 0
     kn = k.copy()
     kn[:, 10] = np.nan                        # NaN keys inside a skipped tile stay out
-    out = fastattn.attention(q, kn, v, mask=mask)
+    out = check(q, kn, v, mask=mask)[0]
     assert np.isfinite(out).all()
 
 
@@ -281,7 +283,8 @@ def test_float_mask_hidden_tiles(isa, fused, tiles, rng, dtype, threads, layout,
     out = check(q, k, vb, mask=mask, num_threads=threads)[0]
     assert force.redo_rows == 0
     assert np.isfinite(out).all()
-    w = fastattn.attention_weights(q, k, mask=mask, num_threads=threads)
+    with team_check(threads):
+        w = fastattn.attention_weights(q, k, mask=mask, num_threads=threads)
     assert_close(w, ref.attention_weights(q.astype(F64), k.astype(F64), mask=mask.astype(F64)), dtype, "weights")
     kb = k.copy()
     kb[0, 600, 3] = np.nan                    # NaN + -inf = NaN: every row of item 0
@@ -291,9 +294,12 @@ def test_float_mask_hidden_tiles(isa, fused, tiles, rng, dtype, threads, layout,
     kb[1, 650] = np.finfo(dtype).max / 2      # scores overflow there, in the dtype:
     qs[1, ::2] = np.abs(q[1, ::2])            # to +inf in the even rows (+inf + -inf = NaN),
     qs[1, 1::2] = -np.abs(q[1, 1::2])         # to -inf in the odd rows (hidden)
-    out = fastattn.attention(qs, kb, v, mask=mask, num_threads=threads)
+    with team_check(threads):
+        out = fastattn.attention(qs, kb, v, mask=mask, num_threads=threads)
     assert np.isnan(out[1, ::2]).all() and np.isfinite(out[1, 1::2]).all() and np.isfinite(out[0]).all()
     assert_close(out, ref.attention(qs, kb, v, mask=mask), dtype)
     causal = np.triu(np.full((nq, nk), -np.inf, dtype), nk - nq + 1)
     out = check(q, k, v, mask=causal, num_threads=threads)[0]
-    assert_close(out, fastattn.attention(q, k, v, causal=True, num_threads=threads), dtype)
+    with team_check(threads):
+        by_causal = fastattn.attention(q, k, v, causal=True, num_threads=threads)
+    assert_close(out, by_causal, dtype)

@@ -1,7 +1,6 @@
 """The layers (self_attention, multihead_attention) against their twins in
 fastattn.reference: biases, GQA, masks, seq_lengths, num_threads, errors."""
 
-
 import numpy as np
 import pytest
 from conftest import assert_close, rand
@@ -110,6 +109,7 @@ def test_layers_num_threads(rng):
             fastattn.multihead_attention(x, *w, num_heads=4, num_threads=bad)
         with pytest.raises((ValueError, TypeError), match="num_threads"):
             fastattn.self_attention(x, *w[:3], num_threads=bad)
+
 
 # ---------------------------------------------------------------------------
 # errors

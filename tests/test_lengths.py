@@ -1,11 +1,10 @@
 """kv_lengths and q_lengths: padded batches whose entries end at their own lengths,
 on every kernel path (PATHS), against the reference and against each entry alone."""
 
-
 import numpy as np
 import pytest
 from conftest import assert_close, rand
-from helpers import F32, F64, PATHS, check
+from helpers import F32, F64, PATHS, check, team_check
 
 import fastattn
 from fastattn import reference as ref
@@ -28,7 +27,8 @@ def test_kv_lengths(isa, rng, dtype, path):
     # the padding beyond a length is never read: NaN there changes nothing
     kp = k.copy()
     kp[1, :, nk // 3:] = np.nan
-    out2 = fastattn.attention(q, kp, v, kv_lengths=lengths, num_threads=threads)
+    with team_check(threads):
+        out2 = fastattn.attention(q, kp, v, kv_lengths=lengths, num_threads=threads)
     assert_close(out2, out.astype(F64), dtype)
 
 
@@ -60,6 +60,7 @@ def test_lengths_errors(rng, name, axis, n):
     with pytest.raises(ValueError, match=name):
         fastattn.attention_weights(q, k, **{name: np.ones((4, 2, 3), int)})   # would grow the leading dims
 
+
 # ---------------------------------------------------------------------------
 # q_lengths
 # ---------------------------------------------------------------------------
@@ -89,8 +90,10 @@ def test_q_lengths(isa, rng, dtype, path):
         qp = q.copy()
         qp[1, :, nq // 2:] = np.nan
         qp[2] = np.nan
-        np.testing.assert_array_equal(fastattn.attention(qp, k, v, q_lengths=q_len, kv_lengths=kv_len,
-                                                         causal=causal, num_threads=threads), out)
+        with team_check(threads):
+            padded = fastattn.attention(qp, k, v, q_lengths=q_len, kv_lengths=kv_len, causal=causal,
+                                        num_threads=threads)
+        np.testing.assert_array_equal(padded, out)
     check(q, k, v, dtype, q_lengths=rng.integers(0, nq + 1, (3, 2)), kv_lengths=rng.integers(0, nk + 1, (3, 2)),
           causal=True, window=(50, 0), num_threads=threads)
     check(q, k, v, dtype, q_lengths=q_len, alibi_slopes=np.array([0.5, 0.25]), softcap=3.0, causal=True,

@@ -2,11 +2,10 @@
 under NumPy's same_kind rule, an out that aliases or overlaps an input, a mask
 or the slopes, and one whose elements overlap one another)."""
 
-
 import numpy as np
 import pytest
 from conftest import assert_close, rand, reference64
-from helpers import F32, F64, compute_dtype
+from helpers import F32, F64, check, compute_dtype, team_check
 
 import fastattn
 
@@ -32,7 +31,7 @@ def test_out_strided_and_float16(rng):
     assert_close(out, reference64(q, k, v)[0], F32)
     assert np.all(big[:, 1::2] == 0) and np.all(big[:, :, :3] == 0) and np.all(big[:, :, 9:] == 0)
     out_t = np.zeros((2, 6, 20), F32).transpose(0, 2, 1)   # last axis not contiguous
-    fastattn.attention(q, k, v, out=out_t)
+    assert fastattn.attention(q, k, v, out=out_t) is out_t
     assert_close(out_t, reference64(q, k, v)[0], F32)
     q16, k16, v16 = (a.astype(np.float16) for a in (q, k, v))
     out16 = np.empty((2, 20, 6), np.float16)
@@ -41,9 +40,13 @@ def test_out_strided_and_float16(rng):
 
 
 def test_out_one_dim_forms(rng):
+    """The 1-D forms write into out= too: (n_k,) values give one number a query."""
     k, v = rand(rng, (3, 7, 5)), rand(rng, (7,))
-    out = np.empty(3, F32)
-    assert fastattn.attention(rand(rng, (5,)), k, v, out=out) is out
+    q = rand(rng, (5,))
+    out = np.full(3, np.nan, F32)
+    check(q, k, v, out=out)                                 # out is returned, its values the reference's
+    out0 = np.full((), np.nan)                              # (5,), (7, 5), (7,): a 0-d out
+    check(q, k[0], v, out=out0)
 
 
 def test_out_aliasing_an_input(rng):
@@ -52,6 +55,7 @@ def test_out_aliasing_an_input(rng):
     qq = q.copy()
     fastattn.attention(qq, k, v, causal=True, out=qq)   # out is q itself
     assert_close(qq, want, F32)
+
 
 # ---------------------------------------------------------------------------
 # out= of another dtype: same_kind casts
@@ -107,6 +111,7 @@ def test_out_casts_same_kind_softmax_varlen(rng, in_dt, out_dt):
     want = fastattn.attention_varlen(q.astype(comp), k.astype(comp), v.astype(comp), cq, ck, causal=True)
     np.testing.assert_array_equal(out3, want.astype(out_dt))
 
+
 # ---------------------------------------------------------------------------
 # out= that shares memory with an input read after out is first written
 # ---------------------------------------------------------------------------
@@ -125,7 +130,8 @@ def test_out_overlapping_mask(kind, nthreads):
         mask[...] = rng.random((300, 64)) < 0.7
     mask0 = mask.copy()      # out's writes change the mask: it is read before them
     want = fastattn.attention(q, k, v, mask=mask0, num_threads=nthreads)
-    got = fastattn.attention(q, k, v, mask=mask, out=buf[1:], num_threads=nthreads)
+    with team_check(nthreads):
+        got = fastattn.attention(q, k, v, mask=mask, out=buf[1:], num_threads=nthreads)
     assert np.shares_memory(got, buf)
     np.testing.assert_array_equal(got, want)
     assert_close(got, reference64(q, k, v, mask=mask0)[0], F32)

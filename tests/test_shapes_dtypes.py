@@ -3,11 +3,10 @@ dims, n_q != n_k, broadcast leading dims, empty dims, the 1-D forms), scale,
 the result's dtype, strides and views, layout="blhd", misaligned arrays, and
 inputs left as they were; each against the float64 reference."""
 
-
 import numpy as np
 import pytest
 from conftest import assert_close, rand, reference64
-from helpers import F32, F64, check, heads_last
+from helpers import F32, F64, check, heads_last, team_check
 
 import fastattn
 from fastattn import reference as ref
@@ -54,6 +53,7 @@ def test_larger(isa, rng):
     q, k, v = (rand(rng, (1, 2, 1100, 64)) for _ in range(3))
     check(q, k, v, causal=True)
     check(q.astype(F64), k.astype(F64), v.astype(F64))
+
 
 # ---------------------------------------------------------------------------
 # broadcasting of leading dims, empty dims
@@ -114,8 +114,8 @@ def test_empty_dims(shape_q, shape_k, shape_v, expect, rng):
     q, k, v = rand(rng, shape_q), rand(rng, shape_k), rand(rng, shape_v)
     out = fastattn.attention(q, k, v)
     assert out.shape == expect
-    if out.size:
-        check(q, k, v)
+    check(q, k, v)                          # the values (and the lse: finite where d_k or d_v is 0)
+
 
 # ---------------------------------------------------------------------------
 # scale
@@ -143,6 +143,7 @@ def test_real_arguments_of_any_real_type(rng):
     for value in (2, np.int64(2), np.uint8(2), np.array(2)):
         assert np.array_equal(fastattn.attention(q, k, v, scale=value), fastattn.attention(q, k, v, scale=2.0))
         assert np.array_equal(fastattn.attention(q, k, v, softcap=value), fastattn.attention(q, k, v, softcap=2.0))
+
 
 # ---------------------------------------------------------------------------
 # dtypes
@@ -177,8 +178,14 @@ def test_integer_inputs(rng):
 
 
 def test_lists_accepted():
-    out = fastattn.attention([[1.0, 0.0]], [[1.0, 0.0], [0.0, 1.0]], [[1.0], [2.0]])
-    assert out.shape == (1, 1)
+    """Nested lists are arrays (float64): the values, as the reference and by hand."""
+    q, k, v = [[1.0, 0.0]], [[1.0, 0.0], [0.0, 1.0]], [[1.0], [2.0]]
+    out, lse = check(q, k, v)
+    assert out.shape == (1, 1) and out.dtype == F64
+    w = np.exp([1 / np.sqrt(2), 0.0])                     # the scores: q.k / sqrt(2)
+    assert_close(out, [[(w[0] * 1.0 + w[1] * 2.0) / w.sum()]], F64)
+    assert_close(lse, [np.log(w.sum())], F64, "lse")
+
 
 # ---------------------------------------------------------------------------
 # 1-D forms: the key-value lookup
@@ -203,8 +210,10 @@ def test_one_dim_forms(rng):
     out = fastattn.attention(q1, k, v2)
     assert out.shape == (3, 4)
     assert_close(out, fastattn.attention(q2, k, v2)[:, 0], F32)
+    assert_close(out, reference64(q1, k, v2)[0], F32)
     out = fastattn.attention(q2, k, v1)
     assert out.shape == (3, 1)
+    assert_close(out, reference64(q2, k, v1)[0], F32)
     out, lse = fastattn.attention(q1, k, v1, return_lse=True)
     assert out.shape == (3,) and lse.shape == (3,)
     want, want_lse = reference64(q1, k, v1)
@@ -212,6 +221,7 @@ def test_one_dim_forms(rng):
     assert_close(lse, want_lse, F32)
     mask = np.array([True, False, True, True, False, True, True])
     assert_close(fastattn.attention(q1, k, v1, mask=mask), reference64(q1, k, v1, mask=mask)[0], F32)
+
 
 # ---------------------------------------------------------------------------
 # strides, views, alignment
@@ -285,6 +295,7 @@ def test_inputs_unmodified(rng):
     for a, c in zip((q, k, v, mask, fmask), copies):
         np.testing.assert_array_equal(a, c)
 
+
 # ---------------------------------------------------------------------------
 # layout="blhd": q, k, v and the result (..., n, H, d), as flash-attn and JAX
 # ---------------------------------------------------------------------------
@@ -305,7 +316,8 @@ def test_layout_blhd(isa, rng, dtype, nq, threads):
     for kw in (dict(), dict(causal=True), dict(mask=rng.random((B, 1, nq, nk)) < 0.8, window=(40, 3)),
                dict(kv_lengths=kvl, alibi_slopes=np.linspace(0.01, 0.1, H), softcap=5.0),
                dict(q_lengths=np.minimum(kvl, nq), kv_lengths=kvl, causal=True)):
-        out, lse = fastattn.attention(q, k, v, layout="blhd", return_lse=True, num_threads=threads, **kw)
+        with team_check(threads):
+            out, lse = fastattn.attention(q, k, v, layout="blhd", return_lse=True, num_threads=threads, **kw)
         want, want_lse = reference64(qh, kh, vh, **kw)
         assert out.shape == (B, nq, H, 12) and out.dtype == dtype and out.flags.c_contiguous
         assert_close(out, heads_last(want), dtype)
@@ -314,13 +326,15 @@ def test_layout_blhd(isa, rng, dtype, nq, threads):
         assert np.array_equal(out, heads_last(fastattn.attention(qh, kh, vh, num_threads=threads, **kw)))
 
     kg, vg = kh[:, :Hkv], vh[:, :Hkv]                                        # GQA: 4 query heads on 2
-    out = fastattn.attention(q, heads_last(kg), heads_last(vg), layout="blhd", enable_gqa=True, causal=True,
-                             num_threads=threads)
+    with team_check(threads):
+        out = fastattn.attention(q, heads_last(kg), heads_last(vg), layout="blhd", enable_gqa=True, causal=True,
+                                 num_threads=threads)
     assert_close(out, heads_last(reference64(qh, kg, vg, enable_gqa=True, causal=True)[0]), dtype)
 
     want = heads_last(reference64(qh, kh, vh, causal=True)[0])
     for dst in (np.empty((B, nq, H, 12), dtype), np.full((B, nq, H, 24), np.nan, dtype)[..., ::2]):
-        assert fastattn.attention(q, k, v, layout="blhd", causal=True, out=dst, num_threads=threads) is dst
+        with team_check(threads):
+            assert fastattn.attention(q, k, v, layout="blhd", causal=True, out=dst, num_threads=threads) is dst
         assert_close(dst, want, dtype)
 
     qkv = rand(rng, (B, nq, 3, H, d), dtype)                                 # a packed projection, split by views

@@ -2,11 +2,10 @@
 parts of a long row, merged by the logsumexp rule, and fastattn.merge_attention,
 the same rule on the user's parts."""
 
-
 import numpy as np
 import pytest
 from conftest import assert_close, rand, reference64
-from helpers import F32, F64, check
+from helpers import F32, F64, check, team_check
 
 import fastattn
 from fastattn import reference as ref
@@ -55,7 +54,7 @@ def test_split_with_masks_and_empty_splits(isa, mask_pack, rng, threads):
     assert np.all(out == 0) and np.all(np.isneginf(lse))
     qn = q.copy()
     qn[1, 0] = np.nan                  # NaN survives the merge, in its row only
-    out = fastattn.attention(qn, k, v, num_threads=threads)
+    out = check(qn, k, v, num_threads=threads)[0]
     assert np.isnan(out[1]).all() and np.isfinite(out[0]).all()
 
 
@@ -71,6 +70,7 @@ def test_row_kernel_many_rows_split_keys(isa, rng, rows_max, dtype, nq):
     check(q, k, v, causal=True, num_threads=2)
     check(q, k, v, mask=rng.random((nq, 3000)) < 0.5, num_threads=2)
 
+
 # ---------------------------------------------------------------------------
 # long rows split into parts (float32 rows of more than 2^24 keys; forced at 300 keys)
 # ---------------------------------------------------------------------------
@@ -82,7 +82,8 @@ def test_long_rows_float32(isa, n_q):
     kv = np.broadcast_to(np.full((1, 8), 3.0, F32), (n, 8))
     q = np.full((n_q, 8), 0.25, F32)
     for nt in (1, 2):
-        out, lse = fastattn.attention(q, kv, kv, return_lse=True, num_threads=nt)
+        with team_check(nt):
+            out, lse = fastattn.attention(q, kv, kv, return_lse=True, num_threads=nt)
         np.testing.assert_allclose(out, 3.0, rtol=1e-6)
         np.testing.assert_allclose(lse, np.log(n) + 8 * 0.25 * 3.0 / np.sqrt(8), rtol=1e-6)
 
@@ -107,10 +108,8 @@ def test_long_split_paths(isa, long_split, case):
     want, want_lse = reference64(q, k, v, **kw)
     for keys, budget in ((300, 0), (300, 20000), (1000, 1)):
         long_split(keys, budget)
-        for nt in (1, 2):
-            out, lse = fastattn.attention(q, k, v, return_lse=True, num_threads=nt, **kw)
-            assert_close(out, want, F32, f"{case} keys {keys} budget {budget} threads {nt}")
-            assert_close(lse, want_lse, F32, "lse")
+        check(q, k, v, F32, num_threads=(1, 2), want=(want, want_lse), what=f"{case} keys {keys} budget {budget}",
+              **kw)
 
 
 def test_long_split_float64(long_split):
@@ -120,9 +119,8 @@ def test_long_split_float64(long_split):
     q, k, v = rand(rng, (2, 50, 16), F64), rand(rng, (2, 900, 16), F64), rand(rng, (2, 900, 16), F64)
     want = reference64(q, k, v, causal=True)
     long_split(100, 1)
-    out, lse = fastattn.attention(q, k, v, causal=True, return_lse=True)
-    assert_close(out, want[0], F64)
-    assert_close(lse, want[1], F64, "lse")
+    check(q, k, v, F64, causal=True, want=want)
+
 
 # ---------------------------------------------------------------------------
 # merge_attention

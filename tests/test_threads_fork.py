@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 from conftest import assert_close, rand, reference64
-from helpers import F32, F64, check, run_script
+from helpers import F32, F64, check, run_script, team_check
 
 import fastattn
 from fastattn import _core
@@ -25,9 +25,13 @@ from fastattn import _core
 # ---------------------------------------------------------------------------
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_thread_counts(isa, rng, threads):
+    """num_threads is the team that runs a call with enough work (here 4 heads of
+    300 rows), and the result agrees with one thread's."""
     q, k, v = (rand(rng, (2, 2, 300, 32)) for _ in range(3))
     a = check(q, k, v, causal=True, num_threads=threads)[0]
-    b = fastattn.attention(q, k, v, causal=True, num_threads=1)
+    assert _core.last_threads() == (threads if _core.openmp_enabled() else 1)
+    with team_check(1):
+        b = fastattn.attention(q, k, v, causal=True, num_threads=1)
     assert_close(a, b.astype(F64), F32)
 
 def test_num_threads_capped():
@@ -39,7 +43,8 @@ def test_num_threads_capped():
     assert 8 <= cap <= 1024 and cap >= min(os.cpu_count() or 1, 1024)
     want = reference64(q, q, q)[0]
     for n in (cap + 1, 65536, 1 << 40):
-        got = fastattn.attention(q, q, q, num_threads=n)
+        with team_check(n):                           # num_threads reaches the core as cap
+            got = fastattn.attention(q, q, q, num_threads=n)
         assert_close(got, want, F32)
         if _core.openmp_enabled():
             assert 1 < _core.last_threads() <= cap
@@ -66,6 +71,7 @@ def test_num_threads_cap_in_process(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     small, default, cap, mx = map(int, proc.stdout.split())
     assert 1 < small <= cap and 1 < default <= cap and mx == cap
+
 
 # ---------------------------------------------------------------------------
 # Python threads
@@ -96,12 +102,14 @@ def test_gil_released(rng):
     try:
         fastattn.attention(q, k, v, num_threads=1)   # warm-up: the spinner is surely running
         before = count[0]
-        fastattn.attention(q, k, v, num_threads=1)
+        with team_check(1):
+            fastattn.attention(q, k, v, num_threads=1)
         during = count[0] - before
     finally:
         stop.set()
         t.join()
     assert during > 1000, f"the other thread advanced only {during} steps during the call"
+
 
 # ---------------------------------------------------------------------------
 # fork
@@ -181,7 +189,6 @@ rep.update(after=in_child(), parent_err_after=err(), parent_threads_after=_core.
 print(json.dumps(rep))
 """
 
-
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
 def test_fork_after_threads(tmp_path):
     """A child forked after an OpenMP team ran, fastattn's or another library's on the
@@ -241,6 +248,7 @@ def test_thread_limit_outlives_a_fork():
         os.close(w)
         assert _core.max_threads() == 1
     assert _core.max_threads() == before
+
 
 # ---------------------------------------------------------------------------
 # Ctrl-C

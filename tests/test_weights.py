@@ -1,7 +1,6 @@
 """fastattn.attention_weights against the reference: every score modifier, GQA, the
 1-D form and float masks; the weights times v are the attention."""
 
-
 import numpy as np
 import pytest
 from conftest import assert_close, rand
@@ -34,8 +33,10 @@ def test_attention_weights_gqa_1d_and_float_mask(rng):
     w = fastattn.attention_weights(q, k, enable_gqa=True)
     assert w.shape == (2, 6, 5, 11)
     assert_close(w, ref.attention_weights(q.astype(F64), k.astype(F64), enable_gqa=True), F32)
-    w1 = fastattn.attention_weights(rand(rng, (8,)), rand(rng, (11, 8)), mask=np.arange(11) < 6)
+    q1, k1, m1 = rand(rng, (8,)), rand(rng, (11, 8)), np.arange(11) < 6
+    w1 = fastattn.attention_weights(q1, k1, mask=m1)
     assert w1.shape == (11,) and np.all(w1[6:] == 0) and abs(w1.sum() - 1) < 1e-6
+    assert_close(w1, ref.attention_weights(q1.astype(F64), k1.astype(F64), mask=m1), F32)
     fm = rng.standard_normal((5, 11)).astype(F32)
     assert_close(fastattn.attention_weights(q, np.repeat(k, 2, axis=1), mask=fm),
                  ref.attention_weights(q.astype(F64), np.repeat(k, 2, axis=1).astype(F64), mask=fm.astype(F64)), F32)

@@ -1,7 +1,6 @@
 """Score modifiers: sliding windows, softcap and ALiBi slopes, on every kernel path
 (PATHS), against the reference."""
 
-
 import numpy as np
 import pytest
 from conftest import assert_close, rand
@@ -46,6 +45,7 @@ def test_window_errors(rng, window, exc):
     with pytest.raises(exc, match="window"):
         fastattn.attention(rand(rng, (4, 8)), rand(rng, (6, 8)), rand(rng, (6, 2)), window=window)
 
+
 # ---------------------------------------------------------------------------
 # softcap
 # ---------------------------------------------------------------------------
@@ -72,6 +72,7 @@ def test_softcap_extremes(rng):
 def test_softcap_errors(rng, bad, exc):
     with pytest.raises(exc, match="softcap"):
         fastattn.attention(rand(rng, (4, 8)), rand(rng, (6, 8)), rand(rng, (6, 2)), softcap=bad)
+
 
 # ---------------------------------------------------------------------------
 # ALiBi
