@@ -36,7 +36,7 @@ def main(sdist, from_sdist, from_tree, repaired):
     with tarfile.open(sdist) as t:
         members = [m.split("/", 1)[1] for m in t.getnames() if "/" in m]
     for needed in ("src_c/fastattn.h", "src_c/kernel_body.h", "src_c/attention.c", "fastattn/_core.pyx",
-                   "setup.py", "pyproject.toml", "README.md", "LICENSE", "tests/test_attention.py",
+                   "setup.py", "pyproject.toml", "README.md", "LICENSE", "tests/helpers.py",
                    "tests/requirements.txt"):
         assert needed in members, f"sdist lacks {needed}"
     a, b = names(from_sdist), names(from_tree)

@@ -3,6 +3,7 @@ from typing import Any, Dict, Optional
 
 import numpy as np
 
+TEAM_MIN_WORK: float
 MASK_NONE: int
 MASK_BOOL: int
 MASK_ADD: int

@@ -119,6 +119,9 @@ cdef extern from "fastattn.h" nogil:
 cdef extern from "internal.h" nogil:
     int fa_exp(int dtype, int which, const void *x, void *y, int64_t n)
 
+cdef extern from "runtime.h" nogil:
+    double FA_TEAM_MIN_WORK
+
     enum:
         FA_KERNEL_TILED
         FA_KERNEL_ROWS
@@ -156,6 +159,8 @@ cdef extern from "internal.h" nogil:
 
 fa_init()
 
+# A call whose plan's work is below this runs on one thread (src_c/runtime.h).
+TEAM_MIN_WORK = FA_TEAM_MIN_WORK
 MASK_NONE = FA_MASK_NONE
 MASK_BOOL = FA_MASK_BOOL
 MASK_ADD = FA_MASK_ADD
@@ -651,7 +656,7 @@ cdef dict _plan_dict(const fa_plan *p):
         "group": p.group, "n_groups": p.n_groups, "n_lead": p.n_lead, "n_qb": p.n_qb,
         "n_items": p.n_items, "n_splits": p.n_splits, "long_splits": p.long_splits,
         "chunk": p.chunk, "wave": p.wave, "mask_pack": bool(p.mask_pack), "threads": p.threads,
-        "scratch_elems": p.scratch_elems,
+        "scratch_elems": p.scratch_elems, "work": p.work,
     }
 
 

@@ -275,7 +275,7 @@ int fa_team_size(int requested, int64_t items, double work)
 {
     int n = fa_threads_wanted(requested);
     if ((int64_t)n > items) n = (int)items;
-    if (work < 1.5e5) n = 1;
+    if (work < FA_TEAM_MIN_WORK) n = 1;
     return n < 1 ? 1 : n;
 }
 

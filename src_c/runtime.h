@@ -24,7 +24,9 @@ void fa_record_team(void);
  * most fa_thread_cap; one in a child forked with a stale pool (runtime.c). */
 int fa_threads_wanted(int requested);
 /* Team size: fa_threads_wanted, no more than the work items, and one thread
- * when the work is too small to pay for a team. */
+ * when the work (about one unit a multiply-add) is below FA_TEAM_MIN_WORK,
+ * too small to pay for starting a team. */
+#define FA_TEAM_MIN_WORK 1.5e5
 int fa_team_size(int requested, int64_t items, double work);
 /* Scratch aligned to FA_SCRATCH_ALIGN; free with free(raw).  Page-aligned, so
  * that where the kernel's tiles fall among the cache sets, relative to K and V,

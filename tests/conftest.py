@@ -1,4 +1,5 @@
-"""Shared test helpers: the SIMD-path fixture and the tolerance rule.
+"""Shared test fixtures (the SIMD path, the forcing of a path, a spy on the C core)
+and the tolerance rule (assert_close; helpers.py holds check and the rest).
 
 Every fast result is compared with fastattn.reference evaluated in float64 on
 the same (already rounded) inputs.  Tolerances are relative to the magnitude
@@ -148,3 +149,17 @@ def mask_pack(request, force):
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)
+
+
+@pytest.fixture
+def core_calls(monkeypatch):
+    """The (lead, q shape, row_group) of each call into the C core."""
+    calls = []
+    real = _core.attention
+
+    def spy(q, k, v, mask, mask_kind, out, lse, lead, causal, *rest, **kw):
+        calls.append((lead, q.shape, rest[8] if len(rest) > 8 else kw.get("row_group", 1)))
+        return real(q, k, v, mask, mask_kind, out, lse, lead, causal, *rest, **kw)
+
+    monkeypatch.setattr(_core, "attention", spy)
+    return calls

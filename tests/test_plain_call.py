@@ -1,0 +1,222 @@
+"""The plain call (contiguous ndarrays of one float dtype, equal leading dims, no
+options but causal, scale, a mask the C core reads as it is, out= and
+return_lse) skips the general preparation (fastattn/_attention.py: _plain,
+_plain_out, _plain_mask): the same checks, the same result, bit for bit."""
+
+import numpy as np
+import pytest
+from conftest import assert_close, rand, reference64
+from helpers import F32, F64, check, team_check
+
+import fastattn
+from fastattn import _core
+
+
+def _strided(a):
+    """The same values in a non-contiguous view (rows every other row of a
+    buffer): the general path reads it in place, with the same C call."""
+    buf = np.zeros(a.shape[:-2] + (2 * a.shape[-2], a.shape[-1]), a.dtype)
+    buf[..., ::2, :] = a
+    return buf[..., ::2, :]
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("lead", [(), (3,), (2, 3), (1, 2, 1, 2)])
+@pytest.mark.parametrize("nq,nk", [(1, 64), (7, 1100), (70, 33)])
+@pytest.mark.parametrize("threads", [None, 1, 2])
+def test_plain_call_matches_general_path(isa, rng, dtype, lead, nq, nk, threads):
+    from fastattn._attention import _plain
+    q, k, v = rand(rng, lead + (nq, 24), dtype), rand(rng, lead + (nk, 24), dtype), rand(rng, lead + (nk, 40), dtype)
+    for causal, scale in [(False, None), (True, 0.3)]:
+        assert _plain(q, k, v)
+        with team_check(threads):
+            got = fastattn.attention(q, k, v, causal=causal, scale=scale, num_threads=threads)
+        assert got.dtype == dtype and got.shape == lead + (nq, 40)
+        gq, gk, gv = _strided(q), _strided(k), _strided(v)
+        assert not _plain(gq, gk, gv)
+        with team_check(threads):
+            general = fastattn.attention(gq, gk, gv, causal=causal, scale=scale, num_threads=threads)
+        np.testing.assert_array_equal(got, general)
+        want, want_lse = reference64(q, k, v, causal=causal, scale=scale)
+        assert_close(got, want, dtype)
+        # out= and return_lse=True take the plain path too
+        out = np.full(got.shape, np.nan, dtype)
+        res, lse = fastattn.attention(q, k, v, causal=causal, scale=scale, num_threads=threads, out=out,
+                                      return_lse=True)
+        g_out = _strided(np.full(got.shape, np.nan, dtype))
+        g_res, g_lse = fastattn.attention(gq, gk, gv, causal=causal, scale=scale, num_threads=threads,
+                                          out=g_out, return_lse=True)
+        assert res is out and g_res is g_out and lse.dtype == dtype and lse.shape == lead + (nq,)
+        np.testing.assert_array_equal(out, got)
+        np.testing.assert_array_equal(out, g_out)
+        np.testing.assert_array_equal(lse, g_lse)
+        assert_close(lse, want_lse, dtype)
+        res2, lse2 = fastattn.attention(q, k, v, causal=causal, scale=scale, num_threads=threads,
+                                        return_lse=True)
+        np.testing.assert_array_equal(res2, got)
+        np.testing.assert_array_equal(lse2, lse)
+
+
+def test_plain_call_recognised(rng):
+    """_plain accepts exactly the calls that need no conversion and no broadcasting."""
+    from fastattn._attention import _plain
+
+    class Sub(np.ndarray):
+        pass
+
+    q, k, v = rand(rng, (2, 5, 8)), rand(rng, (2, 6, 8)), rand(rng, (2, 6, 4))
+    assert _plain(q, k, v) and _plain(q[0], k[0], v[0]) and _plain(q.astype(F64), k.astype(F64), v.astype(F64))
+    not_plain = [
+        (q.tolist(), k, v),                                   # a list
+        (q.view(Sub), k, v),                                  # an ndarray subclass
+        (q.astype(np.float16), k, v),                         # converted to float32
+        (q, k.astype(F64), v),                                # mixed dtypes
+        (q.astype(">f4"), k, v),                              # byte-swapped
+        (q, k, np.asfortranarray(v)),                         # not C-contiguous
+        (q[:1], k, v),                                        # broadcast leading dims
+        (q[0, 0], k, v[:, :, 0]),                             # the 1-D forms
+        (q, np.ascontiguousarray(k[..., :7]), v),             # d_k differs
+        (q, k, np.ascontiguousarray(v[:, :5])),               # n_k differs
+        (q, k[None], v[None]),                                # different ranks
+    ]
+    for args in not_plain:
+        assert not _plain(*args)
+
+
+def test_plain_out_recognised(rng):
+    """An out= that the plain call writes into as it is; any other goes the
+    general way, with the same result (and the same errors)."""
+    from fastattn._attention import _plain, _plain_out
+
+    class Sub(np.ndarray):
+        pass
+
+    q, k, v = rand(rng, (2, 5, 8)), rand(rng, (2, 6, 8)), rand(rng, (2, 6, 4))
+    want = fastattn.attention(q, k, v)
+    assert _plain_out(np.empty((2, 5, 4), F32), q, k, v)
+    ro = np.empty((2, 5, 4), F32)
+    ro.flags.writeable = False
+    not_plain = [
+        np.empty((2, 5, 4), F32).view(Sub),                   # a subclass
+        np.empty((2, 5, 4), F64),                             # another dtype (cast to)
+        np.empty((2, 5, 4), ">f4"),                           # byte-swapped (cast to)
+        np.empty((2, 4, 5), F32).transpose(0, 2, 1),          # not C-contiguous
+        np.empty((2, 5, 8), F32)[..., :4],                    # not contiguous
+        np.empty((5, 4), F32),                                # another shape
+        ro,                                                   # read-only
+        [[0.0] * 4] * 5,                                      # not an ndarray
+        np.empty((2, 5, 4), np.int32),                        # a dtype the result does not cast to
+    ]
+    for out in not_plain:
+        assert not _plain_out(out, q, k, v)
+    for bad, exc in [(not_plain[8], TypeError), (not_plain[5], ValueError), (ro, ValueError),
+                     (not_plain[7], TypeError)]:
+        with pytest.raises(exc):
+            fastattn.attention(q, k, v, out=bad)
+    for out in not_plain[1:5]:
+        assert fastattn.attention(q, k, v, out=out) is out
+        np.testing.assert_array_equal(out, want.astype(out.dtype))
+    # an out that overlaps an input (q, k or v): the general path computes into
+    # a temporary, so the input is read whole before out is written
+    for i in range(3):
+        args = [q, k, v]
+        x = args[i]
+        buf = np.zeros(x.size + 40, F32)
+        buf[:x.size] = x.ravel()
+        args[i] = buf[:x.size].reshape(x.shape)
+        out = buf[x.size - 20:x.size + 20].reshape(2, 5, 4)   # x's last 20 values, then 20 more
+        assert _plain(*args) and not _plain_out(out, *args)
+        assert fastattn.attention(*args, out=out) is out
+        np.testing.assert_array_equal(out, want)
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_plain_masked_call_matches_general_path(isa, rng, dtype, threads):
+    """A plain call with a bool mask, or a float mask of q's dtype, that the C
+    core reads as it is skips the general preparation too: the same result as
+    the general path (the same inputs as strided views), for every mask shape
+    that broadcasts to the scores without growing the leading dims, and as the
+    reference."""
+    from fastattn import _attention
+    b, h, nq, nk = 2, 3, 9, 70
+    q, k, v = rand(rng, (b, h, nq, 16), dtype), rand(rng, (b, h, nk, 16), dtype), rand(rng, (b, h, nk, 8), dtype)
+    gq, gk, gv = _strided(q), _strided(k), _strided(v)
+    keep = rng.random((b, h, nq, nk)) < 0.7
+    keep[..., 0, :] = False                                    # a row that sees nothing
+    bias = np.where(keep, rng.standard_normal(keep.shape), -np.inf).astype(dtype)
+    masks = []
+    for m in (keep, bias):
+        masks += [m, m[0, 0], m[:, :1], m[:1, :, :1], m[:1, :1, :, :1], m[0, :, :1, :],
+                  m[0, 0, ::-1], np.swapaxes(m, -1, -2).copy().swapaxes(-1, -2)[0],
+                  np.broadcast_to(m[0, 0, :1], (nq, nk))]
+    masks += [np.triu(np.full((nq, nk), -np.inf, dtype), 1)[None]]   # 0/-inf, too little reused to convert
+    for mask in masks:
+        kind = _core.MASK_BOOL if mask.dtype == bool else _core.MASK_ADD
+        assert _attention._plain_mask(mask, q, k) == kind, mask.shape
+        for causal in (False, True):
+            got, lse = check(q, k, v, dtype, mask=mask, causal=causal, num_threads=threads)
+            with team_check(threads):
+                g_got, g_lse = fastattn.attention(gq, gk, gv, mask=mask, causal=causal, num_threads=threads,
+                                                  return_lse=True)
+            np.testing.assert_array_equal(got, g_got)
+            np.testing.assert_array_equal(lse, g_lse)
+            out = np.full(got.shape, np.nan, dtype)
+            assert fastattn.attention(q, k, v, mask=mask, causal=causal, num_threads=threads, out=out) is out
+            np.testing.assert_array_equal(out, got)
+
+
+def test_plain_mask_recognised(rng):
+    """_plain_mask takes exactly the masks that the C core reads as they are in a
+    plain call; any other goes the general way, with its conversions, its
+    errors and the same result."""
+    from fastattn import _attention
+    from fastattn._prepare import _prepare
+
+    class Sub(np.ndarray):
+        pass
+
+    q, k, v = rand(rng, (2, 5, 8)), rand(rng, (2, 6, 8)), rand(rng, (2, 6, 4))
+    keep = rng.random((2, 5, 6)) < 0.8
+    bias = rand(rng, (2, 5, 6))
+    assert _attention._plain_mask(keep, q, k) == _core.MASK_BOOL
+    assert _attention._plain_mask(bias, q, k) == _core.MASK_ADD
+    packed = np.zeros((5, 6), [("m", F32), ("flag", np.uint8)])
+    packed["m"] = bias[0]
+    odd = packed["m"]                              # strides (30, 5) bytes: not whole float32s
+    odd_bool = np.zeros((5, 6), [("m", bool), ("x", F32)])["m"]   # (any strides are whole bools)
+    general = [
+        (keep.tolist(), None),                       # a list
+        (keep.view(Sub), None),                      # an ndarray subclass
+        (keep.astype(np.uint8), TypeError),          # an integer mask
+        (bias.astype(F64), None),                    # another float dtype: converted
+        (bias.astype(np.float16), None),
+        (bias.astype(">f4"), None),                  # byte-swapped
+        (keep[0, 0], None),                          # 1-D (n_k,)
+        (keep[None], None),                          # more dims than q: adds a leading dim
+        (np.ones((3, 5, 6), bool), ValueError),      # a leading dim that does not broadcast
+        (np.ones((2, 4, 6), bool), ValueError),      # n_q differs
+        (np.ones((2, 5, 7), bool), ValueError),      # n_k differs
+        (np.ones((2, 5, 6), complex), TypeError),
+        (odd, None),                                 # copied by the general path
+    ]
+    for mask, exc in general:
+        assert _attention._plain_mask(mask, q, k) == _core.MASK_NONE
+        if exc is not None:
+            with pytest.raises(exc):
+                fastattn.attention(q, k, v, mask=mask)
+        else:
+            m = np.asarray(mask)
+            want = fastattn.attention(_strided(q), _strided(k), _strided(v), mask=m)
+            np.testing.assert_array_equal(fastattn.attention(q, k, v, mask=mask), want)
+    assert _attention._plain_mask(odd_bool, q, k) == _core.MASK_BOOL
+    np.testing.assert_array_equal(fastattn.attention(q, k, v, mask=odd_bool),
+                                  fastattn.attention(q, k, v, mask=np.zeros((5, 6), bool)))
+    # a float mask that the conversion to bool may pay for (0 and -inf, shared by the
+    # heads of a call with enough scores) goes the general way, which converts it
+    qq, kk, vv = rand(rng, (8, 64, 8)), rand(rng, (8, 64, 8)), rand(rng, (8, 64, 4))
+    tri = np.triu(np.full((64, 64), -np.inf, F32), 1)
+    assert _attention._plain_mask(tri, qq, kk) == _core.MASK_NONE
+    assert _prepare(qq, kk, vv, tri, False, None, False, None, None, None, None, None).mask_kind \
+        == _core.MASK_BOOL
+    np.testing.assert_array_equal(fastattn.attention(qq, kk, vv, mask=tri), fastattn.attention(qq, kk, vv, causal=True))

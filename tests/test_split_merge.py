@@ -1,0 +1,225 @@
+"""Split keys and merging: a row's keys split across threads (flash-decoding) or in
+parts of a long row, merged by the logsumexp rule, and fastattn.merge_attention,
+the same rule on the user's parts."""
+
+import numpy as np
+import pytest
+from conftest import assert_close, rand, reference64
+from helpers import F32, F64, check, team_check
+
+import fastattn
+from fastattn import reference as ref
+
+# ---------------------------------------------------------------------------
+# keys split across threads
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_split_tiled_kernel(isa, rng, dtype):
+    """Many query rows but a single work item (n_q <= 64): the tiled kernel's
+    partial results are merged too."""
+    q, k, v = rand(rng, (40, 32), dtype), rand(rng, (4000, 32), dtype), rand(rng, (4000, 24), dtype)
+    for threads in (1, 2, 4):
+        check(q, k, v, num_threads=threads)
+        check(q, k, v, causal=True, num_threads=threads)
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("bk", [32, 64])
+@pytest.mark.parametrize("nq", [7, 16, 33])
+@pytest.mark.parametrize("threads", [2, 3])
+def test_split_keys_tiled_short_tiles(isa, rng, tiles, dtype, bk, nq, threads):
+    """One head, more threads than items: the tiled kernel's keys are split and
+    merged, with the key tiles it takes by default (64, and 32 from memory, forced
+    here on K and V in cache); 3000 keys leave a partial last tile per split, and
+    dv 128 and 20 leave register-tile tails."""
+    tiles(0, bk)
+    for dv in (128, 20):
+        q, k, v = rand(rng, (1, nq, 40), dtype), rand(rng, (1, 3000, 40), dtype), rand(rng, (1, 3000, dv), dtype)
+        check(q, k, v, dtype, num_threads=threads)
+        check(q, k, v, dtype, causal=True, mask=rng.random((nq, 3000)) < 0.8, num_threads=threads)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_split_with_masks_and_empty_splits(isa, mask_pack, rng, threads):
+    nk = 3000
+    q, k, v = rand(rng, (2, 16)), rand(rng, (nk, 16)), rand(rng, (nk, 8))
+    mask = rng.random((2, nk)) < 0.3
+    mask[:, 1000:] = False            # later splits see no key at all
+    check(q, k, v, mask=mask, num_threads=threads)
+    fmask = np.where(rng.random((1, nk)) < 0.5, 0.0, -np.inf).astype(F32)
+    check(q, k, v, mask=fmask, num_threads=threads)
+    mask[:] = False                    # every split empty: zeros, lse -inf
+    out, lse = check(q, k, v, mask=mask, num_threads=threads)
+    assert np.all(out == 0) and np.all(np.isneginf(lse))
+    qn = q.copy()
+    qn[1, 0] = np.nan                  # NaN survives the merge, in its row only
+    out = check(qn, k, v, num_threads=threads)[0]
+    assert np.isnan(out[1]).all() and np.isfinite(out[0]).all()
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("nq", [13, 17, 24])
+def test_row_kernel_many_rows_split_keys(isa, rng, rows_max, dtype, nq):
+    """13 to 24 rows in the row kernel (the AVX-512 limit from memory) with one
+    head on 2 threads: the keys are split and the parts' means merged.  Plain,
+    causal and a bool mask."""
+    rows_max(24)
+    q, k, v = rand(rng, (nq, 64), dtype), rand(rng, (3000, 64), dtype), rand(rng, (3000, 48), dtype)
+    check(q, k, v, num_threads=2)
+    check(q, k, v, causal=True, num_threads=2)
+    check(q, k, v, mask=rng.random((nq, 3000)) < 0.5, num_threads=2)
+
+
+# ---------------------------------------------------------------------------
+# long rows split into parts (float32 rows of more than 2^24 keys; forced at 300 keys)
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("n_q", [1, 3, 40])
+def test_long_rows_float32(isa, n_q):
+    """Every value 3.0 over 2^25 + 5 keys (K and V broadcast, no memory): the result
+    is 3.0 (was 3.33 on one thread, 2.0 at 2^27) and lse log(n_k) + the score."""
+    n = (1 << 25) + 5
+    kv = np.broadcast_to(np.full((1, 8), 3.0, F32), (n, 8))
+    q = np.full((n_q, 8), 0.25, F32)
+    for nt in (1, 2):
+        with team_check(nt):
+            out, lse = fastattn.attention(q, kv, kv, return_lse=True, num_threads=nt)
+        np.testing.assert_allclose(out, 3.0, rtol=1e-6)
+        np.testing.assert_allclose(lse, np.log(n) + 8 * 0.25 * 3.0 / np.sqrt(8), rtol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["plain", "causal_mask", "gqa_lengths", "window_alibi", "decode"])
+def test_long_split_paths(isa, long_split, case):
+    """The split of long rows, forced at 300 keys with waves of a few items,
+    against the float64 reference: the same options as any call."""
+    rng = np.random.default_rng(5)
+    kw = {}
+    if case == "decode":
+        q, k, v = rand(rng, (2, 4, 1, 32)), rand(rng, (2, 4, 2000, 32)), rand(rng, (2, 4, 2000, 16))
+    elif case == "gqa_lengths":
+        q, k, v = rand(rng, (2, 4, 70, 32)), rand(rng, (2, 2, 1500, 32)), rand(rng, (2, 2, 1500, 32))
+        kw = dict(enable_gqa=True, kv_lengths=np.array([[1500], [1111]]), causal=True)
+    else:
+        q, k, v = rand(rng, (2, 3, 130, 32)), rand(rng, (2, 3, 1500, 32)), rand(rng, (2, 3, 1500, 32))
+        if case == "causal_mask":
+            kw = dict(causal=True, mask=rng.random((130, 1500)) < 0.8)
+        elif case == "window_alibi":
+            kw = dict(window=(700, 100), alibi_slopes=np.array([0.01, 0.02, 0.04], F32))
+    want, want_lse = reference64(q, k, v, **kw)
+    for keys, budget in ((300, 0), (300, 20000), (1000, 1)):
+        long_split(keys, budget)
+        check(q, k, v, F32, num_threads=(1, 2), want=(want, want_lse), what=f"{case} keys {keys} budget {budget}",
+              **kw)
+
+
+def test_long_split_float64(long_split):
+    """float64 rows are split too (a work unit of at most 2^20 keys, for Ctrl-C):
+    against the reference at float64's tolerance, in waves."""
+    rng = np.random.default_rng(6)
+    q, k, v = rand(rng, (2, 50, 16), F64), rand(rng, (2, 900, 16), F64), rand(rng, (2, 900, 16), F64)
+    want = reference64(q, k, v, causal=True)
+    long_split(100, 1)
+    check(q, k, v, F64, causal=True, want=want)
+
+
+# ---------------------------------------------------------------------------
+# merge_attention
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("cuts", [[], [70], [30, 100], [0, 50, 50, 130]])
+def test_merge(rng, dtype, cuts):
+    """Attention over 1, 2, 3 (and an empty) key parts, merged, equals attention over all keys."""
+    q, k, v = rand(rng, (2, 20, 8), dtype), rand(rng, (2, 130, 8), dtype), rand(rng, (2, 130, 4), dtype)
+    bounds = [0] + cuts + [130]
+    parts = [fastattn.attention(q, k[:, a:b], v[:, a:b], return_lse=True, causal=False)
+             for a, b in zip(bounds[:-1], bounds[1:])]
+    out, lse = fastattn.merge_attention([p[0] for p in parts], [p[1] for p in parts])
+    want, want_lse = ref.attention(q.astype(F64), k.astype(F64), v.astype(F64), return_lse=True)
+    assert out.dtype == dtype
+    assert_close(out, want, dtype)
+    assert_close(lse, want_lse, dtype, "lse")
+    rout, rlse = ref.merge_attention([p[0] for p in parts], [p[1] for p in parts])
+    assert_close(out, rout, dtype)
+    assert_close(lse, rlse, dtype, "lse")
+
+
+def test_merge_masked_parts(rng):
+    q, k, v = rand(rng, (6, 8)), rand(rng, (40, 8)), rand(rng, (40, 4))
+    mask = np.ones((6, 40), bool)
+    mask[0, :20] = False        # row 0 sees nothing in part 1
+    mask[1] = False             # row 1 sees nothing at all
+    o1, l1 = fastattn.attention(q, k[:20], v[:20], mask=mask[:, :20], return_lse=True)
+    o2, l2 = fastattn.attention(q, k[20:], v[20:], mask=mask[:, 20:], return_lse=True)
+    o1[0] = np.nan              # a part with lse = -inf contributes nothing, even NaN
+    out, lse = fastattn.merge_attention([o1, o2], [l1, l2])
+    want, want_lse = ref.attention(q.astype(F64), k.astype(F64), v.astype(F64), mask=mask, return_lse=True)
+    assert_close(out, want, F32)
+    assert_close(lse, want_lse, F32)
+    assert np.all(out[1] == 0) and np.isneginf(lse[1])
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_merge_underflowed_part_keeps_nonfinite(rng, dtype):
+    """A part whose weight underflows to 0 next to another still saw its keys:
+    its inf and NaN reach the merged result, as in attention() over all keys."""
+    d = 8
+    q = rand(rng, (3, d), dtype)
+    q[:, 0] = 1 + np.abs(q[:, 0])
+    k, v = rand(rng, (40, d), dtype), rand(rng, (40, 4), dtype)
+    k[3] = 0
+    k[3, 0] = 1000 * np.sqrt(d)                # part 1 holds a key scored >= 1000 above the rest
+    v[25, 1], v[30, 2] = np.inf, np.nan        # part 2: weight 0 after the merge
+    o1, l1 = fastattn.attention(q, k[:20], v[:20], return_lse=True)
+    o2, l2 = fastattn.attention(q, k[20:], v[20:], return_lse=True)
+    out, lse = fastattn.merge_attention([o1, o2], [l1, l2])
+    whole = fastattn.attention(q, k, v)
+    want = ref.attention(q.astype(F64), k.astype(F64), v.astype(F64))
+    assert np.isposinf(out[:, 1]).all() and np.isnan(out[:, 2]).all()
+    np.testing.assert_array_equal(np.isfinite(out), np.isfinite(want))
+    np.testing.assert_array_equal(np.isfinite(whole), np.isfinite(want))
+    assert_close(out[:, [0, 3]], want[:, [0, 3]], dtype)
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_merge_layout_blhd(rng, dtype):
+    """Split keys in flash-attn's layout: attention(layout="blhd") gives (B, n, H, d)
+    outputs and (B, H, n) lse, which merge_attention(layout="blhd") merges into the
+    attention over all keys, in that layout; the reference does the same."""
+    B, H, nq, nk = 2, 3, 17, 90
+    q, k, v = rand(rng, (B, nq, H, 8), dtype), rand(rng, (B, nk, H, 8), dtype), rand(rng, (B, nk, H, 5), dtype)
+    parts = [fastattn.attention(q, k[:, a:b], v[:, a:b], layout="blhd", return_lse=True)
+             for a, b in ((0, 40), (40, 41), (41, nk))]
+    outs, lses = [p[0] for p in parts], [p[1] for p in parts]
+    out, lse = fastattn.merge_attention(outs, lses, layout="blhd")
+    assert out.shape == (B, nq, H, 5) and out.flags.c_contiguous and lse.shape == (B, H, nq)
+    c = lambda a: a.astype(F64)  # noqa: E731
+    want, want_lse = ref.attention(c(q), c(k), c(v), layout="blhd", return_lse=True)
+    assert want.shape == (B, nq, H, 5)
+    assert_close(out, want, dtype)
+    assert_close(lse, want_lse, dtype, "lse")
+    whole = fastattn.attention(q, k, v, layout="blhd")
+    assert_close(out, whole, dtype)
+    rout, rlse = ref.merge_attention(outs, lses, layout="blhd")
+    assert_close(out, rout, dtype)
+    assert_close(lse, rlse, dtype, "lse")
+    with pytest.raises(ValueError, match=r'lse 1 has shape \(2, 17, 3\); with layout="blhd" it must be the '
+                                         r"output's \(\.\.\., H, n_q\), \(2, 3, 17\)"):
+        fastattn.merge_attention(outs, [lses[0], np.swapaxes(lses[1], 1, 2), lses[2]], layout="blhd")
+    with pytest.raises(ValueError, match=r"output 2 has shape \(2, 17, 3, 4\), output 0 has shape \(2, 17, 3, 5\)"):
+        fastattn.merge_attention([outs[0], outs[1], outs[2][..., :4]], lses, layout="blhd")
+    with pytest.raises(ValueError, match=r'layout="blhd" takes output 0 of shape \(\.\.\., n, H, d\)'):
+        fastattn.merge_attention([o[0, :, 0] for o in outs], [x[0, 0] for x in lses], layout="blhd")
+    with pytest.raises(ValueError, match="layout must be"):
+        fastattn.merge_attention(outs, lses, layout="bshd")
+
+
+def test_merge_errors(rng):
+    o, lse = rand(rng, (3, 4)), rand(rng, (3,))
+    with pytest.raises(ValueError, match="at least one"):
+        fastattn.merge_attention([], [])
+    with pytest.raises(ValueError, match="outputs but"):
+        fastattn.merge_attention([o, o], [lse])
+    with pytest.raises(ValueError, match="lse 0 has shape"):
+        fastattn.merge_attention([o], [rand(rng, (4,))])
+    with pytest.raises(ValueError, match="output 1 has shape"):
+        fastattn.merge_attention([o, rand(rng, (3, 5))], [lse, lse])
