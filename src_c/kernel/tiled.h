@@ -92,6 +92,25 @@ INLINE void fuse_exp(const int R, vec *a, fuse_t *f, int64_t i, int64_t j, T *st
     vstore(f->l + i, vload(f->l + i) + sum);
 }
 
+/* a0[r] (and a1[r] when NV == 2) += sum_c x(r, c) b[c * bs + 0..NV*L) for r < R,
+ * x(r, c) = a[r * ars + c * acs]: the rank-one updates of an R x NV register
+ * tile, each x broadcast once against one or two vectors of b.  Both products
+ * of the tiled kernel: Q.K^T (a: K rows, ars = krs, acs = 1; b: Qt) and P.V (a:
+ * V columns, ars = 1, acs = vrs; b: Pt). */
+INLINE void tile_products(const int R, const int NV, vec *a0, vec *a1, const T *restrict a, int64_t ars,
+                          int64_t acs, const T *restrict b, int64_t bs, int64_t n)
+{
+    for (int64_t c = 0; c < n; c++) {
+        const vec b0 = vload(b + c * bs), b1 = NV == 2 ? vload(b + c * bs + L) : b0;
+        UNROLL(16) for (int r = 0; r < R; r++)
+        {
+            const T x = a[r * ars + c * acs];
+            a0[r] += x * b0;
+            if (NV == 2) a1[r] += x * b1;
+        }
+    }
+}
+
 /* St[r][0..NV*L) = sum_c kr[r][c] * Qt[c][0..NV*L)   for r < R
  * or, with f, their probabilities (fuse_exp; st is f->St + j * bqp + i), of
  * the scores plus what st holds with f->mask (a float mask):
@@ -104,15 +123,7 @@ INLINE void qk_tile(const int R, const int NV, T *st, int64_t bqp, const T *rest
 {
     vec a0[RB], a1[RB];
     UNROLL(16) for (int r = 0; r < R; r++) a0[r] = a1[r] = vset1(0);
-    for (int64_t c = 0; c < dk; c++) {
-        const vec b0 = vload(qt + c * bqp), b1 = NV == 2 ? vload(qt + c * bqp + L) : b0;
-        UNROLL(16) for (int r = 0; r < R; r++)
-        {
-            const T x = kr[r * krs + c];
-            a0[r] += x * b0;
-            if (NV == 2) a1[r] += x * b1;
-        }
-    }
+    tile_products(R, NV, a0, a1, kr, krs, 1, qt, bqp, dk);
     if (f) {
         if (f->mask)
             UNROLL(16) for (int r = 0; r < R; r++)
@@ -144,15 +155,7 @@ INLINE void pv_tile(const int R, const int NV, T *restrict ot, int64_t bqp, cons
         a0[r] = vload(ot + r * bqp);
         a1[r] = NV == 2 ? vload(ot + r * bqp + L) : a0[r];
     }
-    for (int64_t j = 0; j < nb; j++) {
-        const vec p0 = vload(pt + j * bqp), p1 = NV == 2 ? vload(pt + j * bqp + L) : p0;
-        UNROLL(16) for (int r = 0; r < R; r++)
-        {
-            const T x = vc[j * vrs + r];
-            a0[r] += x * p0;
-            if (NV == 2) a1[r] += x * p1;
-        }
-    }
+    tile_products(R, NV, a0, a1, vc, 1, vrs, pt, bqp, nb);
     UNROLL(16) for (int r = 0; r < R; r++)
     {
         vstore(ot + r * bqp, a0[r]);
