@@ -29,20 +29,13 @@ if TYPE_CHECKING:
 # scores_bounded) and ALiBi slopes finite.  A bool mask is a quarter of float32's bytes
 # (an eighth of float64's, and float32 inputs then need no converted copy of a float64
 # mask), and the C core tests a bool tile for all True or all False in one pass.  The
-# check and the bool copy take one threaded pass over the mask's distinct entries in C
-# (_core.mask_keep; NumPy's four passes for a mask that is not C-contiguous) and two
-# over q and k, so a mask goes to bool only where the call reads it again and again,
-# for every query row and key (2 * scores >= 3 * entries + 2 * (q + k) elements, a
-# rule set when the check took three NumPy passes, kept as a margin; a mask shared by
-# the heads): a key-padding mask is read as cheaply as a float one.
-# mask_keep against NumPy's passes, in one process: 1.08-1.10x for the whole call with
-# float32 inputs (conversion 2.05 -> 0.84 ms, float64 mask 2.94 -> 1.33), 1.03-1.05x
-# with float64 inputs.
-# Against the float path in one process (AVX-512, two threads), B1 H8 N2048 d64 with
-# a causal mask: float32 inputs 1.12x (float32 mask, 33.3 -> 29.8 ms) and 1.23x
-# (float64 mask, 37.6 -> 30.5); float64 inputs 1.19-1.22x; H32 N1024 d128 1.08x.
-# Key padding, a mask per head, BERT and decoding stay float: 0.97-1.02x.  Tests turn
-# it off (_FLOAT_MASKS_AS_BOOL) to reach the C core's float path with such masks too.
+# check and the bool copy take passes over q, k (v) and the mask's distinct entries, in
+# one OpenMP team of the C core where they are C-contiguous (_check_in_one_team), so a
+# mask goes to bool only where the call reads it again and again, for every query row
+# and key (2 * scores >= 3 * entries + 2 * (q + k) elements, kept as a margin; a mask
+# shared by the heads): a key-padding mask is read as cheaply as a float one
+# (docs/tuning.md: float masks read as bool).  Tests turn it off
+# (_FLOAT_MASKS_AS_BOOL) to reach the C core's float path with such masks too.
 _FLOAT_MASKS_AS_BOOL = True
 
 # Masks written with a large finite negative number for "hidden" (Hugging Face's
@@ -54,18 +47,13 @@ _FLOAT_MASKS_AS_BOOL = True
 # row that holds such a c holds a 0 too.  Then only where nothing else hides keys (no
 # causal, window, kv_lengths or q_lengths, which could hide a row's 0s and leave it a
 # softmax over its c + s) and v is finite (a key the row sees adds its NaN or inf even
-# at weight 0, see reference._weighted_values).  B1 H8 N2048 d64 float32, one
-# process: a causal np.finfo(np.float32).min mask 53.0 -> 25.7 ms; 90 % visible at
-# random 49.4 -> 47.1 ms.
+# at weight 0, see reference._weighted_values).
 # A row without a 0 (a padding query row of such a mask: Hugging Face's eager masks
 # with left padding) attends every key alike where it is one constant c that absorbs
 # every score (c + s == c, in float64 and so in float32: |c| >= _PAD_ABSORB * bound):
 # its output is then the mean of v over the keys and its lse c + log(n_k), which _call
 # writes after the C core has left the row empty (all False).  Another row without a
-# 0 keeps the whole mask float.  Causal finfo.min masks with left padding (1 to 300
-# padding rows a sequence), against the float path in one process: B4 H8 N1024 d64
-# float32 51.7 -> 26.4 ms, float64 107.4 -> 50.3, B2 H12 N512 1.81x; without padding
-# rows 1.00x.  (The mean of v, 0.7 ms of the 26.4, covers every leading index.)
+# 0 keeps the whole mask float.
 _HIDDEN_MARGIN = 1024.0
 _PAD_ABSORB = 2.0 ** 56   # c + s rounds to c in float64 where |s| < |c| 2^-55
 

@@ -227,9 +227,8 @@ def _prepare(q, k, v, mask, causal, scale, enable_gqa, window, softcap, alibi_sl
     p.mask = mm
     # GQA decoding: _call hands the C core the query heads of a group as the rows of one
     # item over their K and V (n_q * g rows, position-major: the C core's row_group),
-    # which it then reads once, not once per head.  One query row: H32/8 Nk4096-16384
-    # d128 2.0-2.9x; 32 heads on one K and V 4.8x.  2-8 rows (speculative decoding,
-    # chunked prefill), and more with large K and V: the plan's choice (_core.gqa_fold).
+    # which it then reads once, not once per head: decoding, speculative decoding and
+    # chunked prefill, up to the plan's row limit (_core.gqa_fold; docs/tuning.md).
     # Exact where the rows of a group differ only in their queries and positions (causal
     # and windows follow the positions): no ALiBi slopes (per head), kv_lengths and
     # q_lengths the same across the group.
