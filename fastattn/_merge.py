@@ -77,23 +77,45 @@ def merge_attention(outs: Sequence[ArrayLike], lses: Sequence[ArrayLike], *,
     dt = np.result_type(*parts, *part_lses)
     if dt.kind != "f":
         dt = _F64
-    L = np.stack([x.astype(dt, copy=False) for x in part_lses])           # (P, ..., n_q)
+    # the sums in float64 whatever the dtype, and compensated (_Sum), so that
+    # merging many parts costs no accuracy; the result is cast back to dt
+    acc = np.promote_types(dt, _F64)
+    L = np.stack([x.astype(acc, copy=False) for x in part_lses])          # (P, ..., n_q)
     M = np.max(L, axis=0)
     Ms = np.where(np.isneginf(M), 0, M)
     with np.errstate(invalid="ignore"):
         w = np.exp(L - Ms)                                              # 0 for lse = -inf
-    s = np.sum(w, axis=0)
-    out = np.zeros(shape, dt)
     with np.errstate(invalid="ignore", divide="ignore"):
+        s, out = _Sum(w.shape[1:], acc), _Sum(shape, acc)
         for wp, o, lp in zip(w, parts, L):
+            s.add(wp)
             # A part that saw no key (lse = -inf) adds nothing, even where it holds NaN;
             # one whose weight underflowed to 0 adds only its inf and NaN (its true
             # weight is positive), as attention() does across its own split keys.
             keep = np.where(np.isfinite(o) | np.isneginf(lp)[..., None], 0, o)
-            out += np.where(wp[..., None] > 0, wp[..., None] * o, keep)
+            out.add(np.where(wp[..., None] > 0, wp[..., None] * o, keep))
+        s, out = s.total(), out.total()
         out = np.where(s[..., None] == 0, 0, out / np.where(s == 0, 1, s)[..., None])
         lse = Ms + np.log(s)
     out = out.astype(dt, copy=False)
     if blhd:
         out = np.ascontiguousarray(np.swapaxes(out, -3, -2))
     return out, lse.astype(dt, copy=False)
+
+
+class _Sum:
+    """A compensated running sum (Knuth's TwoSum, as src_c/kernel/online_softmax.h):
+    the sum s and the rounding errors c of its additions, added back at the end
+    where finite (an inf in s makes c NaN, and s is then the answer)."""
+
+    def __init__(self, shape, dtype):
+        self.s, self.c = np.zeros(shape, dtype), np.zeros(shape, dtype)
+
+    def add(self, x):
+        t = self.s + x
+        z = t - self.s
+        self.c += (self.s - (t - z)) + (x - z)
+        self.s = t
+
+    def total(self):
+        return self.s + np.where(np.isfinite(self.c), self.c, 0)

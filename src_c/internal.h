@@ -124,7 +124,7 @@ typedef void (*fa_attn_group_fn)(const fa_attention_args *a, const fa_tiles *t,
 #define FA_PARTS_BYTES (INT64_C(256) << 20)
 /* fa_attention_weights: it->out is (bq, nk), row stride a->o_rs, zero-filled. */
 /* Merge nparts partial results (nparts, bq, dv + 2) of one item into its out
- * and lse.  scratch: dv + 2 elements. */
+ * and lse.  scratch: 2 dv elements. */
 typedef void (*fa_attn_merge_fn)(const fa_attention_args *a, const fa_item *it,
                                  const void *parts, int64_t nparts, void *scratch);
 /* Softmax of one row: x (n) stride xs -> o (n) stride os.  scratch holds
@@ -172,7 +172,7 @@ const fa_isa_table *fa_isa_current(void);
 #define FA_SOFTMAX_CHUNK 1024
 static inline int64_t fa_attn_scratch_elems(const fa_tiles *t, int64_t dk, int64_t dv)
 {
-    return t->ld * (dk + t->bk + dv + 2 + (t->bk + 31) / 32);
+    return t->ld * (dk + t->bk + 3 * dv + 4 + (t->bk + 31) / 32);
 }
 /* The row kernel takes n_q <= rows_max query rows (the ISA table's rows_max,
  * rows_max_big when the call's K and V exceed FA_KV_MEM_BYTES, else
@@ -188,12 +188,12 @@ static inline int64_t fa_attn_scratch_elems(const fa_tiles *t, int64_t dk, int64
 #define FA_LANES_MAX 16
 static inline int64_t fa_rows_scratch_elems(const fa_tiles *t, int64_t dk, int64_t dv)
 {
-    return t->bq * (dk + FA_LANES_MAX + t->bk + dv + 2) + t->bk; /* + the decode loop's Sn */
+    return t->bq * (dk + FA_LANES_MAX + t->bk + 3 * dv + 3) + t->bk; /* + the decode loop's Sn */
 }
 static inline int64_t fa_group_scratch_elems(const fa_tiles *t, int64_t dk, int64_t dv, int64_t n)
 {
     const int64_t dkp = (dk + FA_LANES_MAX - 1) / FA_LANES_MAX * FA_LANES_MAX;
-    return n * t->bq * (dkp + dv + 2) + t->bq * t->bk;
+    return n * t->bq * (dkp + 3 * dv + 3) + t->bq * t->bk;
 }
 static inline int64_t fa_softmax_scratch_elems(int64_t n)
 {

@@ -70,14 +70,15 @@ static void write_rows(const fa_attention_args *a, const fa_item *it, const T *a
  * out = sum_p (w_p / l) (acc / l)_p: a weighted mean of the parts' means, so it
  * cannot overflow where the output itself does not.  Parts that saw no key
  * (l_p == 0) add nothing; a part whose exp(m_p - M) underflows to 0 adds only
- * its inf and NaN (see rows_pv_careful); NaN propagates.
- * Scratch: dv + 2 elements. */
+ * its inf and NaN (see rows_pv_careful); NaN propagates.  l and out are
+ * compensated sums (acc_add), so many splits cost no accuracy.
+ * Scratch: 2 dv elements. */
 void FN(fa_attn_merge)(const fa_attention_args *a, const fa_item *it, const void *parts_,
                        int64_t nparts, void *scratch)
 {
     const T *parts = parts_;
     const int64_t bq = it->bq, dv = a->dv, ps = bq * (dv + 2);
-    T *acc = scratch;
+    T *acc = scratch, *accc = acc + dv; /* out and its compensation */
     fa_item row = *it;
     for (int64_t i = 0; i < bq; i++) {
         T M = -INFINITY;
@@ -86,12 +87,13 @@ void FN(fa_attn_merge)(const fa_attention_args *a, const fa_item *it, const void
             const T lp = parts[p * ps + i * (dv + 2) + dv + 1];
             if (lp != 0 || lp != lp) M = max_nan(M, mp);
         }
-        T lsum = 0;
+        T lsum = 0, lc = 0;
         for (int64_t p = 0; p < nparts; p++) {
             const T *pr = parts + p * ps + i * (dv + 2);
-            if (pr[dv + 1] != 0) lsum += (T)exp(pr[dv] - M) * pr[dv + 1];
+            if (pr[dv + 1] != 0) acc_add(&lsum, &lc, (T)exp(pr[dv] - M) * pr[dv + 1]);
         }
-        for (int64_t c = 0; c < dv; c++) acc[c] = 0;
+        lsum = acc_fold(lsum, lc);
+        for (int64_t c = 0; c < dv; c++) acc[c] = accc[c] = 0;
         for (int64_t p = 0; p < nparts; p++) {
             const T *pr = parts + p * ps + i * (dv + 2);
             if (pr[dv + 1] == 0) continue;
@@ -102,8 +104,9 @@ void FN(fa_attn_merge)(const fa_attention_args *a, const fa_item *it, const void
                 continue;
             }
             const T w = e * pr[dv + 1] / lsum;
-            for (int64_t c = 0; c < dv; c++) acc[c] += w * pr[c];
+            for (int64_t c = 0; c < dv; c++) acc_add(acc + c, accc + c, w * pr[c]);
         }
+        for (int64_t c = 0; c < dv; c++) acc[c] = acc_fold(acc[c], accc[c]);
         row.bq = 1;
         row.out = it->out ? (T *)it->out + i * a->o_rs : NULL;
         row.lse = it->lse ? (T *)it->lse + i * a->lse_rs : NULL;

@@ -24,8 +24,8 @@
  *   its   (n) the items: the same rows i0 and at most tl->bq of them, keys
  *         [j_lo, j_hi) each; K and V rows of item g at it[g].k, it[g].v
  *         (row strides a->k_rs, a->v_rs)
- * Scratch, in elements of T: per item Qs (bq, dkp), A (bq, dv), m, l (bq)
- * (bq = tl->bq), then S (bq, bk): fa_group_scratch_elems.
+ * Scratch, in elements of T: per item Qs (bq, dkp), A, As, Ac (bq, dv), m, l, lc
+ * (bq) (bq = tl->bq; see item_rows), then S (bq, bk): fa_group_scratch_elems.
  * GROUP_PF_BYTES: 128 KiB, within the 64-512 KiB that measured alike; into L2,
  * which beat no prefetch, L1 and non-temporal (docs/tuning.md, GROUP_PF_BYTES).
  * ------------------------------------------------------------------------- */
@@ -39,7 +39,7 @@ enum { GROUP_PF_BYTES = 131072 };
  * tiles (and still take the other cases): faster from memory and in the L3
  * (docs/tuning.md, group_step).  Only where a vector has 4 lanes or more.
  *   Qs (dkp) the row, times scale, zero-padded   K (nb, dk), V (nb, dv) row
- *   strides krs, vrs   A (dv) */
+ *   strides krs, vrs   A, As, Ac (dv)   m, l, lc (1) */
 INLINE void group_step(const T *restrict Qs, const T *restrict K, int64_t krs, int64_t dk, const T *restrict V,
                        int64_t vrs, int64_t dv, int64_t nb, T *restrict A, T *m, T *l)
 {
@@ -62,10 +62,13 @@ INLINE void group_step(const T *restrict Qs, const T *restrict K, int64_t krs, i
     T p[4];
     for (int j = 0; j < 4; j++) p[j] = j < nb ? e[j] : 0;
     const T p0 = p[0], p1 = p[1], p2 = p[2], p3 = p[3];
-    *l = *l * alpha + ((p0 + p1) + (p2 + p3));
     *m = mn;
-    if (alpha != 1)
-        for (int64_t c = 0; c < dv; c++) A[c] *= alpha;
+    if (alpha != 1) {
+        l[0] *= alpha;
+        l[1] *= alpha;
+        for (int64_t c = 0; c < 3 * dv; c++) A[c] *= alpha;
+    }
+    acc_add(l, l + 1, (p0 + p1) + (p2 + p3));
     if (nb < 4) {
         rows_pv(A, p, 0, 1, V, vrs, dv, nb, 0, 0, NULL);
         return;
@@ -77,14 +80,14 @@ void FN(fa_attn_group_rows)(const fa_attention_args *a, const fa_tiles *tl, cons
                             void *scratch)
 {
     const int64_t bk = tl->bk, dk = a->dk, dv = a->dv, dkp = (dk + L - 1) / L * L;
-    const int64_t st = tl->bq * (dkp + dv + 2); /* one item's state */
+    const int64_t st = tl->bq * (dkp + 3 * dv + 3); /* one item's state */
     T *S = (T *)scratch + n * st;
     const int plain = a->softcap <= 0 && a->mask_kind == FA_MASK_NONE;
     band_t band[FA_GROUP_MAX];
     int64_t lo = INT64_MAX, hi = 0;
     for (int64_t g = 0; g < n; g++) {
         const fa_item *it = &its[g];
-        T *Qs = (T *)scratch + g * st, *A = Qs + it->bq * dkp, *m = A + it->bq * dv, *l = m + it->bq;
+        T *Qs = (T *)scratch + g * st, *A = Qs + it->bq * dkp, *m = A + 3 * it->bq * dv, *l = m + it->bq;
         band[g] = rows_begin(a, it, Qs, dkp, A, m, l);
         if (band[g].j_lo < band[g].j_hi) {
             lo = band[g].j_lo < lo ? band[g].j_lo : lo;
@@ -94,6 +97,7 @@ void FN(fa_attn_group_rows)(const fa_attention_args *a, const fa_tiles *tl, cons
     /* keys ahead for the prefetch: GROUP_PF_BYTES of the group's K and V rows */
     int64_t ahead = GROUP_PF_BYTES / (n * (dk + dv) * (int64_t)sizeof(T) + 1);
     ahead = ahead < bk ? bk : ahead;
+    int64_t block = 0; /* keys in the items' blocks A (FOLD_KEYS) */
     for (int64_t j0 = lo; j0 < hi; j0 += bk) {
         for (int64_t g = 0; g < n; g++) {
             const fa_item *it = &its[g];
@@ -108,7 +112,7 @@ void FN(fa_attn_group_rows)(const fa_attention_args *a, const fa_tiles *tl, cons
                     prefetch_l2(V + r * a->v_rs, dv, 1);
                 }
             if (jl >= jh) continue;
-            T *Qs = (T *)scratch + g * st, *A = Qs + it->bq * dkp, *m = A + it->bq * dv, *l = m + it->bq;
+            T *Qs = (T *)scratch + g * st, *A = Qs + it->bq * dkp, *m = A + 3 * it->bq * dv, *l = m + it->bq;
             if (plain && it->slope == 0 && it->bq == 1 && jh - jl <= 4 && L >= 4) {
                 group_step(Qs, K + jl * a->k_rs, a->k_rs, dk, V + jl * a->v_rs, a->v_rs, dv, jh - jl, A, m, l);
                 continue;
@@ -122,9 +126,15 @@ void FN(fa_attn_group_rows)(const fa_attention_args *a, const fa_tiles *tl, cons
             rows_softmax(a, it, b, S, bk, A, m, l, jl, jh - jl, 0);
             rows_pv(A, S, bk, it->bq, V + jl * a->v_rs, a->v_rs, dv, jh - jl, 0, 0, in_step ? &pf_k : NULL);
         }
+        block += bk;
+        if (block >= FOLD_KEYS || j0 + bk >= hi) { /* the blocks join the totals (FOLD_KEYS) */
+            for (int64_t g = 0; g < n; g++) acc_flush((T *)scratch + g * st + its[g].bq * dkp, its[g].bq * dv, 0);
+            block = 0;
+        }
     }
     for (int64_t g = 0; g < n; g++) {
-        const T *Qs = (const T *)scratch + g * st, *A = Qs + its[g].bq * dkp, *m = A + its[g].bq * dv;
+        T *Qs = (T *)scratch + g * st, *A = Qs + its[g].bq * dkp, *m = A + 3 * its[g].bq * dv;
+        rows_end(A, m + its[g].bq, its[g].bq, dv);
         write_rows(a, &its[g], A, dv, 1, m, m + its[g].bq, 0);
     }
     for (int64_t g = 0; g < n; g++) /* after all are written: this takes the scratch */

@@ -69,3 +69,88 @@ INLINE void scale_rows(T *x, int64_t stride, int64_t n, vec alpha)
 {
     for (int64_t r = 0; r < n; r++) vstore(x + r * stride, vload(x + r * stride) * alpha);
 }
+
+/* ---------------------------------------------------------------------------
+ * Compensated running sums, so that a row's float32 error does not grow with
+ * its number of keys.  A running total is a pair (s, c): s the rounded sum, c
+ * the rounding errors of its additions (Knuth's TwoSum: s + x = t + e exactly,
+ * for finite s and x).  The row sum l takes each key tile's fresh sum of p
+ * this way.  The output accumulator, d values a row, takes its P . V in two
+ * levels, as a TwoSum per tile would cost the tiled kernel ~3 % (docs/tuning.md,
+ * FOLD_KEYS): a block accumulator F gathers up to FOLD_KEYS keys (plainly),
+ * then acc_flush adds F to the compensated total (S, C) and clears it.  F, S
+ * and C lie n apart in that order, and are rescaled together.
+ * s alone is what a plain sum of the partials gives, so inf and NaN reach it
+ * as before; c is added back at the end only where it is finite (acc_fold):
+ * an inf in s makes c NaN (inf - inf), and s is then the answer.
+ * FOLD_KEYS (1024): a block short enough that its own rounding (a few per key
+ * tile against at most FOLD_KEYS keys' sum) stays far below the target, long
+ * enough that the flush is rare.
+ * ------------------------------------------------------------------------- */
+#define FOLD_KEYS 1024
+INLINE vec vtwo_sum(vec s, vec x, vec *e)
+{
+    const vec t = s + x, z = t - s;
+    *e = (s - (t - z)) + (x - z);
+    return t;
+}
+
+/* (s, c) += x for one vector: s[0..L), c[0..L) */
+INLINE void vacc_add(T *s, T *c, vec x)
+{
+    vec e;
+    vstore(s, vtwo_sum(vload(s), x, &e));
+    vstore(c, vload(c) + e);
+}
+
+/* (s, c) += x for one element */
+INLINE void acc_add(T *s, T *c, T x)
+{
+    const T t = *s + x, z = t - *s;
+    *c += (*s - (t - z)) + (x - z);
+    *s = t;
+}
+
+/* s + c, c counted only where finite (see above) */
+INLINE vec vacc_fold(vec s, vec c) { return s + vsel(c - c == vset1(0), c, vset1(0)); }
+INLINE T acc_fold(T s, T c) { return c - c == 0 ? s + c : s; }
+
+/* (S, C) += F, F <- 0, for n elements: F[0..n), S = F + n, C = F + 2 n.
+ * first: S and C are not yet set, and become (F, 0). */
+INLINE void acc_flush(T *F, int64_t n, int first)
+{
+    T *S = F + n, *C = F + 2 * n;
+    if (first) {
+        memcpy(S, F, (size_t)n * sizeof(T));
+        memset(F, 0, (size_t)n * sizeof(T));
+        memset(C, 0, (size_t)n * sizeof(T));
+        return;
+    }
+    int64_t i = 0;
+    for (; i + L <= n; i += L) {
+        vacc_add(S + i, C + i, vload(F + i));
+        vstore(F + i, vset1(0));
+    }
+    for (; i < n; i++) {
+        acc_add(S + i, C + i, F[i]);
+        F[i] = 0;
+    }
+}
+
+/* The end of a two-level sum: F[0..n) <- the total, S + C (acc_fold) after a
+ * last flush; nothing to do when S and C were never set (first). */
+INLINE void acc_result(T *F, int64_t n, int first)
+{
+    if (first) return;
+    acc_flush(F, n, 0);
+    const T *S = F + n, *C = F + 2 * n;
+    int64_t i = 0;
+    for (; i + L <= n; i += L) vstore(F + i, vacc_fold(vload(S + i), vload(C + i)));
+    for (; i < n; i++) F[i] = acc_fold(S[i], C[i]);
+}
+
+/* (l, lc) for n rows, lc = l + n: l <- l + lc (acc_fold) */
+INLINE void sum_result(T *l, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++) l[i] = acc_fold(l[i], l[n + i]);
+}

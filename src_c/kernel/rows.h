@@ -21,8 +21,10 @@
  * Scratch, in elements of T:
  *   Qs   (bq, dkp)  the rows, times scale, zero-padded to dkp (multiple of L)
  *   S    (bq, bk)   scores of one key tile; then probabilities
- *   A    (bq, dv)   output accumulator: unnormalised; careful: the mean
- *   m, l (bq)
+ *   A    (bq, dv)   output accumulator: unnormalised; careful: the mean.  A
+ *                   block of up to FOLD_KEYS keys (careful: all of them)
+ *   As, Ac (bq, dv) the total of the blocks and its compensation (acc_flush)
+ *   m, l, lc (bq)   running max, sum and the sum's compensation
  *   Sn   (bk)       one row: the next tile's scores
  * ------------------------------------------------------------------------- */
 
@@ -148,7 +150,8 @@ static void rows_scores(T *restrict S, int64_t ls, const T *restrict Qs, int64_t
     }
 }
 
-/* A[i][0..NV*L) += sum_j S[i][j] * V[j][0..NV*L)   for i < R:
+/* A[i][0..NV*L) += sum_j S[i][j] * V[j][0..NV*L)   for i < R, the sum formed
+ * fresh, then added (one rounding a tile against A: see FOLD_KEYS):
  *   A (R, lda)   S (R, ls)   V (nb, NV*L) row stride vrs
  * An R x NV register tile: each V vector, loaded once, serves R rows.
  * Rows j < npf of V exist and may be prefetched: pfn elements of the row pf
@@ -160,7 +163,7 @@ INLINE void rows_pv_tile(const int R, const int NV, T *restrict A, int64_t lda, 
 {
     vec acc[RP_MAX][8];
     UNROLL(8) for (int i = 0; i < R; i++)
-        UNROLL(8) for (int x = 0; x < NV; x++) acc[i][x] = vload(A + i * lda + x * L);
+        UNROLL(8) for (int x = 0; x < NV; x++) acc[i][x] = vset1(0);
     for (int64_t j = 0; j < nb; j++) {
         const T *vj = V + j * vrs;
         if (j + pf < npf) prefetch_row(vj + pf * vrs, pfn, far, tail);
@@ -173,7 +176,7 @@ INLINE void rows_pv_tile(const int R, const int NV, T *restrict A, int64_t lda, 
         }
     }
     UNROLL(8) for (int i = 0; i < R; i++)
-        UNROLL(8) for (int x = 0; x < NV; x++) vstore(A + i * lda + x * L, acc[i][x]);
+        UNROLL(8) for (int x = 0; x < NV; x++) vstore(A + i * lda + x * L, vload(A + i * lda + x * L) + acc[i][x]);
 }
 
 /* rows_pv for R rows: the whole vectors of dv by tiles of NVM vectors (R x NVM
@@ -208,9 +211,9 @@ INLINE void rows_pv_r(const int R, T *restrict A, int64_t lda, const T *restrict
     }
     for (int i = 0; i < R; i++)
         for (c = nvec * L; c < dv; c++) {
-            T s = A[i * lda + c];
+            T s = 0;
             for (int64_t j = 0; j < nb; j++) s += S[i * ls + j] * V[j * vrs + c];
-            A[i * lda + c] = s;
+            A[i * lda + c] += s;
         }
 }
 #undef PV_TILE
@@ -287,7 +290,7 @@ static void rows_pv_careful(T *restrict A, const T *restrict S, const T *restric
  * scores are in S: the score modifiers and masks, each row's max,
  * S <- exp(S - max) (the probabilities), m and l updated, A rescaled (for
  * careful, see item_rows).
- *   S (bq, bk)   A (bq, dv)   m, l (bq) */
+ *   S (bq, bk)   A, As, Ac (bq, dv)   m, l, lc (bq), As, Ac after A and lc after l */
 static void rows_softmax(const fa_attention_args *a, const fa_item *it, const band_t *band, T *S,
                          int64_t bk, T *A, T *m, T *l, int64_t j0, int64_t nb, int careful)
 {
@@ -354,7 +357,13 @@ static void rows_softmax(const fa_attention_args *a, const fa_item *it, const ba
             sum = hsum(vs);
         }
         const T alpha = exp_neg1(mo - mu), lo = l[i];
-        l[i] = lo * alpha + sum;
+        if (careful) {
+            l[i] = lo * alpha + sum;
+        } else {
+            l[i] = lo * alpha;
+            l[bq + i] *= alpha;
+            acc_add(l + i, l + bq + i, sum);
+        }
         m[i] = mn;
         T f = alpha;
         if (careful) { /* A holds the mean so far: A <- A lo alpha / l + P . V / l */
@@ -367,25 +376,27 @@ static void rows_softmax(const fa_attention_args *a, const fa_item *it, const ba
         if (careful && f == 0) {
             for (int64_t c = 0; c < dv; c++) /* but their inf and NaN stay (see rows_pv_careful) */
                 if (isfinite(A[i * dv + c])) A[i * dv + c] = 0;
-        } else if (f != 1)
-            for (int64_t c = 0; c < dv; c++) A[i * dv + c] *= f;
+        } else if (f != 1) {
+            for (int x = 0; x < 3; x++) /* A, As, Ac */
+                for (int64_t c = 0; c < dv; c++) A[(x * bq + i) * dv + c] *= f;
+        }
     }
 }
 
 /* One row's A (dv) += p0 v0 + p1 v1 + p2 v2 + p3 v3 for four V rows v0..v3 (dv),
- * dvv = dv rounded down to whole vectors (decode_step, group_step). */
+ * dvv = dv rounded down to whole vectors (decode_step, group_step); the four
+ * keys' sum formed fresh, then added (FOLD_KEYS). */
 INLINE void pv_1x4(T *restrict A, T p0, T p1, T p2, T p3, const T *restrict v0, const T *restrict v1,
                    const T *restrict v2, const T *restrict v3, int64_t dv, int64_t dvv)
 {
     for (int64_t c = 0; c < dvv; c += L) {
-        vec acc = vload(A + c);
-        acc += p0 * vload(v0 + c);
+        vec acc = p0 * vload(v0 + c);
         acc += p1 * vload(v1 + c);
         acc += p2 * vload(v2 + c);
         acc += p3 * vload(v3 + c);
-        vstore(A + c, acc);
+        vstore(A + c, vload(A + c) + acc);
     }
-    for (int64_t c = dvv; c < dv; c++) A[c] += p0 * v0[c] + p1 * v1[c] + p2 * v2[c] + p3 * v3[c];
+    for (int64_t c = dvv; c < dv; c++) A[c] += (p0 * v0[c] + p1 * v1[c]) + (p2 * v2[c] + p3 * v3[c]);
 }
 
 /* One decode step, K and V read side by side: the scores of the next key
@@ -443,7 +454,8 @@ static __attribute__((noinline)) void decode_step_runs(const key_runs *kr, T *Sn
  * the sum: a sum of many values near the dtype's limit overflows where their
  * mean does not, and such a row comes here after the fast kernels overflow. */
 /* The row kernel's start on an item: Qs (bq, dkp) <- its rows times scale,
- * zero-padded; A (bq, dv) <- 0; m, l (bq) <- -inf, 0.  Returns the keys its
+ * zero-padded; A, As, Ac (bq, dv) <- 0; m, l, lc (bq) <- -inf, 0, 0 (As, Ac
+ * after A, lc after l).  Returns the keys its
  * rows may see (item_band), less the ends a mask hides from all (mask_trim). */
 static band_t rows_begin(const fa_attention_args *a, const fa_item *it, T *restrict Qs, int64_t dkp,
                          T *restrict A, T *restrict m, T *restrict l)
@@ -454,12 +466,19 @@ static band_t rows_begin(const fa_attention_args *a, const fa_item *it, T *restr
         for (int64_t c = 0; c < dk; c++) Qs[i * dkp + c] = q[i * a->q_rs + c] * scale;
         for (int64_t c = dk; c < dkp; c++) Qs[i * dkp + c] = 0;
         m[i] = -INFINITY;
-        l[i] = 0;
+        l[i] = l[bq + i] = 0;
     }
-    memset(A, 0, (size_t)(bq * a->dv) * sizeof(T));
+    memset(A, 0, (size_t)(3 * bq * a->dv) * sizeof(T));
     band_t b = item_band(a, it);
     mask_trim(&b, a, it, Qs, dkp);
     return b;
+}
+
+/* The row kernel's end on an item: A and l <- their compensated totals. */
+INLINE void rows_end(T *A, T *l, int64_t bq, int64_t dv)
+{
+    acc_result(A, bq * dv, 0);
+    sum_result(l, bq);
 }
 
 static void item_rows(const fa_attention_args *a, const fa_tiles *tl, const fa_item *it, void *scratch,
@@ -468,14 +487,15 @@ static void item_rows(const fa_attention_args *a, const fa_tiles *tl, const fa_i
     const int64_t bq = it->bq, bk = tl->bk, dk = a->dk, dv = a->dv;
     const int64_t dkp = (dk + L - 1) / L * L;
     const T *k = it->k, *v = it->v;
-    T *Qs = scratch, *S = Qs + bq * dkp, *A = S + bq * bk, *m = A + bq * dv, *l = m + bq;
+    T *Qs = scratch, *S = Qs + bq * dkp, *A = S + bq * bk, *m = A + 3 * bq * dv, *l = m + bq;
     const int far = tl->far; /* K and V from memory: prefetch into L2, further ahead */
     band_t b = rows_begin(a, it, Qs, dkp, A, m, l);
+    int64_t block = 0; /* keys in A's block (FOLD_KEYS) */
     if (bq == 1 && !careful && b.j_lo < b.j_hi) {
         /* Decoding, one row: software-pipelined over the key tiles, so that the
          * scores of tile t + 1 and P . V of tile t read K and V together
-         * (decode_step); Sn (bk), after l, holds the next tile's scores. */
-        T *Sn = l + 1;
+         * (decode_step); Sn (bk), after lc, holds the next tile's scores. */
+        T *Sn = l + 2;
         int64_t j0 = b.j_lo, nb = (b.j_hi - j0 < bk) ? b.j_hi - j0 : bk;
         rows_scores(S, bk, Qs, dkp, 1, k + j0 * a->k_rs, a->k_rs, dk, nb, b.j_hi - j0, far, NULL);
         rows_softmax(a, it, &b, S, bk, A, m, l, j0, nb, 0);
@@ -494,6 +514,10 @@ static void item_rows(const fa_attention_args *a, const fa_tiles *tl, const fa_i
                 decode_step_runs(&kr, Sn, Qs, dkp, k + j1 * a->k_rs, a->k_rs, dk, nb1, b.j_hi - j1, A, S, bk,
                                  v + j0 * a->v_rs, a->v_rs, dv, nb, b.j_hi - j0, far);
             }
+            if ((block += nb) >= FOLD_KEYS) { /* the block joins the total (FOLD_KEYS) */
+                acc_flush(A, dv, 0);
+                block = 0;
+            }
             rows_softmax(a, it, &b, Sn, bk, A, m, l, j1, nb1, 0);
             T *t = S;
             S = Sn;
@@ -501,6 +525,7 @@ static void item_rows(const fa_attention_args *a, const fa_tiles *tl, const fa_i
             j0 = j1;
             nb = nb1;
         }
+        rows_end(A, l, bq, dv);
         write_rows(a, it, A, dv, 1, m, l, 0);
         return;
     }
@@ -531,8 +556,13 @@ static void item_rows(const fa_attention_args *a, const fa_tiles *tl, const fa_i
             else
                 rows_pv_runs(&kr, A, S, bk, bq, v + j0 * a->v_rs, a->v_rs, dv, nb, b.j_hi - j0, far,
                              stream ? &pf_k : NULL);
+            if ((block += nb) >= FOLD_KEYS) { /* the block joins the total (FOLD_KEYS) */
+                acc_flush(A, bq * dv, 0);
+                block = 0;
+            }
         }
     }
+    rows_end(A, l, bq, dv);
     write_rows(a, it, A, dv, 1, m, l, careful);
 }
 

@@ -6,7 +6,8 @@
 /* ---------------------------------------------------------------------------
  * Streaming softmax of one row, x (n) stride xs -> o (n) stride os.
  * Pass 1 goes over chunks of FA_SOFTMAX_CHUNK: chunk max c_m, o = exp(x - c_m),
- * chunk sum; the chunk maxima are kept, the running max and sum merged.
+ * chunk sum; the chunk maxima are kept, the running max and sum merged (the
+ * sum compensated: acc_add).
  * Pass 2 multiplies each chunk of o by exp(c_m - max) / sum.  One exp per
  * element.  o may be x itself (each element is read before it is written).
  * Scratch: FA_SOFTMAX_CHUNK elements (gather buffer) + one per chunk.
@@ -45,7 +46,7 @@ void FN(fa_softmax_row)(const void *x_, int64_t xs, void *o_, int64_t os, int64_
     T *o = o_;
     T *buf = scratch, *cmax = buf + FA_SOFTMAX_CHUNK;
     const int contiguous = (xs == 1 && os == 1);
-    T M = -INFINITY, S = 0; /* running max (NaN-propagating) and sum */
+    T M = -INFINITY, S = 0, Sc = 0; /* running max (NaN-propagating), sum and its compensation */
     int64_t nc = 0;
     for (int64_t s0 = 0; s0 < n; s0 += FA_SOFTMAX_CHUNK, nc++) {
         const int64_t len = (n - s0 < FA_SOFTMAX_CHUNK) ? n - s0 : FA_SOFTMAX_CHUNK;
@@ -60,11 +61,16 @@ void FN(fa_softmax_row)(const void *x_, int64_t xs, void *o_, int64_t os, int64_
         cmax[nc] = cm;
         /* merge the chunk into (M, S); an all -inf chunk adds nothing */
         if (cm != -INFINITY) {
-            const T Mn = max_nan(M, cm);
-            S = (T)(S * exp(M - Mn) + cs * exp(cm - Mn));
+            const T Mn = max_nan(M, cm), f = (T)exp(M - Mn);
+            if (f != 1) {
+                S *= f;
+                Sc *= f;
+            }
+            acc_add(&S, &Sc, (T)(cs * exp(cm - Mn)));
             M = Mn;
         }
     }
+    S = acc_fold(S, Sc);
     const T inv = (S == 0) ? 0 : 1 / S;
     nc = 0;
     for (int64_t s0 = 0; s0 < n; s0 += FA_SOFTMAX_CHUNK, nc++) {

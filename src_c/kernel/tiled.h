@@ -42,10 +42,13 @@ enum { RB = FA_VB == 64 ? FA_RB64 : 6 };
  * dispatch.c; the tests force it on and off; docs/tuning.md, FUSE_LAG). */
 #define FUSE_LAG 24
 typedef struct {
-    T *m, *l;        /* (bqp) reference max and row sums of the item */
-    T *Ot;           /* (dv, bqp) the output accumulator */
+    T *m;            /* (bqp) reference max of the item's rows */
+    T *l;            /* (bqp) the key tile's row sums, fresh each tile */
+    T *lr;           /* (bqp) the running row sums, their compensation at lr + ld */
+    T *Ot;           /* (dv, bqp) the output accumulator, its total and compensation after it */
     T *St;           /* (nb, ld) the tile's first row */
-    int64_t ld, dv;  /* row stride of Ot and St; rows of Ot */
+    int64_t ld;      /* row stride of Ot and St */
+    int64_t arows;   /* rows of Ot to rescale: dv, or 3 dv with its total and compensation */
     int64_t regrows; /* rescaling calls of fuse_regrow in the item so far */
     int mask;        /* St holds the tile's float mask, transposed (mask_tile), to add */
 } fuse_t;
@@ -66,7 +69,8 @@ static __attribute__((noinline)) void fuse_regrow(fuse_t *f, int64_t i, int64_t 
     f->regrows++;
     const vec alpha = vsel(grow, vexp_neg(mo - bm), vset1(1));
     vstore(f->l + i, vload(f->l + i) * alpha);
-    scale_rows(f->Ot + i, f->ld, f->dv, alpha);
+    scale_rows(f->lr + i, f->ld, 2, alpha);
+    scale_rows(f->Ot + i, f->ld, f->arows, alpha);
     scale_rows(f->St + i, f->ld, j, alpha);
 }
 
@@ -142,7 +146,9 @@ INLINE void qk_tile(const int R, const int NV, T *st, int64_t bqp, const T *rest
     }
 }
 
-/* Ot[c + r][0..NV*L) += sum_j V[j][c + r] * Pt[j][0..NV*L)   for r < R
+/* Ot[c + r][0..NV*L) += sum_j V[j][c + r] * Pt[j][0..NV*L)   for r < R, the
+ * tile's sum formed fresh, then added (one rounding a tile, not one a key,
+ * against Ot: see FOLD_KEYS):
  *   ot  (R, NV*L)   row stride bqp
  *   pt  (nb, NV*L)  row stride bqp
  *   vc  (nb, R)     row stride vrs (V advanced to column c) */
@@ -150,16 +156,12 @@ INLINE void pv_tile(const int R, const int NV, T *restrict ot, int64_t bqp, cons
                     const T *restrict vc, int64_t vrs, int64_t nb)
 {
     vec a0[RB], a1[RB];
-    UNROLL(16) for (int r = 0; r < R; r++)
-    {
-        a0[r] = vload(ot + r * bqp);
-        a1[r] = NV == 2 ? vload(ot + r * bqp + L) : a0[r];
-    }
+    UNROLL(16) for (int r = 0; r < R; r++) a0[r] = a1[r] = vset1(0);
     tile_products(R, NV, a0, a1, vc, 1, vrs, pt, bqp, nb);
     UNROLL(16) for (int r = 0; r < R; r++)
     {
-        vstore(ot + r * bqp, a0[r]);
-        if (NV == 2) vstore(ot + r * bqp + L, a1[r]);
+        vstore(ot + r * bqp, vload(ot + r * bqp) + a0[r]);
+        if (NV == 2) vstore(ot + r * bqp + L, vload(ot + r * bqp + L) + a1[r]);
     }
 }
 
@@ -346,11 +348,12 @@ static __attribute__((noinline)) void pv_block_runs(const key_runs *kr, T *restr
 /* Pass 4 of fa_attn_item for NV (1 or 2) vectors of query rows, the columns
  * [i, i + NV L) of the key tile's scores St (nb, ld): a bool mask's bits W
  * applied (bits), each row's max, the probabilities exp(s - m) in place, m and
- * l updated, Ot (dv, ld) rescaled where a max grew.  Two vectors (a cache
+ * l updated (l's compensation at l + ld), the arows rows of Ot (dv, ld) and
+ * its total and compensation (FOLD_KEYS) rescaled where a max grew.  Two vectors (a cache
  * line's worth with AVX2) walk the rows of St once, not twice: a little faster
  * than one vector at a time (docs/tuning.md, tile_softmax). */
 INLINE void tile_softmax(const int NV, T *St, const IT *W, int bits, int64_t ld, int64_t nb, T *m, T *l,
-                         T *Ot, int64_t dv, int64_t i)
+                         T *Ot, int64_t arows, int64_t i)
 {
     vec bm[2], sum[2];
     vstep_t st[2];
@@ -379,8 +382,11 @@ INLINE void tile_softmax(const int NV, T *St, const IT *W, int bits, int64_t ld,
             sum[v] += p;
         }
     UNROLL(2) for (int v = 0; v < NV; v++) {
-        vstore(l + i + v * L, vload(l + i + v * L) * st[v].alpha + sum[v]);
-        if (!vall(st[v].alpha == vset1(1))) scale_rows(Ot + i + v * L, ld, dv, st[v].alpha); /* only when some max grew */
+        if (!vall(st[v].alpha == vset1(1))) { /* only when some max grew */
+            scale_rows(l + i + v * L, ld, 2, st[v].alpha);
+            scale_rows(Ot + i + v * L, ld, arows, st[v].alpha);
+        }
+        vacc_add(l + i + v * L, l + ld + i + v * L, sum[v]);
     }
 }
 
@@ -390,10 +396,14 @@ INLINE void tile_softmax(const int NV, T *St, const IT *W, int bits, int64_t ld,
  * (tl->ld: see choose_tiles), of which the first bqp are used:
  *   Qt   (dk, bqp)  queries of the item, times scale, transposed, zero-padded
  *   St   (bk, bqp)  scores of one key tile, transposed; then probabilities
- *   Ot   (dv, bqp)  unnormalised output accumulator, transposed
+ *   Ot   (dv, bqp)  unnormalised output accumulator, transposed: the block
+ *                   of up to FOLD_KEYS keys, each tile's P . V formed fresh
+ *   Os, Oc (dv, bqp)  the total of the blocks and its compensation (acc_flush)
  *   m    (bqp)      reference max of each row: the running max, or up to
  *                   FUSE_LAG below it after fused tiles
  *   l    (bqp)      running row sum of exp(score - m)
+ *   lc   (bqp)      l's compensation
+ *   ts   (bqp)      a fused key tile's row sums, added to (l, lc) after it
  *   W    (ceil(bk / 32), bqp)  a bool mask tile as bit words (IT lanes)
  * ------------------------------------------------------------------------- */
 void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_item *it,
@@ -402,23 +412,30 @@ void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_i
     /* the item's rows in whole vectors: fewer than the tile's (tl->bqp) in a last
      * query block, a sequence's last (q_len) or a short packed sequence */
     const int64_t bqp = (it->bq + L - 1) / L * L, ld = tl->ld, bk = tl->bk, dk = a->dk, dv = a->dv;
-    T *Qt = scratch, *St = Qt + dk * ld, *Ot = St + bk * ld, *m = Ot + dv * ld, *l = m + ld;
-    IT *W = (IT *)(l + ld);
-    fuse_t fz = {.m = m, .l = l, .Ot = Ot, .St = St, .ld = ld, .dv = dv, .regrows = 0, .mask = 0};
+    T *Qt = scratch, *St = Qt + dk * ld, *Ot = St + bk * ld, *m = Ot + 3 * dv * ld, *l = m + ld, *ts = l + 2 * ld;
+    IT *W = (IT *)(ts + ld);
+    fuse_t fz = {.m = m, .l = ts, .lr = l, .Ot = Ot, .St = St, .ld = ld, .arows = dv, .regrows = 0, .mask = 0};
 
     /* Pass 1: pack the queries. */
     pack_queries(a, it, Qt, ld, bqp);
     T qmax = -1; /* max |Qt|, when hidden_tile_skips first needs it */
-    memset(Ot, 0, (size_t)(dv * ld) * sizeof(T));
+    memset(Ot, 0, (size_t)(dv * ld) * sizeof(T)); /* (the total: at the first flush) */
     for (int64_t i = 0; i < bqp; i++) {
         m[i] = -INFINITY;
-        l[i] = 0;
+        l[i] = l[ld + i] = ts[i] = 0;
     }
 
     /* Key tiles outside every row's band (causal, window, kv length) are never visited. */
     const band_t b = item_band(a, it);
+    int64_t block = 0; /* keys in Ot's block (FOLD_KEYS) */
     for (int64_t j0 = b.j_lo; j0 < b.j_hi && !fa_stopped(a->stop); j0 += bk) {
         const int64_t nb = (b.j_hi - j0 < bk) ? b.j_hi - j0 : bk;
+        if (block >= FOLD_KEYS) {
+            acc_flush(Ot, dv * ld, fz.arows == dv);
+            fz.arows = 3 * dv;
+            block = 0;
+        }
+        block += nb;
 
         /* Passes 2-3: scores with every modifier and mask except a bool mask's bits,
          * while this tile's V rows are prefetched (pf_v; tile_pf). */
@@ -442,8 +459,13 @@ void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_i
          * query rows at a time. */
         if (bits != 2) {
             int64_t i = 0;
-            for (; i + 2 * L <= bqp; i += 2 * L) tile_softmax(2, St, W, bits, ld, nb, m, l, Ot, dv, i);
-            if (i < bqp) tile_softmax(1, St, W, bits, ld, nb, m, l, Ot, dv, i);
+            for (; i + 2 * L <= bqp; i += 2 * L) tile_softmax(2, St, W, bits, ld, nb, m, l, Ot, fz.arows, i);
+            if (i < bqp) tile_softmax(1, St, W, bits, ld, nb, m, l, Ot, fz.arows, i);
+        } else { /* the fused tile's row sums join the running ones */
+            for (int64_t i = 0; i < bqp; i += L) {
+                vacc_add(l + i, l + ld + i, vload(ts + i));
+                vstore(ts + i, vset1(0));
+            }
         }
 
         /* Pass 5: Ot += P . V_tile, while pf_k's rows are prefetched; under a
@@ -457,7 +479,10 @@ void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_i
             pv_block_runs(&kr, Ot, St, vt, a->v_rs, ld, bqp, dv, &pf_k);
     }
 
-    /* Pass 6: write out (acc element (i, c) is Ot[c * ld + i]). */
+    /* Pass 6: write out (acc element (i, c) is Ot[c * ld + i]), the
+     * compensations added back. */
+    acc_result(Ot, dv * ld, fz.arows == dv);
+    sum_result(l, ld);
     write_rows(a, it, Ot, 1, ld, m, l, 0);
     redo_nonfinite_rows(a, tl, it, scratch);
 }
@@ -472,14 +497,14 @@ void FN(fa_weights_item)(const fa_attention_args *a, const fa_tiles *tl, const f
                          void *scratch)
 {
     const int64_t bq = it->bq, bqp = (bq + L - 1) / L * L, ld = tl->ld, bk = tl->bk, dk = a->dk;
-    T *Qt = scratch, *St = Qt + dk * ld, *m = St + bk * ld, *l = m + ld;
-    IT *W = (IT *)(l + ld);
+    T *Qt = scratch, *St = Qt + dk * ld, *m = St + bk * ld, *l = m + ld, *lc = l + ld;
+    IT *W = (IT *)(l + 3 * ld);
     T *out = it->out;
     pack_queries(a, it, Qt, ld, bqp);
     T qmax = -1; /* max |Qt|, when hidden_tile_skips first needs it */
     for (int64_t i = 0; i < bqp; i++) {
         m[i] = -INFINITY;
-        l[i] = 0;
+        l[i] = lc[i] = 0;
     }
     const band_t b = item_band(a, it);
     for (int pass = 0; pass < 2; pass++) {
@@ -496,10 +521,12 @@ void FN(fa_weights_item)(const fa_attention_args *a, const fa_tiles *tl, const f
                     const vstep_t s = vstep_begin(vload(m + i), bm);
                     vec sum = vset1(0);
                     for (int64_t j = 0; j < nb; j++) sum += vexp_neg(vload(St + j * ld + i) - s.mu);
-                    vstore(l + i, vload(l + i) * s.alpha + sum);
+                    vstore(l + i, vload(l + i) * s.alpha);
+                    vstore(lc + i, vload(lc + i) * s.alpha);
+                    vacc_add(l + i, lc + i, sum);
                     vstore(m + i, s.mn);
                 } else {
-                    const vec mu = vstep_shift(vload(m + i)), lv = vload(l + i);
+                    const vec mu = vstep_shift(vload(m + i)), lv = vacc_fold(vload(l + i), vload(lc + i));
                     const vec inv = vsel(lv == vset1(0), vset1(0), 1 / lv);
                     for (int64_t j = 0; j < nb; j++)
                         vstore(St + j * ld + i, vexp_neg(vload(St + j * ld + i) - mu) * inv);
