@@ -4,6 +4,7 @@
     python -m fastattn.bench --quick    a short run
     python -m fastattn.bench --json     machine-readable output
     python -m fastattn.bench --plot speed.png   a bar chart (needs matplotlib)
+    python -m fastattn.bench --accuracy the error against an exact evaluation, 1k-128k keys
 
 Every peer runs on the same ndarrays in this process, interleaved, and the
 table reports medians, so the ratios are side by side.  PyTorch is optional
@@ -465,9 +466,17 @@ def main(argv: "list[str] | None" = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="threads for fastattn and torch")
     p.add_argument("--no-reference", action="store_true", help="skip the slow NumPy reference")
     p.add_argument("--no-torch", action="store_true", help="do not time PyTorch even if installed")
+    p.add_argument("--accuracy", action="store_true",
+                   help="instead of speed: the error against an exact evaluation, 1k to 128k keys "
+                        "(--quick: to 16k), for fastattn, the NumPy reference and PyTorch")
     args = p.parse_args(argv)
     if args.threads is not None and args.threads <= 0:
         p.error("--threads must be positive")
+    if args.accuracy:
+        if args.plot:
+            p.error("--plot draws the speed table; it does not go with --accuracy")
+        from . import _accuracy
+        return _accuracy.main(args.threads, not args.no_torch, args.json, args.quick)
     workloads = QUICK if args.quick else WORKLOADS
     repeats = args.repeats or (3 if args.quick else 5)
     # progress on stderr; the table, whose "% mm" needs the ceiling measured

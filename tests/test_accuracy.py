@@ -1,10 +1,11 @@
-"""Accuracy at long context: the error against a float64 evaluation of the same
+"""Accuracy at long context: the error against an exact evaluation of the same
 inputs stays a small multiple of the dtype's epsilon at 65,536 keys, on every
 path (the compensated sums of src_c/kernel/online_softmax.h).  A plain running
 sum in float32 gains a rounding per key against an ever larger total, and its
 error grows with the number of keys (about 100 eps at 65,536 keys before them).
 
-The error is max |got - exact| / max |exact|.  Scores: flat (queries x 0.1)
+The error is max |got - exact| / max |exact| (fastattn/_accuracy.py, which
+also makes the problems and the exact evaluation).  Scores: flat (queries x 0.1)
 or peaked (queries x 4); values drawn around 1 (a non-zero mean, as real
 values have), where a running sum's error is largest.  Peaked scores carry
 the float32 rounding of Q.K itself (a score of 30 is off by about 30 eps, and
@@ -15,14 +16,14 @@ import functools
 
 import numpy as np
 import pytest
-
-import fastattn
-from fastattn import _core
-from fastattn._attention import _plan
 from helpers import tail_rows
 
+import fastattn
+from fastattn import _accuracy, _core
+from fastattn._accuracy import exact, rel_err, weights_exact
+from fastattn._attention import _plan
+
 NK = 65536
-D = 64
 EPS = {np.float32: float(np.finfo(np.float32).eps), np.float64: float(np.finfo(np.float64).eps)}
 # bound in units of the dtype's eps, by score kind (measured: at most 2.1 and 10.2 eps on
 # every path and SIMD path, where the plain sums gave 7-140 and 6-990)
@@ -31,41 +32,13 @@ QSCALE = {"flat": 0.1, "peaked": 4.0}
 
 
 def problem(dtype, kind, nq, nk=NK, heads=1, seed=0):
-    r = np.random.default_rng(seed)
-    q = (r.standard_normal((1, heads, nq, D)) * QSCALE[kind]).astype(dtype)
-    k = r.standard_normal((1, heads, nk, D)).astype(dtype)
-    v = (1 + 0.5 * r.standard_normal((1, heads, nk, D))).astype(dtype)
-    return q, k, v
-
-
-def weights_exact(q, k):
-    """softmax(Q K^T / sqrt(d)) of the (rounded) inputs, in float64 for float32
-    inputs and in extended precision (np.longdouble) for float64 ones, then as
-    float64: a float64 evaluation's own rounding is tens of float64 eps at
-    65,536 keys."""
-    wide = np.longdouble if q.dtype == np.float64 else np.float64
-    s = (q.astype(wide) @ np.swapaxes(k.astype(wide), -1, -2)) / np.sqrt(wide(q.shape[-1]))
-    p = np.exp(s - s.max(-1, keepdims=True))
-    return (p / p.sum(-1, keepdims=True)).astype(np.float64)
-
-
-def exact(q, k, v):
-    """weights_exact(q, k) . v, over blocks of 256 keys whose products are summed
-    in extended precision."""
-    w, v = weights_exact(q, k), v.astype(np.float64)
-    n = k.shape[-2]
-    parts = np.stack([w[..., j:j + 256] @ v[..., j:j + 256, :] for j in range(0, n, 256)])
-    return parts.astype(np.longdouble).sum(0).astype(np.float64)
+    return _accuracy.problem(dtype, QSCALE[kind], nq, nk, heads, seed=seed)
 
 
 @functools.lru_cache(maxsize=None)
 def expected(dtype, kind, nq, nk=NK, heads=1):
     """exact() of problem(dtype, kind, nq, nk, heads), computed once."""
     return exact(*problem(dtype, kind, nq, nk, heads))
-
-
-def rel_err(got, want):
-    return float(np.abs(np.asarray(got, np.float64) - want).max() / np.abs(want).max())
 
 
 def check(got, want, dtype, kind):

@@ -2,6 +2,7 @@
 typing files, and memory that stays flat over many calls."""
 
 import importlib.metadata
+import json
 import os
 import pathlib
 import re
@@ -293,3 +294,24 @@ def test_bench_reference_f64_line(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert (f"The float64 reference (the tests' oracle: the same inputs in float64), B1 H8 N2048 d64: "
             f"{orc['reference_f64_ms']:.1f} ms, fastattn (float32) {orc['speedup']:.1f}x") in out
+
+
+def test_bench_accuracy(monkeypatch, capsys):
+    """fastattn-bench --accuracy: one row per dtype, number of keys and kind of
+    scores with each peer's error against the exact evaluation (fastattn's within
+    a few eps), as JSON or a table; --quick takes the first three key counts."""
+    from fastattn import _accuracy, bench
+    monkeypatch.setattr(_accuracy, "KEYS", (96, 200, 300, 5000))
+    assert bench.main(["--accuracy", "--quick", "--no-torch", "--json", "--threads", "2"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [(r["dtype"], r["n_k"], r["scores"]) for r in rows] == [
+        (dt, n, kind) for dt in ("float32", "float64") for n in (96, 200, 300) for kind in _accuracy.KINDS]
+    for r in rows:
+        assert set(r["error"]) == {"fastattn", "NumPy"}
+        eps = np.finfo(r["dtype"]).eps
+        assert 0 <= r["error"]["fastattn"] <= (8 if r["scores"] != "peaked" else 64) * eps, r
+    bench.main(["--accuracy", "--quick", "--no-torch"])
+    out = capsys.readouterr().out
+    assert out.startswith("| dtype | keys | scores | fastattn | NumPy |") and "| float64 | 300 | peaked |" in out
+    with pytest.raises(SystemExit):
+        bench.main(["--accuracy", "--plot", "x.png"])
