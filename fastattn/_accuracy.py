@@ -73,7 +73,7 @@ def peers(threads: Optional[int] = None, with_torch: bool = True) -> Dict[str, C
         if threads:
             torch.set_num_threads(threads)
         sdpa = torch.nn.functional.scaled_dot_product_attention
-        calls["PyTorch"] = lambda q, k, v: sdpa(*(torch.from_numpy(a) for a in (q, k, v))).numpy()
+        calls["PyTorch"] = lambda q, k, v: sdpa(torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v)).numpy()
     return calls
 
 

@@ -15,7 +15,7 @@ def attention(
     slopes: Optional[np.ndarray] = ..., kv_len: Optional[np.ndarray] = ..., weights: bool = ...,
     row_group: int = ..., q_len: Optional[np.ndarray] = ..., q_start: Optional[np.ndarray] = ...,
     kv_start: Optional[np.ndarray] = ..., nq: int = ..., nk: int = ..., top_left: bool = ...,
-    plan_only: bool = ...,
+    plan_only: bool = ..., backward: Optional[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = ...,
 ) -> Optional[Dict[str, Any]]: ...
 def softmax(x: np.ndarray, out: np.ndarray, num_threads: int) -> None: ...
 def mask_keep(x: np.ndarray, keep: np.ndarray, floor: float, num_threads: int, pad: Optional[np.ndarray] = ...,

@@ -91,8 +91,17 @@ cdef extern from "fastattn.h" nogil:
         int num_threads
         const volatile int *stop
 
+    ctypedef struct fa_backward_args:
+        const void *dout
+        int64_t do_lead[FA_MAX_DIMS]
+        int64_t do_rs
+        void *dq
+        void *dk
+        void *dv
+
     int fa_attention(const fa_attention_args *a)
     int fa_attention_weights(const fa_attention_args *a)
+    int fa_attention_backward(const fa_attention_args *a, const fa_backward_args *b)
     int fa_softmax(const fa_softmax_args *a)
     const char *fa_isa_name()
     int fa_set_isa(const char *name)
@@ -205,8 +214,9 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-cdef int _run(void *args, int which, double work) except -1:
-    """Run a C entry point (0 attention, 1 its weights, 2 softmax) with the GIL
+cdef int _run(void *args, int which, double work, const fa_backward_args *bwd=NULL) except -1:
+    """Run a C entry point (0 attention, 1 its weights, 2 softmax, 3 the
+    backward pass with bwd) with the GIL
     released; a long call from the main thread stops on Ctrl-C and raises
     KeyboardInterrupt (see _INTERRUPTIBLE_WORK)."""
     cdef const volatile int *stop = NULL
@@ -223,6 +233,8 @@ cdef int _run(void *args, int which, double work) except -1:
             status = fa_attention(<fa_attention_args *>args)
         elif which == 1:
             status = fa_attention_weights(<fa_attention_args *>args)
+        elif which == 3:
+            status = fa_attention_backward(<fa_attention_args *>args, bwd)
         else:
             status = fa_softmax(<fa_softmax_args *>args)
     if stop != NULL:
@@ -262,7 +274,7 @@ def attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask
               double softcap=0.0, int64_t win_left=-1, int64_t win_right=-1, object slopes=None,
               object kv_len=None, bint weights=False, int64_t row_group=1, object q_len=None,
               object q_start=None, object kv_start=None, int64_t nq=-1, int64_t nk=-1,
-              bint top_left=False, bint plan_only=False):
+              bint top_left=False, bint plan_only=False, tuple backward=None):
     """Fill `out` (and `lse`) with attention, or with the attention weights
     when `weights` (out is then lead + (nq, nk), zero-filled, v unused).
     q, k, v, mask have shape (..., rows, cols) with leading dims that
@@ -278,6 +290,10 @@ def attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask
     hold every sequence's rows (q_start + q_len <= q's rows, kv_start + kv_len
     <= k's).
     plan_only: return the plan of the call (a dict: plan.c) and compute nothing.
+    backward = (dout, dq, dk, dv): the backward pass instead (fa_attention_backward):
+    out and lse are the forward's result, read; dout has out's shape and
+    leading dims that broadcast to `lead`; dq, dk, dv are C-contiguous arrays
+    of lead + q's, k's and v's last two dims, written.
     Inside a forcing() block of this thread, the call takes its overrides."""
     cdef fa_attention_args a
     cdef fa_plan pl
@@ -360,6 +376,18 @@ def attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask
     cdef double work = float(a.nq) * float(a.nk) * float(a.dk + a.dv + 1)
     for d in range(nl):
         work *= a.lead_shape[d]
+    cdef fa_backward_args b
+    cdef cnp.ndarray do_arr
+    if backward is not None:
+        do_arr = <cnp.ndarray>backward[0]
+        _lead_strides(do_arr, nl, 2, b.do_lead)
+        b.do_rs = _estride(do_arr, do_arr.ndim - 2)
+        b.dout = cnp.PyArray_DATA(do_arr)
+        b.dq = cnp.PyArray_DATA(<cnp.ndarray>backward[1])
+        b.dk = cnp.PyArray_DATA(<cnp.ndarray>backward[2])
+        b.dv = cnp.PyArray_DATA(<cnp.ndarray>backward[3])
+        _run(&a, 3, 2.5 * work, &b)
+        return
     _run(&a, 1 if weights else 0, work)
 
 

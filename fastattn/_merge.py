@@ -86,15 +86,15 @@ def merge_attention(outs: Sequence[ArrayLike], lses: Sequence[ArrayLike], *,
     with np.errstate(invalid="ignore"):
         w = np.exp(L - Ms)                                              # 0 for lse = -inf
     with np.errstate(invalid="ignore", divide="ignore"):
-        s, out = _Sum(w.shape[1:], acc), _Sum(shape, acc)
+        s_sum, o_sum = _Sum(w.shape[1:], acc), _Sum(shape, acc)
         for wp, o, lp in zip(w, parts, L):
-            s.add(wp)
+            s_sum.add(wp)
             # A part that saw no key (lse = -inf) adds nothing, even where it holds NaN;
             # one whose weight underflowed to 0 adds only its inf and NaN (its true
             # weight is positive), as attention() does across its own split keys.
             keep = np.where(np.isfinite(o) | np.isneginf(lp)[..., None], 0, o)
-            out.add(np.where(wp[..., None] > 0, wp[..., None] * o, keep))
-        s, out = s.total(), out.total()
+            o_sum.add(np.where(wp[..., None] > 0, wp[..., None] * o, keep))
+        s, out = s_sum.total(), o_sum.total()
         out = np.where(s[..., None] == 0, 0, out / np.where(s == 0, 1, s)[..., None])
         lse = Ms + np.log(s)
     out = out.astype(dt, copy=False)

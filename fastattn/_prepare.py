@@ -92,10 +92,11 @@ class _Prepared:
 
 
 def _prepare(q, k, v, mask, causal, scale, enable_gqa, window, softcap, alibi_slopes, kv_lengths,
-             num_threads, weights=False, q_lengths=None, blhd=False) -> _Prepared:
+             num_threads, weights=False, q_lengths=None, blhd=False, mask_as_bool=True) -> _Prepared:
     """Check and convert the arguments of attention and attention_weights (q, k, v
     as (..., H, n, d); blhd: the caller's arrays were (..., n, H, d), and the errors
-    name their shapes as given)."""
+    name their shapes as given).  mask_as_bool=False keeps a float mask float (the
+    backward pass, which reads it as the forward's scores took it)."""
     def sh(a):
         return a.swapaxes(-3, -2).shape if blhd else a.shape
 
@@ -217,7 +218,7 @@ def _prepare(q, k, v, mask, causal, scale, enable_gqa, window, softcap, alibi_sl
                   d_v=d_v, q1=q1, v1=v1, gqa=gqa, fold=False, res=res, comp=comp, scale=scale_, softcap=softcap_,
                   causal=causal_, top_left=top_left, win_left=win_left, win_right=win_right, nthreads=nthreads,
                   inputs=(q, k, v, mask))
-    if mm is not None and p.mask_kind == _core.MASK_ADD and _float_mask._FLOAT_MASKS_AS_BOOL:
+    if mm is not None and p.mask_kind == _core.MASK_ADD and _float_mask._FLOAT_MASKS_AS_BOOL and mask_as_bool:
         got = _mask_as_bool(mm, p, slopes)
         if got is not None:
             (mm, p.pad), p.mask_kind = got, _core.MASK_BOOL

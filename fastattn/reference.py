@@ -35,8 +35,8 @@ from typing import Any, Optional, Sequence, Tuple, Union
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-__all__ = ["softmax", "scores", "causal_mask", "attention", "attention_varlen", "attention_weights",
-           "merge_attention", "self_attention", "multihead_attention", "default_scale"]
+__all__ = ["softmax", "scores", "causal_mask", "attention", "attention_backward", "attention_varlen",
+           "attention_weights", "merge_attention", "self_attention", "multihead_attention", "default_scale"]
 
 
 def default_scale(d_k: int) -> float:
@@ -288,6 +288,83 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, mask: Optional[ArrayL
         out = out[..., 0, :] if not v1 else out[..., 0]
         lse = lse[..., 0]
     return (out, lse) if return_lse else out
+
+
+def _sum_to(g: np.ndarray, shape: Tuple[int, ...]) -> np.ndarray:
+    """g summed over the leading axes that an input of `shape` was broadcast along."""
+    g = g.sum(axis=tuple(range(g.ndim - len(shape)))) if g.ndim > len(shape) else g
+    axes = tuple(i for i, n in enumerate(shape) if n == 1 and g.shape[i] != 1)
+    return g.sum(axis=axes, keepdims=True) if axes else g
+
+
+def attention_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike, out: ArrayLike,
+                       lse: Optional[ArrayLike] = None, *, mask: Optional[ArrayLike] = None, causal: Any = False,
+                       scale: Optional[float] = None,
+                       **options: Any) -> Tuple[NDArray[Any], NDArray[Any], NDArray[Any]]:
+    """The gradients (dq, dk, dv) of sum(do * attention(q, k, v, ...)): the materialised formula.
+
+    With P the attention weights and D = rowsum(do * out):
+    dv = P^T do, dS = P * (do v^T - D), dq = dS k * scale, dk = dS^T q * scale,
+    and dS times 1 - tanh(s / softcap)^2 through a softcap.
+
+    Parameters
+    ----------
+    do : array_like
+        The gradient of the output: the output's shape.
+    q, k, v, mask, causal, scale, **options
+        As for `attention` (layout "blhd": do and out are (..., n, H, d) too).
+    out : array_like
+        The output of ``attention(q, k, v, ...)``.
+    lse : array_like, optional
+        Not needed here (accepted as `fastattn.attention_backward` takes it).
+
+    Returns
+    -------
+    (dq, dk, dv), each of its input's shape (summed over the axes it was broadcast
+    along, and over each group's query heads with enable_gqa), in the result dtype.
+
+    Examples
+    --------
+    >>> q, k, v = np.eye(2), np.eye(2), np.array([[1.0], [3.0]])
+    >>> out = attention(q, k, v, scale=1.0)
+    >>> [g.round(3).tolist() for g in attention_backward(np.ones_like(out), q, k, v, out, scale=1.0)]
+    [[[-0.393, 0.393], [-0.393, 0.393]], [[-0.393, -0.393], [0.393, 0.393]], [[1.0], [1.0]]]
+    """
+    layout = options.pop("layout", "bhld")
+    q_in, k_in, v_in = (np.asarray(a) for a in (q, k, v))
+    q, k, v, do, out = _heads_first(layout, q, k, v, do, out)
+    dt = _float_dtype(q, k, v)
+    q1, v1 = q.ndim == 1, v.ndim == 1
+    if v1:
+        v, do, out = v[:, None], do[..., None], out[..., None]
+    if q1:
+        q, do, out = q[None, :], do[..., None, :], out[..., None, :]
+        if mask is not None:
+            mask = np.asarray(mask)[..., None, :]
+    q, k, v, do, out = (a.astype(dt, copy=False) for a in (q, k, v, do, out))
+    gqa = options.get("enable_gqa")
+    kk, vv = (_repeat_kv_heads(q, k), _repeat_kv_heads(q, v)) if gqa else (k, v)
+    if scale is None:
+        scale = default_scale(q.shape[-1])
+    w = attention_weights(q, k, mask=mask, causal=causal, scale=scale, **options)
+    dv = np.swapaxes(w, -1, -2) @ do
+    ds = w * (do @ np.swapaxes(vv, -1, -2) - np.sum(do * out, axis=-1, keepdims=True))
+    if options.get("softcap") is not None:   # s = c tanh(x / c): ds/dx = 1 - (s / c)^2
+        t = np.tanh((q @ np.swapaxes(kk, -1, -2)) * dt.type(scale) / options["softcap"])
+        ds = ds * (1 - t * t)
+    dq = (ds @ kk) * dt.type(scale)
+    dk = (np.swapaxes(ds, -1, -2) @ q) * dt.type(scale)
+    if gqa:   # each key/value head: the sum over its group's query heads
+        H, Hkv = q.shape[-3], k.shape[-3]
+        dk = dk.reshape(dk.shape[:-3] + (Hkv, H // Hkv) + dk.shape[-2:]).sum(-3)
+        dv = dv.reshape(dv.shape[:-3] + (Hkv, H // Hkv) + dv.shape[-2:]).sum(-3)
+    dq, dk, dv = _sum_to(dq, q.shape), _sum_to(dk, k.shape), _sum_to(dv, v.shape)
+    blhd = str(layout).lower() == "blhd"
+    grads = []
+    for g, a in ((dq, q_in), (dk, k_in), (dv, v_in)):
+        g = np.swapaxes(g, -3, -2) if blhd else g
+        grads.append(g.reshape(a.shape).astype(dt, copy=False))
+    return grads[0], grads[1], grads[2]
 
 
 def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike, cu_seqlens_k: ArrayLike, *,

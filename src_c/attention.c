@@ -51,9 +51,10 @@ static void pack_mask_row(const fa_attention_args *a, const mask_pack *mp, int64
 
 /* Work item w -> (leading index, query block): pointers and row range; mp:
  * the packed bool mask, or NULL. */
-static void fill_item(const fa_attention_args *a, const fa_tiles *t, const mask_pack *mp, int64_t n_qb,
-                      int64_t w, size_t esz, size_t msz, fa_item *it)
+void fa_fill_item(const fa_attention_args *a, const fa_tiles *t, const void *mask_pack_, int64_t n_qb,
+                  int64_t w, size_t esz, size_t msz, fa_item *it)
 {
+    const mask_pack *mp = mask_pack_;
     int64_t lead = w / n_qb, qb = w % n_qb;
     int64_t oq = 0, ok = 0, ov = 0, oo = 0, om = 0, ol = 0, os = 0, okl = 0, oql = 0, oqs = 0, oks = 0, osl = 0;
     for (int d = a->n_lead - 1; d >= 0; d--) { /* row-major over lead_shape */
@@ -182,7 +183,7 @@ static int64_t item_index(const run_state *p, int64_t k)
 static void fill_unit(const run_state *p, int64_t u, fa_item *it)
 {
     const int64_t w = u / p->n_splits, sp = u % p->n_splits;
-    fill_item(p->a, p->tiles, p->mp, p->n_qb, item_index(p, w), p->esz, p->msz, it);
+    fa_fill_item(p->a, p->tiles, p->mp, p->n_qb, item_index(p, w), p->esz, p->msz, it);
     if (p->parts) {
         it->j_lo = sp * p->chunk;
         it->j_hi = (it->j_lo + p->chunk < it->kv) ? it->j_lo + p->chunk : it->kv;
@@ -259,7 +260,7 @@ static void run_team(void *arg)
         }
         if (p->n_main < p->n_qb && u % p->n_main == p->n_main - 1) { /* the leading index's tail (n_splits 1) */
             fa_item tl;
-            fill_item(a, p->tiles, p->mp, p->n_qb, item_index(p, u) + 1, p->esz, p->msz, &tl);
+            fa_fill_item(a, p->tiles, p->mp, p->n_qb, item_index(p, u) + 1, p->esz, p->msz, &tl);
             if (tl.pad) write_padding(a, &tl, p->esz);
             if (tl.bq > 0) {
                 p->rows_fn(a, p->tiles, &tl, scratch);
@@ -274,7 +275,7 @@ static void run_team(void *arg)
         for (int64_t w = 0; w < p->n_items; w++) {
             if (!scratch || fa_stopped(a->stop)) continue;
             fa_item it;
-            fill_item(a, p->tiles, p->mp, p->n_qb, item_index(p, w), p->esz, p->msz, &it);
+            fa_fill_item(a, p->tiles, p->mp, p->n_qb, item_index(p, w), p->esz, p->msz, &it);
             if (it.bq == 0) continue; /* all padding */
             p->merge_fn(a, &it, (char *)p->parts + w * p->n_splits * p->part_elems * (int64_t)p->esz,
                         p->n_splits, scratch);

@@ -19,6 +19,7 @@
     .attn_item_rows = {fa_attn_item_rows_f32_##isa, fa_attn_item_rows_f64_##isa},           \
     .attn_group_rows = {fa_attn_group_rows_f32_##isa, fa_attn_group_rows_f64_##isa},        \
     .attn_merge = {fa_attn_merge_f32_##isa, fa_attn_merge_f64_##isa},                       \
+    .bwd_unit = {fa_bwd_unit_f32_##isa, fa_bwd_unit_f64_##isa},                             \
     .weights_item = {fa_weights_item_f32_##isa, fa_weights_item_f64_##isa},                \
     .softmax_row = {fa_softmax_row_f32_##isa, fa_softmax_row_f64_##isa},                    \
     .exp = {fa_exp_f32_##isa, fa_exp_f64_##isa}, .exp_neg = {fa_exp_neg_f32_##isa, fa_exp_neg_f64_##isa}

@@ -163,6 +163,24 @@ typedef struct {
 
 int fa_attention(const fa_attention_args *a);
 int fa_attention_weights(const fa_attention_args *a);
+
+/* Arguments of fa_attention_backward beside the forward's (fa_attention_args,
+ * whose out and lse are then the forward's result, read: lse is required).
+ *   dout  (lead, nq, dv)  compute dtype, the gradient of the output; any
+ *                         leading strides, row stride do_rs
+ *   dq    (lead, nq, dk)  contiguous, written (padding rows: zeros)
+ *   dk    (lead, nk, dk)  contiguous, written (keys no row sees: zeros)
+ *   dv    (lead, nk, dv)  contiguous, written
+ * The gradients of sum(dout * out) with respect to q, k and v, every leading
+ * index on its own (the Python layer sums those of broadcast inputs).  Not
+ * with softcap, row_group > 1 or packed sequences (FA_EINVAL). */
+typedef struct {
+    const void *dout;
+    int64_t do_lead[FA_MAX_DIMS];
+    int64_t do_rs;
+    void *dq, *dk, *dv;
+} fa_backward_args;
+int fa_attention_backward(const fa_attention_args *a, const fa_backward_args *b);
 int fa_softmax(const fa_softmax_args *a);
 
 /* SIMD path.  fa_isa_name() is the path in use; fa_set_isa() chooses one by

@@ -125,6 +125,14 @@ typedef void (*fa_attn_group_fn)(const fa_attention_args *a, const fa_tiles *t,
 /* fa_attention_weights: it->out is (bq, nk), row stride a->o_rs, zero-filled. */
 /* Merge nparts partial results (nparts, bq, dv + 2) of one item into its out
  * and lse.  scratch: 2 dv elements. */
+/* One unit of the backward pass (kernel/backward.h, fa_bwd_unit): the keys
+ * [j0, j0 + nb) of the leading index of the query blocks its[0..n_qb). */
+typedef void (*fa_bwd_unit_fn)(const fa_attention_args *a, const fa_tiles *t, const fa_item *its,
+                               int64_t n_qb, const void *dout, int64_t do_rs, int64_t j0, int64_t nb,
+                               void *dk, void *dv, void *dq, void *scratch);
+/* Work item w of a call as the drivers number them (attention.c). */
+void fa_fill_item(const fa_attention_args *a, const fa_tiles *t, const void *mask_pack, int64_t n_qb,
+                  int64_t w, size_t esz, size_t msz, fa_item *it);
 typedef void (*fa_attn_merge_fn)(const fa_attention_args *a, const fa_item *it,
                                  const void *parts, int64_t nparts, void *scratch);
 /* Softmax of one row: x (n) stride xs -> o (n) stride os.  scratch holds
@@ -159,6 +167,7 @@ typedef struct {
     fa_attn_item_fn attn_item_rows[2]; /* few query rows (decode) */
     fa_attn_group_fn attn_group_rows[2]; /* ... over interleaved items (a (B, n, H, d) cache) */
     fa_attn_merge_fn attn_merge[2];
+    fa_bwd_unit_fn bwd_unit[2];        /* the backward kernel (kernel/backward.h) */
     fa_attn_item_fn weights_item[2];   /* probabilities (attention_weights) */
     fa_softmax_row_fn softmax_row[2];
     fa_exp_fn exp[2];
@@ -195,6 +204,13 @@ static inline int64_t fa_group_scratch_elems(const fa_tiles *t, int64_t dk, int6
     const int64_t dkp = (dk + FA_LANES_MAX - 1) / FA_LANES_MAX * FA_LANES_MAX;
     return n * t->bq * (dkp + 3 * dv + 3) + t->bq * t->bk;
 }
+/* The backward kernel's scratch (kernel/backward.h), without the dQ rows. */
+static inline int64_t fa_bwd_scratch_elems(const fa_tiles *t, int64_t dk, int64_t dv)
+{
+    const int64_t dkp = (dk + FA_LANES_MAX - 1) / FA_LANES_MAX * FA_LANES_MAX;
+    const int64_t dvp = (dv + FA_LANES_MAX - 1) / FA_LANES_MAX * FA_LANES_MAX;
+    return t->ld * (dk + dv + 2 * t->bk + 2 + (t->bk + 31) / 32) + t->bq * (dkp + dvp) + t->bk * (2 * dkp + dvp);
+}
 static inline int64_t fa_softmax_scratch_elems(int64_t n)
 {
     return FA_SOFTMAX_CHUNK + (n + FA_SOFTMAX_CHUNK - 1) / FA_SOFTMAX_CHUNK + 1;
@@ -222,6 +238,12 @@ static inline int64_t fa_softmax_scratch_elems(int64_t n)
                                  const void *, int64_t, void *);                      \
     void fa_attn_merge_f64_##isa(const fa_attention_args *, const fa_item *,          \
                                  const void *, int64_t, void *);                      \
+    void fa_bwd_unit_f32_##isa(const fa_attention_args *, const fa_tiles *,           \
+                               const fa_item *, int64_t, const void *, int64_t,       \
+                               int64_t, int64_t, void *, void *, void *, void *);     \
+    void fa_bwd_unit_f64_##isa(const fa_attention_args *, const fa_tiles *,           \
+                               const fa_item *, int64_t, const void *, int64_t,       \
+                               int64_t, int64_t, void *, void *, void *, void *);     \
     void fa_softmax_row_f32_##isa(const void *, int64_t, void *, int64_t, int64_t,    \
                                   void *);                                            \
     void fa_softmax_row_f64_##isa(const void *, int64_t, void *, int64_t, int64_t,    \

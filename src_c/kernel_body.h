@@ -38,6 +38,7 @@
  *   rows.h            the row kernel (few query rows, decoding)
  *   group.h           the row kernel over interleaved heads
  *   softmax_row.h     fastattn.softmax
+ *   backward.h        the backward pass (fastattn.attention_backward)
  */
 #include "kernel/simd.h"
 #include "kernel/vmath.h"
@@ -49,6 +50,7 @@
 #include "kernel/rows.h"
 #include "kernel/group.h"
 #include "kernel/softmax_row.h"
+#include "kernel/backward.h"
 
 #if defined(FA_TARGET) && defined(__clang__)
 #pragma clang attribute pop

@@ -1,0 +1,156 @@
+/*
+ * The backward driver: fa_attention_backward (fastattn.h).  A work unit is
+ * (leading index, block of bk keys), run by the backward kernel
+ * (kernel/backward.h): it writes its keys' rows of dk and dv and adds to its
+ * thread's dQ rows of that leading index.  Many leading indices: each thread
+ * takes whole leading indices, and its dQ rows are the result's.  Few: the
+ * team shares each leading index's key blocks (thread t the blocks t, t + T,
+ * ...), then sums the threads' dQ rows in thread order.  Either way every sum
+ * runs in a fixed order: the same inputs on the same team give bitwise the
+ * same gradients.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+#include "runtime.h"
+
+/* Query rows per block and keys per unit: tiles of the forward's size. */
+enum { BWD_BQ = 32, BWD_BK = 64 };
+
+typedef struct {
+    const fa_attention_args *a;
+    const fa_backward_args *b;
+    fa_tiles t;
+    fa_bwd_unit_fn fn;
+    int64_t n_lead, n_qb, n_kb, dkp;
+    size_t esz, msz, scratch_bytes, dq_bytes, items_bytes;
+    int per_lead;  /* 1: threads take whole leading indices */
+    void **dq;     /* each team member's dQ rows (nq, dkp) */
+    int status;
+} bwd_state;
+
+/* The element offset of leading index l in an operand of leading strides s. */
+static int64_t lead_offset(const fa_attention_args *a, int64_t l, const int64_t *s)
+{
+    int64_t o = 0;
+    for (int d = a->n_lead - 1; d >= 0; d--) {
+        o += l % a->lead_shape[d] * s[d];
+        l /= a->lead_shape[d];
+    }
+    return o;
+}
+
+/* Leading index l: its query blocks as items, then the key blocks ks, ks +
+ * step, ... of it, adding to dq (nq, dkp). */
+static void bwd_lead(const bwd_state *p, int64_t l, int64_t ks, int64_t step, fa_item *its, void *dq,
+                     void *scratch)
+{
+    const fa_attention_args *a = p->a;
+    const fa_backward_args *b = p->b;
+    const int64_t e = (int64_t)p->esz;
+    for (int64_t qb = 0; qb < p->n_qb; qb++)
+        fa_fill_item(a, &p->t, NULL, p->n_qb, l * p->n_qb + qb, p->esz, p->msz, &its[qb]);
+    const char *dout = (const char *)b->dout + lead_offset(a, l, b->do_lead) * e;
+    for (int64_t kb = ks; kb < p->n_kb && !fa_stopped(a->stop); kb += step) {
+        const int64_t j0 = kb * p->t.bk, nb = a->nk - j0 < p->t.bk ? a->nk - j0 : p->t.bk;
+        p->fn(a, &p->t, its, p->n_qb, dout, b->do_rs, j0, nb, (char *)b->dk + ((l * a->nk + j0) * a->dk) * e,
+              (char *)b->dv + ((l * a->nk + j0) * a->dv) * e, dq, scratch);
+    }
+}
+
+/* dq rows [r0, r1) of leading index l <- scale times the sum of the n
+ * accumulators (nq, dkp) in order. */
+static void bwd_write_dq(const bwd_state *p, int64_t l, void *const *acc, int n, int64_t r0, int64_t r1)
+{
+    const fa_attention_args *a = p->a;
+    const int64_t dk = a->dk, dkp = p->dkp;
+    if (a->dtype == FA_F32) {
+        float *dst = (float *)p->b->dq + l * a->nq * dk;
+        for (int64_t i = r0; i < r1; i++)
+            for (int64_t c = 0; c < dk; c++) {
+                float s = 0;
+                for (int t = 0; t < n; t++) s += ((const float *)acc[t])[i * dkp + c];
+                dst[i * dk + c] = s * (float)a->scale;
+            }
+    } else {
+        double *dst = (double *)p->b->dq + l * a->nq * dk;
+        for (int64_t i = r0; i < r1; i++)
+            for (int64_t c = 0; c < dk; c++) {
+                double s = 0;
+                for (int t = 0; t < n; t++) s += ((const double *)acc[t])[i * dkp + c];
+                dst[i * dk + c] = s * a->scale;
+            }
+    }
+}
+
+static void bwd_team(void *arg)
+{
+    bwd_state *p = arg;
+    const fa_attention_args *a = p->a;
+    void *raw;
+    char *scratch = fa_team_scratch(p->scratch_bytes + p->dq_bytes + p->items_bytes, &raw, &p->status);
+    const int t = fa_thread_num(), team = fa_num_threads();
+    void *dq = scratch ? scratch + p->scratch_bytes : NULL;
+    fa_item *its = scratch ? (fa_item *)(scratch + p->scratch_bytes + p->dq_bytes) : NULL;
+    p->dq[t] = dq;
+    if (p->per_lead) {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t l = 0; l < p->n_lead; l++) {
+            if (!scratch || fa_stopped(a->stop)) continue;
+            memset(dq, 0, p->dq_bytes);
+            bwd_lead(p, l, 0, 1, its, dq, scratch);
+            bwd_write_dq(p, l, &dq, 1, 0, a->nq);
+        }
+    } else {
+        for (int64_t l = 0; l < p->n_lead; l++) {
+            if (scratch) {
+                memset(dq, 0, p->dq_bytes);
+                bwd_lead(p, l, t, team, its, dq, scratch);
+            }
+#pragma omp barrier
+            if (p->status == FA_OK) { /* every member has its accumulator */
+                const int64_t r0 = a->nq * t / team, r1 = a->nq * (t + 1) / team;
+                bwd_write_dq(p, l, p->dq, team, r0, r1);
+            }
+#pragma omp barrier
+        }
+    }
+    free(raw);
+}
+
+int fa_attention_backward(const fa_attention_args *a, const fa_backward_args *b)
+{
+    if (a->softcap > 0 || a->row_group != 1 || a->q_start || a->kv_start || !a->lse) return FA_EINVAL;
+    const fa_isa_table *isa = fa_isa_current();
+    const int dt = a->dtype;
+    bwd_state st = {.a = a, .b = b, .fn = isa->bwd_unit[dt], .status = FA_OK};
+    st.esz = dt == FA_F32 ? sizeof(float) : sizeof(double);
+    st.msz = a->mask_kind == FA_MASK_BOOL ? 1 : st.esz;
+    st.n_lead = 1;
+    for (int d = 0; d < a->n_lead; d++) st.n_lead *= a->lead_shape[d];
+    if (st.n_lead == 0) return FA_OK;
+    const int64_t lanes = isa->lanes[dt];
+    st.t.bq = BWD_BQ;
+    st.t.bk = BWD_BK;
+    st.t.bqp = (BWD_BQ + lanes - 1) / lanes * lanes;
+    st.t.ld = st.t.bqp;
+    st.t.q_main = a->nq;
+    st.n_qb = (a->nq + BWD_BQ - 1) / BWD_BQ;
+    st.n_kb = (a->nk + BWD_BK - 1) / BWD_BK;
+    st.dkp = (a->dk + lanes - 1) / lanes * lanes;
+    st.scratch_bytes = ((size_t)fa_bwd_scratch_elems(&st.t, a->dk, a->dv) * st.esz + 63) / 64 * 64;
+    st.dq_bytes = ((size_t)(a->nq * st.dkp) * st.esz + 63) / 64 * 64;
+    st.items_bytes = (size_t)(st.n_qb > 0 ? st.n_qb : 1) * sizeof(fa_item);
+    /* work: 5 products of nq nk (dk or dv) multiply-adds a leading index */
+    const double work = 2.5 * (double)st.n_lead * (double)a->nq * (double)a->nk * (double)(a->dk + a->dv);
+    const int want = fa_threads_wanted(a->num_threads);
+    st.per_lead = st.n_lead >= 2 * (int64_t)want || st.n_kb < 2;
+    const int threads = fa_team_size(a->num_threads, st.per_lead ? st.n_lead : st.n_kb, work);
+    void *dq_ptrs[FA_THREADS_MAX];
+    st.dq = dq_ptrs;
+    fa_run_parallel(bwd_team, &st, threads);
+    return st.status == FA_OK && fa_stopped(a->stop) ? FA_EINTR : st.status;
+}

@@ -1,0 +1,154 @@
+/*
+ * The backward kernel (included by kernel_body.h): the gradients of
+ * sum(dO * out) with respect to q, k and v, FlashAttention-2's algorithm.
+ * With P = exp(S - lse) recomputed tile by tile from the forward's lse and
+ * D_i = sum_c dO[i][c] out[i][c]:
+ *   dV += P^T . dO      dP = dO . V^T      dS = P * (dP - D)
+ *   dK += dS^T . Q * scale                 dQ += dS . K * scale
+ * A work unit is one key block of one leading index: it walks every query
+ * block that sees its keys, keeps that key block's dK and dV in scratch and
+ * adds to the thread's dQ rows (backward.c sums the threads' dQ in a fixed
+ * order, so results are bitwise the same from run to run).  The scores come
+ * from tile_scores (tiled.h), so every mask, band, ALiBi and length the
+ * forward takes is taken here the same way (softcap excepted: the Python
+ * layer refuses it).
+ * Every product is tile_products (tiled.h) on operands laid out for it:
+ *   Qt  (dk, ld)   the query block, times scale, transposed (pack_queries)
+ *   dOt (dv, ld)   dO of the block, transposed
+ *   Qp  (bq, dkp)  the query block, times scale, rows zero-padded to dkp
+ *   dOp (bq, dvp)  dO of the block, rows zero-padded to dvp
+ *   Kp  (nb, dkp)  the unit's keys, rows zero-padded
+ *   St  (bk, ld)   scores, then P, then dS, transposed (key j, query i at
+ *                  St[j * ld + i]);  dPt (bk, ld) likewise
+ *   dKb (bk, dkp), dVb (bk, dvp)  the unit's gradients so far
+ *   Dl  (2 ld)     D of the block's rows, then their lse (+inf past bq, so
+ *                  that padding lanes get P = 0)
+ *   W   (ceil(bk / 32), ld)  a bool mask tile as bits (tile_scores)
+ *   dq  (nq, dkp)  the thread's dQ rows of this leading index (/ scale)
+ * dkp and dvp are dk and dv rounded up to whole vectors.
+ * ------------------------------------------------------------------------- */
+
+/* acc (nr, nc) row stride accs += the products of tile_products over n:
+ * acc[r][c] += sum_x a[r * ars + x * acs] b[x * bs + c], for r < nr and c < nc,
+ * nc a whole number of vectors; b's rows hold nc elements. */
+static void acc_products(T *restrict acc, int64_t accs, int64_t nr, int64_t nc, const T *restrict a, int64_t ars,
+                         int64_t acs, const T *restrict b, int64_t bs, int64_t n)
+{
+#define BWD_TILE(R, NV)                                                                              \
+    do {                                                                                             \
+        vec a0[RB], a1[RB];                                                                          \
+        for (int r = 0; r < (R); r++) {                                                              \
+            a0[r] = vload(acc + (r0 + r) * accs + c0);                                               \
+            a1[r] = (NV) == 2 ? vload(acc + (r0 + r) * accs + c0 + L) : a0[r];                       \
+        }                                                                                            \
+        tile_products((R), (NV), a0, a1, a + r0 * ars, ars, acs, b + c0, bs, n);                     \
+        for (int r = 0; r < (R); r++) {                                                              \
+            vstore(acc + (r0 + r) * accs + c0, a0[r]);                                               \
+            if ((NV) == 2) vstore(acc + (r0 + r) * accs + c0 + L, a1[r]);                            \
+        }                                                                                            \
+    } while (0)
+    int64_t r0 = 0;
+    for (; r0 + RB <= nr; r0 += RB) {
+        int64_t c0 = 0;
+        for (; c0 + 2 * L <= nc; c0 += 2 * L) BWD_TILE(RB, 2);
+        if (c0 < nc) BWD_TILE(RB, 1);
+    }
+    for (; r0 + 4 <= nr; r0 += 4) {
+        int64_t c0 = 0;
+        for (; c0 + 2 * L <= nc; c0 += 2 * L) BWD_TILE(4, 2);
+        if (c0 < nc) BWD_TILE(4, 1);
+    }
+    for (; r0 < nr; r0++) {
+        int64_t c0 = 0;
+        for (; c0 + 2 * L <= nc; c0 += 2 * L) BWD_TILE(1, 2);
+        if (c0 < nc) BWD_TILE(1, 1);
+    }
+#undef BWD_TILE
+}
+
+/* Xt (d, ld) <- x (n, d) row stride xs, transposed, zero past n up to np
+ * (a whole number of vectors); Xp (n, dp) <- x times f, rows zero-padded. */
+static void pack_both(const T *x, int64_t xs, int64_t n, int64_t np, int64_t d, int64_t dp, T f, T *Xt,
+                      int64_t ld, T *Xp)
+{
+    for (int64_t c = 0; c < d; c++) {
+        for (int64_t i = 0; i < n; i++) Xt[c * ld + i] = x[i * xs + c];
+        for (int64_t i = n; i < np; i++) Xt[c * ld + i] = 0;
+    }
+    if (!Xp) return;
+    for (int64_t i = 0; i < n; i++) {
+        for (int64_t c = 0; c < d; c++) Xp[i * dp + c] = x[i * xs + c] * f;
+        for (int64_t c = d; c < dp; c++) Xp[i * dp + c] = 0;
+    }
+}
+
+/* One work unit: the keys [j0, j0 + nb) of the leading index whose query
+ * blocks are its[0..n_qb) (fill_item's items: q, mask, out, lse offset to
+ * their rows), nb <= tl->bk.
+ *   dO    (nq, dv) of the leading index, row stride dos
+ *   dk    (nb, dk) and dv (nb, dv): the unit's rows of the gradients, written
+ *   dq    (nq, dkp): the thread's dQ of the leading index, added to (/ scale) */
+void FN(fa_bwd_unit)(const fa_attention_args *a, const fa_tiles *tl, const fa_item *its, int64_t n_qb,
+                     const void *dO_, int64_t dos, int64_t j0, int64_t nb, void *dk_, void *dv_, void *dq_,
+                     void *scratch)
+{
+    const T *dO = dO_;
+    T *dkout = dk_, *dvout = dv_, *dq = dq_;
+    const int64_t ld = tl->ld, bk = tl->bk, dk = a->dk, dv = a->dv;
+    const int64_t dkp = (dk + L - 1) / L * L, dvp = (dv + L - 1) / L * L;
+    T *Qt = scratch, *dOt = Qt + dk * ld, *St = dOt + dv * ld, *dPt = St + bk * ld, *Dl = dPt + bk * ld;
+    T *Qp = Dl + 2 * ld, *dOp = Qp + tl->bq * dkp, *Kp = dOp + tl->bq * dvp, *dKb = Kp + bk * dkp;
+    T *dVb = dKb + bk * dkp;
+    IT *W = (IT *)(dVb + bk * dvp);
+    const T *K = (const T *)its[0].k + j0 * a->k_rs, *V = (const T *)its[0].v + j0 * a->v_rs;
+    memset(dKb, 0, (size_t)(bk * dkp) * sizeof(T));
+    memset(dVb, 0, (size_t)(bk * dvp) * sizeof(T));
+    for (int64_t j = 0; j < nb; j++) {
+        for (int64_t c = 0; c < dk; c++) Kp[j * dkp + c] = K[j * a->k_rs + c];
+        for (int64_t c = dk; c < dkp; c++) Kp[j * dkp + c] = 0;
+    }
+    for (int64_t qb = 0; qb < n_qb && !fa_stopped(a->stop); qb++) {
+        const fa_item *it = &its[qb];
+        if (it->bq <= 0) continue;
+        const band_t b = item_band(a, it);
+        /* the keys of the unit that some row of the block sees: [jl, jh) */
+        const int64_t jl = b.j_lo > j0 ? b.j_lo : j0, jh = b.j_hi < j0 + nb ? b.j_hi : j0 + nb;
+        if (jl >= jh) continue;
+        const int64_t bq = it->bq, bqp = (bq + L - 1) / L * L, o = jl - j0, n = jh - jl;
+        pack_queries(a, it, Qt, ld, bqp);
+        T qmax = -1;
+        key_runs kr;
+        const int bits = tile_scores(a, it, &b, St, Qt, &qmax, W, ld, bqp, jl, n, NULL, NULL, &kr);
+        if (bits < 0) continue;
+        if (bits) apply_bits(St, W, ld, bqp, n);
+        /* dO of the block, D = rowsum(dO * out) and lse */
+        const T *dOb = dO + it->i0 * dos;
+        pack_both(dOb, dos, bq, bqp, dv, dvp, 1, dOt, ld, dOp);
+        for (int64_t i = 0; i < bqp; i++) {
+            T d = 0;
+            if (i < bq)
+                for (int64_t c = 0; c < dv; c++) d += dOb[i * dos + c] * ((const T *)it->out)[i * a->o_rs + c];
+            Dl[i] = d;
+            Dl[ld + i] = i < bq ? ((const T *)it->lse)[i * a->lse_rs] : (T)INFINITY;
+        }
+        /* dP = V . dO^T (transposed: key rows), then P and dS in place */
+        qk_block(dPt, V + o * a->v_rs, a->v_rs, dOt, ld, bqp, dv, n, NULL, NULL);
+        for (int64_t j = 0; j < n; j++)
+            for (int64_t i = 0; i < bqp; i += L) {
+                const vec lse = vload(Dl + ld + i);
+                /* a row that sees no key (lse -inf) has no weights: P = 0 */
+                const vec p = vsel(lse == vset1(-INFINITY), vset1(0), vexp(vload(St + j * ld + i) - lse));
+                vstore(St + j * ld + i, p);
+                vstore(dPt + j * ld + i, p * (vload(dPt + j * ld + i) - vload(Dl + i)));
+            }
+        /* dV += P^T . dO;  dK += dS^T . (Q scale);  dQ += dS . K */
+        acc_products(dVb + o * dvp, dvp, n, dvp, St, ld, 1, dOp, dvp, bq);
+        pack_both((const T *)it->q, a->q_rs, bq, bqp, dk, dkp, (T)a->scale, Qt, ld, Qp);
+        acc_products(dKb + o * dkp, dkp, n, dkp, dPt, ld, 1, Qp, dkp, bq);
+        acc_products(dq + it->i0 * dkp, dkp, bq, dkp, dPt, 1, ld, Kp + o * dkp, dkp, n);
+    }
+    for (int64_t j = 0; j < nb; j++) {
+        memcpy(dkout + j * dk, dKb + j * dkp, (size_t)dk * sizeof(T));
+        memcpy(dvout + j * dv, dVb + j * dvp, (size_t)dv * sizeof(T));
+    }
+}

@@ -1,0 +1,163 @@
+"""attention_backward: the gradients against the NumPy reference's materialised
+formula (reference.attention_backward), which finite differences check in
+float64; every option the forward takes, both layouts, broadcasting, GQA, both
+thread modes of the driver (whole leading indices, or key blocks shared), each
+SIMD path, and bitwise determinism."""
+
+import numpy as np
+import pytest
+from conftest import tol
+
+import fastattn
+from fastattn import reference as ref
+
+F32, F64 = np.float32, np.float64
+
+
+def problem(rng, q_shape, k_shape, v_shape=None, dtype=F64):
+    q = rng.standard_normal(q_shape).astype(dtype)
+    k = rng.standard_normal(k_shape).astype(dtype)
+    v = rng.standard_normal(v_shape or k_shape).astype(dtype)
+    return q, k, v
+
+
+def grads(q, k, v, do=None, seed=1, num_threads=None, **kw):
+    """fastattn's gradients and the reference's (float64), for do (or a random one)."""
+    out, lse = fastattn.attention(q, k, v, return_lse=True, num_threads=num_threads, **kw)
+    if do is None:
+        do = np.random.default_rng(seed).standard_normal(out.shape).astype(out.dtype)
+    got = fastattn.attention_backward(do, q, k, v, out, lse, num_threads=num_threads, **kw)
+    c = lambda a: np.asarray(a, np.float64)  # noqa: E731
+    kw64 = {n: (c(x) if n == "mask" and np.asarray(x).dtype != bool else x) for n, x in kw.items()}
+    want = ref.attention_backward(c(do), c(q), c(k), c(v), c(out), **kw64)
+    return got, want
+
+
+def check(got, want, inputs, dtype):
+    for g, w, x, name in zip(got, want, inputs, ("dq", "dk", "dv")):
+        assert g.shape == np.shape(x), f"{name}: shape {g.shape} != {np.shape(x)}"
+        assert g.dtype == np.result_type(*inputs), f"{name}: dtype {g.dtype}"
+        assert np.isfinite(g).all(), name
+        scale = max(1.0, float(np.abs(w).max()))
+        err = float(np.abs(g.astype(F64) - w).max())
+        assert err <= 4 * tol(dtype) * scale, f"{name}: max error {err:.3g} (scale {scale:.3g})"
+
+
+def test_reference_against_finite_differences():
+    """The reference's formula is the gradient: central differences in float64,
+    with a mask, causal, ALiBi and a softcap (the reference differentiates it)."""
+    rng = np.random.default_rng(0)
+    q, k, v = problem(rng, (2, 5, 4), (2, 7, 4), (2, 7, 3))
+    mask = rng.random((5, 7)) > 0.2
+    kw = dict(mask=mask, causal=True, alibi_slopes=np.array([0.3, 0.1])[:, None], softcap=2.0)
+    do = rng.standard_normal((2, 5, 3))
+    out = ref.attention(q, k, v, **kw)
+    got = ref.attention_backward(do, q, k, v, out, **kw)
+    for x, g in zip((q, k, v), got):
+        num = np.zeros_like(x)
+        for idx in np.ndindex(x.shape):
+            h = 1e-6
+            x[idx] += h
+            up = np.sum(do * ref.attention(q, k, v, **kw))
+            x[idx] -= 2 * h
+            down = np.sum(do * ref.attention(q, k, v, **kw))
+            x[idx] += h
+            num[idx] = (up - down) / (2 * h)
+        np.testing.assert_allclose(g, num, rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("causal", [False, True, "upper_left"])
+@pytest.mark.parametrize("n_q, n_k, d", [(1, 1, 1), (37, 130, 24), (150, 64, 40), (64, 200, 64), (33, 33, 7)])
+def test_shapes_and_tails(isa, dtype, causal, n_q, n_k, d):
+    """Block tails (query blocks of 32, key blocks of 64), head dims off the
+    vector width, one row, each SIMD path."""
+    rng = np.random.default_rng(n_q * 1000 + n_k)
+    inputs = problem(rng, (2, n_q, d), (2, n_k, d), (2, n_k, d + 3), dtype)
+    check(*grads(*inputs, causal=causal), inputs, dtype)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("lead", [(1,), (2, 3)])
+def test_threads_and_determinism(threads, lead):
+    """One leading index (the team shares its key blocks and sums dQ in thread
+    order) or several (each thread whole ones): correct, and bitwise the same
+    from run to run."""
+    rng = np.random.default_rng(3)
+    inputs = problem(rng, lead + (300, 32), lead + (300, 32), dtype=F32)
+    do = rng.standard_normal(lead + (300, 32)).astype(F32)
+    got, want = grads(*inputs, do=do, num_threads=threads, causal=True)
+    check(got, want, inputs, F32)
+    again, _ = grads(*inputs, do=do, num_threads=threads, causal=True)
+    for a, b in zip(got, again):
+        assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("kind", ["bool", "float", "window", "alibi", "kv_lengths", "q_lengths", "all_hidden"])
+def test_options(dtype, kind):
+    """Each score option the forward takes; rows that see nothing get zeros."""
+    rng = np.random.default_rng(5)
+    B, H, n, d = 2, 3, 90, 16
+    inputs = problem(rng, (B, H, n, d), (B, H, n + 10, d), dtype=dtype)
+    kw = {
+        "bool": dict(mask=rng.random((B, 1, n, n + 10)) > 0.3),
+        "float": dict(mask=np.where(rng.random((n, n + 10)) > 0.3, rng.standard_normal((n, n + 10)), -np.inf)),
+        "window": dict(window=(20, 5)),
+        "alibi": dict(alibi_slopes=np.array([0.5, 0.25, 0.125]), causal=True),
+        "kv_lengths": dict(kv_lengths=np.array([[40], [100]])),
+        "q_lengths": dict(q_lengths=np.array([[30], [90]]), causal=True),
+        "all_hidden": dict(mask=np.arange(n)[:, None] % 3 > 0),
+    }[kind]
+    got, want = grads(*inputs, **kw)
+    check(got, want, inputs, dtype)
+    if kind == "all_hidden":   # rows 0, 3, 6, ... see no key: no gradient
+        assert not got[0][..., ::3, :].any()
+    if kind == "kv_lengths":   # keys past a batch entry's length: no gradient
+        assert not got[1][0, :, 40:].any() and not got[2][0, :, 40:].any()
+
+
+def test_gqa_layout_broadcast():
+    """GQA (dk, dv summed over each group's query heads), the (B, n, H, d) layout,
+    and inputs broadcast along leading dims (their gradients summed there)."""
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((2, 70, 8, 16))            # (B, n, H, d)
+    k = rng.standard_normal((1, 80, 2, 16))            # one batch entry for both, 2 KV heads
+    v = rng.standard_normal((2, 80, 2, 16))
+    got, want = grads(q, k, v, enable_gqa=True, layout="blhd", causal=True)
+    check(got, want, (q, k, v), F64)
+
+
+def test_one_dim_and_float16():
+    """A 1-D query and 1-D values drop their axes, as the forward's result does;
+    float16 inputs give float16 gradients, computed in float32."""
+    rng = np.random.default_rng(9)
+    q, k, v = rng.standard_normal(8), rng.standard_normal((20, 8)), rng.standard_normal(20)
+    got, want = grads(q, k, v)
+    check(got, want, (q, k, v), F64)
+    q16, k16, v16 = (rng.standard_normal((2, 40, 8)).astype(np.float16) for _ in range(3))
+    got, want = grads(q16, k16, v16)
+    assert all(g.dtype == np.float16 for g in got)
+    for g, w in zip(got, want):
+        assert np.abs(g.astype(F64) - w).max() <= 2e-2 * max(1.0, np.abs(w).max())
+
+
+def test_inputs_not_modified_and_errors():
+    rng = np.random.default_rng(11)
+    q, k, v = problem(rng, (2, 10, 8), (2, 12, 8))
+    out, lse = fastattn.attention(q, k, v, return_lse=True)
+    do = np.ones_like(out)
+    copies = [a.copy() for a in (do, q, k, v, out, lse)]
+    fastattn.attention_backward(do, q, k, v, out, lse)
+    for a, c in zip((do, q, k, v, out, lse), copies):
+        assert np.array_equal(a, c)
+    with pytest.raises(ValueError, match="do has shape"):
+        fastattn.attention_backward(do[:, :5], q, k, v, out, lse)
+    with pytest.raises(ValueError, match="out has shape"):
+        fastattn.attention_backward(do, q, k, v, out[..., :4], lse)
+    with pytest.raises(ValueError, match="lse has shape"):
+        fastattn.attention_backward(do, q, k, v, out, lse[:, None])
+    with pytest.raises(ValueError, match="d_k differs"):
+        fastattn.attention_backward(do, q, k[..., :4], v, out, lse)
+    with pytest.raises(NotImplementedError, match="softcap"):
+        fastattn.attention_backward(do, q, k, v, out, lse, softcap=5.0)
