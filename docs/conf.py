@@ -17,6 +17,7 @@ myst_heading_anchors = 3
 numpydoc_show_class_members = False
 numpydoc_xref_param_type = False
 autodoc_typehints = "none"          # the docstrings give the types
+autodoc_mock_imports = ["torch", "jax"]   # the autodiff adapters' frameworks: optional
 html_theme = "alabaster"
 html_title = f"fastattn {release}"
 suppress_warnings = ["myst.xref_missing"]

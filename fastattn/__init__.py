@@ -8,7 +8,7 @@ softmax, O(n * d) memory, OpenMP threads, SIMD chosen at run time).
 
 Where things are:
     fastattn/_attention.py   attention, attention_weights (the plain path, _call)
-    fastattn/_backward.py    attention_backward (its gradients)
+    fastattn/_backward.py    attention_backward, attention_varlen_backward (gradients)
     fastattn/_prepare.py     _prepare: one attention call's checks and conversions
     fastattn/_validate.py    array conversion and argument checks shared by all
     fastattn/_float_mask.py  float masks of 0 and -inf read as bool masks
@@ -52,15 +52,16 @@ finally:
 # (after _core, for the spin count above)
 from . import reference  # noqa: E402
 from ._attention import attention, attention_weights  # noqa: E402
-from ._backward import attention_backward  # noqa: E402
+from ._backward import attention_backward, attention_varlen_backward  # noqa: E402
 from ._merge import merge_attention  # noqa: E402
 from ._softmax import softmax  # noqa: E402
 from ._varlen import attention_varlen  # noqa: E402
 from ._version import __version__  # noqa: E402
 from .layers import multihead_attention, self_attention  # noqa: E402
 
-__all__ = ["attention", "attention_backward", "attention_varlen", "attention_weights", "merge_attention", "softmax",
-           "self_attention", "multihead_attention", "reference", "show_config", "__version__"]
+__all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_backward", "attention_weights",
+           "merge_attention", "softmax", "self_attention", "multihead_attention", "reference", "show_config",
+           "__version__"]
 
 
 # the SIMD paths a build may carry, best first

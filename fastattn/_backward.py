@@ -14,7 +14,7 @@ from numpy.typing import ArrayLike, NDArray
 
 from . import _core
 from ._prepare import _prepare
-from ._validate import Causal, Layout, Window, _as_array, _as_compute, _blhd, _heads_first
+from ._validate import Causal, Layout, Window, _as_array, _as_compute, _blhd, _dtypes, _heads_first
 
 
 def _sum_to(g: np.ndarray, shape: Tuple[int, ...]) -> np.ndarray:
@@ -49,11 +49,9 @@ def attention_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike, 
         The forward's output.
     lse : array_like
         The forward's log-sum-exp, ``(..., n_q)`` (head-major in either layout).
-    mask, causal, scale, enable_gqa, window, alibi_slopes, kv_lengths, q_lengths, layout, num_threads
+    mask, causal, scale, enable_gqa, window, softcap, alibi_slopes, kv_lengths, q_lengths, layout, num_threads
         As for `attention`, and the same as the forward's. Masks, slopes and lengths
-        get no gradient.
-    softcap : float, optional
-        Not yet supported here: NotImplementedError.
+        get no gradient; a softcap is differentiated through its tanh.
 
     Returns
     -------
@@ -68,8 +66,6 @@ def attention_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike, 
     ------
     ValueError
         A shape that does not fit (naming the argument), or what `attention` refuses.
-    NotImplementedError
-        `softcap`.
 
     Examples
     --------
@@ -83,15 +79,13 @@ def attention_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike, 
     >>> bool(np.allclose(dv.sum(axis=-2), 16))   # each row's weights sum to 1
     True
     """
-    if softcap is not None:
-        raise NotImplementedError("attention_backward: softcap is not supported yet; the forward takes it")
     blhd = _blhd(layout)
     q_in, k_in, v_in = _as_array(q, "q"), _as_array(k, "k"), _as_array(v, "v")
     do_a, out_a, lse_a = _as_array(do, "do"), _as_array(out, "out"), _as_array(lse, "lse")
     qh, kh, vh = _heads_first((q_in, k_in, v_in), "qkv") if blhd else (q_in, k_in, v_in)
     if blhd:
         do_a, out_a = _heads_first((do_a, out_a), ("do", "out"))
-    p = _prepare(qh, kh, vh, mask, causal, scale, enable_gqa, window, None, alibi_slopes, kv_lengths, num_threads,
+    p = _prepare(qh, kh, vh, mask, causal, scale, enable_gqa, window, softcap, alibi_slopes, kv_lengths, num_threads,
                  q_lengths=q_lengths, blhd=blhd, mask_as_bool=False)
     # the output's leading dims as the caller sees them (GQA: (..., H), not (..., H_kv, g))
     lead = p.lead[:-2] + (p.gqa[0],) if p.gqa else p.lead
@@ -114,12 +108,82 @@ def attention_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike, 
     dk = np.empty(p.lead + p.k.shape[-2:], p.comp)
     dv = np.empty(p.lead + p.v.shape[-2:], p.comp)
     _core.attention(p.q, p.k, p.v, p.mask, p.mask_kind, out_c, lse_c, p.lead, p.causal, p.scale, p.nthreads,
-                    win_left=p.win_left, win_right=p.win_right, slopes=p.slopes, kv_len=p.kvl, q_len=p.qln,
-                    top_left=p.top_left, backward=(do_c, dq, dk, dv))
+                    softcap=p.softcap, win_left=p.win_left, win_right=p.win_right, slopes=p.slopes, kv_len=p.kvl,
+                    q_len=p.qln, top_left=p.top_left, backward=(do_c, dq, dk, dv))
     grads = []
     for g, h, pa in ((dq, qh, p.q), (dk, kh, p.k), (dv, vh, p.v)):
         # summed over the broadcast axes and GQA's groups (k, v: size 1 there), in the caller's shape
         g = _sum_to(g, pa.shape).reshape(h.shape)
         g = np.swapaxes(g, -3, -2) if blhd else g
         grads.append(np.ascontiguousarray(g, dtype=p.res))
+    return grads[0], grads[1], grads[2]
+
+
+def attention_varlen_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike, out: ArrayLike, lse: ArrayLike,
+                              cu_seqlens_q: ArrayLike, cu_seqlens_k: ArrayLike, *, causal: Causal = False,
+                              scale: Optional[float] = None, window: Optional[Window] = None,
+                              softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
+                              num_threads: Optional[int] = None) -> Tuple[NDArray[Any], NDArray[Any], NDArray[Any]]:
+    """Gradients of `attention_varlen`: (dq, dk, dv) of ``sum(do * out)``.
+
+    ``out, lse = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, ..., return_lse=True)``
+    with the same options gives `out` (total_q, H, d_v) and `lse` (H, total_q).
+
+    Parameters
+    ----------
+    do : array_like, (total_q, H, d_v)
+        The gradient of the loss with respect to the output.
+    q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window, softcap, alibi_slopes, num_threads
+        As for `attention_varlen`, and the same as the forward's (GQA: k and v with H_kv heads).
+    out, lse : array_like
+        The forward's output and log-sum-exp.
+
+    Returns
+    -------
+    (dq, dk, dv) : tuple of ndarray
+        The shapes of q, k and v, in the result dtype; each sequence's gradients
+        from `attention_backward` on its rows (layout "blhd").
+
+    Examples
+    --------
+    >>> import numpy as np, fastattn
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((10, 2, 8)) for _ in range(3))
+    >>> cu = np.array([0, 4, 10])
+    >>> out, lse = fastattn.attention_varlen(q, k, v, cu, cu, causal=True, return_lse=True)
+    >>> dq, dk, dv = fastattn.attention_varlen_backward(np.ones_like(out), q, k, v, out, lse, cu, cu, causal=True)
+    >>> dq.shape, dv.shape
+    ((10, 2, 8), (10, 2, 8))
+    """
+    from ._varlen import _cu_seqlens
+    arrays = [_as_array(a, name) for a, name in ((do, "do"), (q, "q"), (k, "k"), (v, "v"), (out, "out"),
+                                                  (lse, "lse"))]
+    do_a, q_a, k_a, v_a, out_a, lse_a = arrays
+    for a, name in ((q_a, "q"), (k_a, "k"), (v_a, "v"), (do_a, "do"), (out_a, "out")):
+        if a.ndim != 3:
+            raise ValueError(f"{name} must have shape (total, heads, d): the sequences' rows packed one after "
+                             f"another, got shape {a.shape}")
+    T_q, H = q_a.shape[:2]
+    if do_a.shape != out_a.shape or do_a.shape[:2] != (T_q, H):
+        raise ValueError(f"do and out must have the output's shape (total_q, H, d_v) = ({T_q}, {H}, d_v); "
+                         f"got do {do_a.shape}, out {out_a.shape}")
+    if lse_a.shape != (H, T_q):
+        raise ValueError(f"lse has shape {lse_a.shape}; the forward's lse has shape (H, total_q) = ({H}, {T_q})")
+    cq = _cu_seqlens(cu_seqlens_q, "cu_seqlens_q", T_q, "q")
+    ck = _cu_seqlens(cu_seqlens_k, "cu_seqlens_k", k_a.shape[0], "k and v")
+    if cq.size != ck.size:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k give different numbers of sequences: "
+                         f"{cq.size - 1} and {ck.size - 1}")
+    res = _dtypes(q_a, k_a, v_a)[0]
+    grads = [np.zeros(a.shape, res) for a in (q_a, k_a, v_a)]
+    slopes = None if alibi_slopes is None else np.broadcast_to(np.asarray(alibi_slopes), (cq.size - 1, H))
+    gqa = k_a.shape[1] != H
+    for b in range(cq.size - 1):
+        sq, sk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        if cq[b + 1] == cq[b]:
+            continue   # no queries: no gradient from this sequence
+        g = attention_backward(do_a[sq], q_a[sq], k_a[sk], v_a[sk], out_a[sq], lse_a[:, sq], causal=causal,
+                               scale=scale, window=window, softcap=softcap, enable_gqa=gqa, layout="blhd",
+                               alibi_slopes=None if slopes is None else slopes[b], num_threads=num_threads)
+        grads[0][sq], grads[1][sk], grads[2][sk] = g
     return grads[0], grads[1], grads[2]

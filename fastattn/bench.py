@@ -5,6 +5,7 @@
     python -m fastattn.bench --json     machine-readable output
     python -m fastattn.bench --plot speed.png   a bar chart (needs matplotlib)
     python -m fastattn.bench --accuracy the error against an exact evaluation, 1k-128k keys
+    python -m fastattn.bench --backward forward plus backward against PyTorch's autograd
 
 Every peer runs on the same ndarrays in this process, interleaved, and the
 table reports medians, so the ratios are side by side.  PyTorch is optional
@@ -469,9 +470,17 @@ def main(argv: "list[str] | None" = None) -> int:
     p.add_argument("--accuracy", action="store_true",
                    help="instead of speed: the error against an exact evaluation, 1k to 128k keys "
                         "(--quick: to 16k), for fastattn, the NumPy reference and PyTorch")
+    p.add_argument("--backward", action="store_true",
+                   help="instead: forward plus backward against PyTorch's autograd, and the backward's "
+                        "GFLOP/s (--quick: two rows)")
     args = p.parse_args(argv)
     if args.threads is not None and args.threads <= 0:
         p.error("--threads must be positive")
+    if args.backward:
+        if args.plot or args.accuracy:
+            p.error("--backward does not go with --plot or --accuracy")
+        from . import _bench_backward
+        return _bench_backward.main(args.threads, not args.no_torch, args.json, args.quick, args.repeats)
     if args.accuracy:
         if args.plot:
             p.error("--plot draws the speed table; it does not go with --accuracy")

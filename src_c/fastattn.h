@@ -173,7 +173,7 @@ int fa_attention_weights(const fa_attention_args *a);
  *   dv    (lead, nk, dv)  contiguous, written
  * The gradients of sum(dout * out) with respect to q, k and v, every leading
  * index on its own (the Python layer sums those of broadcast inputs).  Not
- * with softcap, row_group > 1 or packed sequences (FA_EINVAL). */
+ * with row_group > 1 or packed sequences (FA_EINVAL). */
 typedef struct {
     const void *dout;
     int64_t do_lead[FA_MAX_DIMS];

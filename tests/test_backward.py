@@ -94,7 +94,8 @@ def test_threads_and_determinism(threads, lead):
 
 
 @pytest.mark.parametrize("dtype", [F32, F64])
-@pytest.mark.parametrize("kind", ["bool", "float", "window", "alibi", "kv_lengths", "q_lengths", "all_hidden"])
+@pytest.mark.parametrize("kind", ["bool", "float", "window", "alibi", "softcap", "kv_lengths", "q_lengths",
+                                  "all_hidden"])
 def test_options(dtype, kind):
     """Each score option the forward takes; rows that see nothing get zeros."""
     rng = np.random.default_rng(5)
@@ -105,6 +106,7 @@ def test_options(dtype, kind):
         "float": dict(mask=np.where(rng.random((n, n + 10)) > 0.3, rng.standard_normal((n, n + 10)), -np.inf)),
         "window": dict(window=(20, 5)),
         "alibi": dict(alibi_slopes=np.array([0.5, 0.25, 0.125]), causal=True),
+        "softcap": dict(softcap=1.5, mask=rng.random((n, n + 10)) > 0.2),
         "kv_lengths": dict(kv_lengths=np.array([[40], [100]])),
         "q_lengths": dict(q_lengths=np.array([[30], [90]]), causal=True),
         "all_hidden": dict(mask=np.arange(n)[:, None] % 3 > 0),
@@ -159,5 +161,43 @@ def test_inputs_not_modified_and_errors():
         fastattn.attention_backward(do, q, k, v, out, lse[:, None])
     with pytest.raises(ValueError, match="d_k differs"):
         fastattn.attention_backward(do, q, k[..., :4], v, out, lse)
-    with pytest.raises(NotImplementedError, match="softcap"):
-        fastattn.attention_backward(do, q, k, v, out, lse, softcap=5.0)
+
+
+def test_training_example(capsys, monkeypatch):
+    """examples/train.py: the loss falls from chance to near zero, and the layer
+    learns the task (attend to the position before)."""
+    import pathlib
+    import runpy
+    import sys
+    path = pathlib.Path(__file__).resolve().parent.parent / "examples" / "train.py"
+    monkeypatch.setattr(sys, "argv", [str(path), "--steps", "150"])
+    runpy.run_path(str(path), run_name="__main__")
+    lines = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("step")]
+    losses = [float(x[3]) for x in lines]
+    assert losses[0] > 2.0 and losses[-1] < 0.05 and float(lines[-1][5]) > 0.99, lines
+
+
+@pytest.mark.parametrize("gqa", [False, True])
+def test_varlen_backward(gqa):
+    """attention_varlen_backward: each packed sequence's gradients as
+    attention_backward gives them on its own rows (and a sequence without queries
+    gives its keys none)."""
+    rng = np.random.default_rng(13)
+    H, Hkv = 4, (2 if gqa else 4)
+    cq, ck = np.array([0, 30, 30, 75]), np.array([0, 50, 60, 140])
+    q = rng.standard_normal((75, H, 16)).astype(F32)
+    k, v = (rng.standard_normal((140, Hkv, 16)).astype(F32) for _ in range(2))
+    kw = dict(causal=True, alibi_slopes=np.array([0.1, 0.2, 0.3, 0.4]))
+    out, lse = fastattn.attention_varlen(q, k, v, cq, ck, return_lse=True, **kw)
+    do = rng.standard_normal(out.shape).astype(F32)
+    dq, dk, dv = fastattn.attention_varlen_backward(do, q, k, v, out, lse, cq, ck, **kw)
+    for b in (0, 2):
+        sq, sk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        c = lambda a: a.astype(F64)  # noqa: E731
+        want = ref.attention_backward(c(do[sq]), c(q[sq]), c(k[sk]), c(v[sk]), c(out[sq]), layout="blhd",
+                                      enable_gqa=gqa, **kw)
+        for g, w in zip((dq[sq], dk[sk], dv[sk]), want):
+            assert np.abs(g - w).max() <= 4 * tol(F32) * max(1, np.abs(w).max())
+    assert not dk[50:60].any() and not dv[50:60].any()
+    with pytest.raises(ValueError, match="lse has shape"):
+        fastattn.attention_varlen_backward(do, q, k, v, out, lse.T, cq, ck, **kw)

@@ -96,3 +96,12 @@ def test_dask_page_example():
     ns = _run_blocks(README.parent / "docs" / "dask.md", 2, first_only=True)
     want = fastattn.attention(ns["q"], ns["k"], ns["v"], causal=True)
     assert np.max(np.abs(ns["result"] - want)) < 1e-5
+
+
+def test_gradients_page_example():
+    """docs/gradients.md's NumPy example runs and matches the reference's gradients."""
+    ns = _run_blocks(README.parent / "docs" / "gradients.md", 3, first_only=True)
+    c = [ns[n].astype(np.float64) for n in ("do", "q", "k", "v", "out")]
+    want = fastattn.reference.attention_backward(*c, causal=True)
+    for got, w in zip((ns["dq"], ns["dk"], ns["dv"]), want):
+        assert np.max(np.abs(got - w)) < 1e-4 * max(1, np.max(np.abs(w)))

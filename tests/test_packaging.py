@@ -315,3 +315,25 @@ def test_bench_accuracy(monkeypatch, capsys):
     assert out.startswith("| dtype | keys | scores | fastattn | NumPy |") and "| float64 | 300 | peaked |" in out
     with pytest.raises(SystemExit):
         bench.main(["--accuracy", "--plot", "x.png"])
+
+
+def test_bench_backward(monkeypatch, capsys):
+    """fastattn-bench --backward: a row per workload with the forward's and the
+    backward's times and the backward's rate; the NumPy backward's line."""
+    from fastattn import _bench_backward, bench
+    monkeypatch.setattr(_bench_backward, "ROWS", [("small", (1, 2, 1, 96, 16), "float32", True),
+                                                  ("small f64", (2, 2, 2, 64, 8), "float64", False)])
+    monkeypatch.setattr(_bench_backward, "QUICK", [0, 1])
+    monkeypatch.setattr(_bench_backward, "NUMPY_SHAPE", (1, 2, 64, 16))
+    monkeypatch.setattr(bench, "_matmul_rate", lambda dtype, repeats: 100.0)
+    assert bench.main(["--backward", "--quick", "--no-torch", "--json", "--threads", "2", "--repeats", "1"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert [r["name"] for r in res["rows"]] == ["small", "small f64"]
+    r = res["rows"][0]
+    assert (r["B"], r["H"], r["H_kv"], r["n"], r["d"], r["causal"]) == (1, 2, 1, 96, 16, True)
+    assert r["forward_ms"] > 0 and r["backward_ms"] > 0
+    assert r["backward_gflops"] == pytest.approx(2.5 * 4 * 2 * 96 * 96 * 16 * 0.5 / r["backward_ms"] / 1e6)
+    assert res["numpy_backward"]["workload"] == "B1 H2 N64 d16 float64"
+    bench.main(["--backward", "--quick", "--no-torch", "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert out.startswith("| workload | forward ms |") and "NumPy materialised backward" in out

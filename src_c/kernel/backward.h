@@ -10,8 +10,9 @@
  * adds to the thread's dQ rows (backward.c sums the threads' dQ in a fixed
  * order, so results are bitwise the same from run to run).  The scores come
  * from tile_scores (tiled.h), so every mask, band, ALiBi and length the
- * forward takes is taken here the same way (softcap excepted: the Python
- * layer refuses it).
+ * forward takes is taken here the same way; through a softcap s = c tanh(x / c)
+ * dS is multiplied by ds/dx = 1 - tanh(x / c)^2, x recomputed (one more
+ * product, only then).
  * Every product is tile_products (tiled.h) on operands laid out for it:
  *   Qt  (dk, ld)   the query block, times scale, transposed (pack_queries)
  *   dOt (dv, ld)   dO of the block, transposed
@@ -67,11 +68,12 @@ static void acc_products(T *restrict acc, int64_t accs, int64_t nr, int64_t nc, 
 }
 
 /* Xt (d, ld) <- x (n, d) row stride xs, transposed, zero past n up to np
- * (a whole number of vectors); Xp (n, dp) <- x times f, rows zero-padded. */
+ * (a whole number of vectors), unless Xt is NULL; Xp (n, dp) <- x times f,
+ * rows zero-padded. */
 static void pack_both(const T *x, int64_t xs, int64_t n, int64_t np, int64_t d, int64_t dp, T f, T *Xt,
                       int64_t ld, T *Xp)
 {
-    for (int64_t c = 0; c < d; c++) {
+    for (int64_t c = 0; Xt && c < d; c++) {
         for (int64_t i = 0; i < n; i++) Xt[c * ld + i] = x[i * xs + c];
         for (int64_t i = n; i < np; i++) Xt[c * ld + i] = 0;
     }
@@ -143,7 +145,16 @@ void FN(fa_bwd_unit)(const fa_attention_args *a, const fa_tiles *tl, const fa_it
             }
         /* dV += P^T . dO;  dK += dS^T . (Q scale);  dQ += dS . K */
         acc_products(dVb + o * dvp, dvp, n, dvp, St, ld, 1, dOp, dvp, bq);
-        pack_both((const T *)it->q, a->q_rs, bq, bqp, dk, dkp, (T)a->scale, Qt, ld, Qp);
+        if (a->softcap > 0) { /* x = K . Qt (Qt: the queries times scale), dS *= 1 - tanh(x / c)^2 */
+            const T ic = 1 / (T)a->softcap;
+            qk_block(St, K + o * a->k_rs, a->k_rs, Qt, ld, bqp, dk, n, NULL, NULL);
+            for (int64_t j = 0; j < n; j++)
+                for (int64_t i = 0; i < bqp; i += L) {
+                    const vec t = vtanh(vload(St + j * ld + i) * ic);
+                    vstore(dPt + j * ld + i, vload(dPt + j * ld + i) * (vset1(1) - t * t));
+                }
+        }
+        pack_both((const T *)it->q, a->q_rs, bq, bqp, dk, dkp, (T)a->scale, NULL, ld, Qp);
         acc_products(dKb + o * dkp, dkp, n, dkp, dPt, ld, 1, Qp, dkp, bq);
         acc_products(dq + it->i0 * dkp, dkp, bq, dkp, dPt, 1, ld, Kp + o * dkp, dkp, n);
     }
