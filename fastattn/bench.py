@@ -301,7 +301,32 @@ def peer_calls(w, inputs, threads=None, torch=None):
     return calls
 
 
-def _measure(w, threads, torch, repeats, with_reference):
+def _extra_peers(w, inputs, threads, peers, calls):
+    """The optional peers (fastattn._peers) that can run workload w, each checked
+    against fastattn's output before it is timed: name -> call, and name ->
+    max relative difference for those that disagree (not timed)."""
+    from . import _peers
+    out, bad = {}, {}
+    want = None
+    for name in peers:
+        make = _peers.MAKERS.get(name)
+        call = make(w, inputs, threads) if make else None
+        if call is None:
+            continue
+        if want is None:
+            want = np.asarray(calls["fastattn"](), np.float64)
+            if inputs[4].get("layout") == "blhd":
+                want = np.swapaxes(want, 1, 2)
+        got = np.asarray(call(), np.float64)
+        err = float(np.max(np.abs(got - want))) / max(1.0, float(np.max(np.abs(want))))
+        if got.shape == want.shape and err <= 1e-3:
+            out[name] = call
+        else:
+            bad[name] = err
+    return out, bad
+
+
+def _measure(w, threads, torch, repeats, with_reference, peers=()):
     """One row of the table: fastattn, and its peers, on one workload."""
     inputs = make_inputs(w)
     q, k, v, mask, kw = inputs
@@ -309,7 +334,8 @@ def _measure(w, threads, torch, repeats, with_reference):
     flops = _flops(w, kw, mask)
     calls = peer_calls(w, inputs, threads, torch)
     ref = calls.pop("reference", None)
-    fns = dict(calls)
+    extra, disagree = _extra_peers(w, inputs, threads, peers, calls) if peers else ({}, {})
+    fns = dict(calls, **extra)
     # few rows against K and V beyond the L3 (32 MiB): memory-bound, so time a
     # plain streaming read beside it (the ceiling)
     decode = nq <= 24 and k.nbytes + v.nbytes > 48 << 20
@@ -330,6 +356,11 @@ def _measure(w, threads, torch, repeats, with_reference):
     if "torch" in times:
         row["torch_ms"] = times["torch"] * 1e3
         row["x_torch"] = times["torch"] / t
+    for name in extra:
+        row[f"{name}_ms"] = times[name] * 1e3
+        row[f"x_{name}"] = times[name] / t
+    for name, err in disagree.items():
+        row[f"{name}_disagrees"] = err
     if decode:   # bytes of K and V that fastattn reads (a padded cache: only the live rows)
         live = _live_keys(w, mask, kw)
         kv_rows = live if live is not None else k.size // k.shape[-1]
@@ -350,8 +381,9 @@ def reference_f64_ms(w, repeats=3):
     return t * 1e3
 
 
-def run(workloads, repeats=5, threads=None, with_reference=True, with_torch=True, log=None):
-    """Measure `workloads`; returns a dict with the rows and the ceilings."""
+def run(workloads, repeats=5, threads=None, with_reference=True, with_torch=True, log=None, peers=()):
+    """Measure `workloads` (and the optional `peers`, fastattn._peers.MAKERS' names);
+    returns a dict with the rows and the ceilings."""
     threads = threads or _core.max_threads()
     torch = _torch() if with_torch else None
     if torch is not None:
@@ -360,7 +392,7 @@ def run(workloads, repeats=5, threads=None, with_reference=True, with_torch=True
     mm_start = {dt: _matmul_rate(dt, repeats) for dt in dtypes}
     rows = []
     for w in workloads:
-        row = _measure(w, threads, torch, repeats, with_reference)
+        row = _measure(w, threads, torch, repeats, with_reference, peers)
         rows.append(row)
         if log:
             log(row)
@@ -387,9 +419,20 @@ def run(workloads, repeats=5, threads=None, with_reference=True, with_torch=True
         fastattn=sys.modules["fastattn"].__version__, isa=_core.isa_name(), threads=threads,
         cpus=_cpus(),
         thread_scaling=scaling, reference_f64=oracle,
-        torch=getattr(torch, "__version__", None), numpy=np.__version__,
+        torch=getattr(torch, "__version__", None), numpy=np.__version__, peers=_peer_versions(peers),
         machine=platform.machine(), cpu_count=os.cpu_count(),
         matmul_gflops=mm, matmul_gflops_start=mm_start, matmul_gflops_end=mm_end, rows=rows)
+
+
+def _peer_versions(peers):
+    """The optional peers' versions (None: not installed)."""
+    out = {}
+    for name in peers:
+        try:
+            out[name] = __import__(name).__version__
+        except ImportError:
+            out[name] = None
+    return out
 
 
 def _cpus():
@@ -413,13 +456,15 @@ def _ms(x, width=9):
     return f"{x:{width}.3f}" if x < 1 else f"{x:{width}.2f}"
 
 
-def _fmt_row(r):
+def _fmt_row(r, peers=()):
     ref_ms = _ms(r["reference_ms"]) if "reference_ms" in r else f"{'-':>9}"
     x_ref = f"{r['x_reference']:7.1f}x" if "x_reference" in r else f"{'-':>8}"
     t_ms = _ms(r["torch_ms"]) if "torch_ms" in r else f"{'-':>9}"
     x_t = f"{r['x_torch']:7.2f}x" if "x_torch" in r else f"{'-':>8}"
+    more = "".join(f" {r['x_' + p]:10.2f}x |" if "x_" + p in r else
+                   (f" {'differs':>11} |" if p + "_disagrees" in r else f" {'-':>11} |") for p in peers)
     return (f"| {r['name']:<30} | {_ms(r['ms'])} | {r['gflops']:7.1f} | {r['pct_mm']:5.0f} % | "
-            f"{ref_ms} | {x_ref} | {t_ms} | {x_t} |")
+            f"{ref_ms} | {x_ref} | {t_ms} | {x_t} |" + more)
 
 
 HEADER = ("| workload                       | fastattn ms | GFLOP/s | % mm  | NumPy ms  | x NumPy  "
@@ -467,6 +512,9 @@ def main(argv: "list[str] | None" = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="threads for fastattn and torch")
     p.add_argument("--no-reference", action="store_true", help="skip the slow NumPy reference")
     p.add_argument("--no-torch", action="store_true", help="do not time PyTorch even if installed")
+    p.add_argument("--peers", default="", metavar="LIST",
+                   help="more peers, comma-separated: onnxruntime (MultiHeadAttention), openvino (SDPA op, f32); "
+                        "'all' for both (each where installed)")
     p.add_argument("--accuracy", action="store_true",
                    help="instead of speed: the error against an exact evaluation, 1k to 128k keys "
                         "(--quick: to 16k), for fastattn, the NumPy reference and PyTorch")
@@ -496,16 +544,29 @@ def main(argv: "list[str] | None" = None) -> int:
 
     print(f"measuring {len(workloads)} workloads (progress here, the "
           f"{'JSON' if args.json else 'table'} when done)", file=sys.stderr, flush=True)
-    result = run(workloads, repeats, args.threads, not args.no_reference, not args.no_torch, log)
+    peers = tuple(n for n in ("onnxruntime", "openvino")
+                  if args.peers == "all" or n in args.peers.split(","))
+    unknown = set(filter(None, args.peers.split(","))) - {"all", "onnxruntime", "openvino"}
+    if unknown:
+        p.error(f"--peers: unknown peer {sorted(unknown)[0]!r} (onnxruntime, openvino, all)")
+    result = run(workloads, repeats, args.threads, not args.no_reference, not args.no_torch, log, peers)
     if args.json:
         print(json.dumps(result, indent=2))
     else:
         print(f"fastattn {result['fastattn']}: SIMD {result['isa']}, "
               f"{result['threads']} threads; medians of {repeats} interleaved runs")
-        print(HEADER)
+        head, rule = HEADER.split("\n")
+        print(head + "".join(f" x {p:<10}|" for p in peers))
+        print(rule + " ----------: |" * len(peers))
         for r in result["rows"]:
-            print(_fmt_row(r))
+            print(_fmt_row(r, peers))
         print(LEGEND)
+        if peers:
+            vers = ", ".join(f"{k} {v or 'not installed'}" for k, v in result["peers"].items())
+            print(f"x onnxruntime, x openvino ({vers}): over ONNX Runtime's com.microsoft MultiHeadAttention and "
+                  f"OpenVINO's scaled_dot_product_attention op (f32), one-node models on the same arrays and "
+                  f"threads, each checked against fastattn's output first ('differs': it did not agree to 1e-3; "
+                  f"'-': it cannot run that row, e.g. float64, GQA, windows, lengths)")
         mm = ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in result["matmul_gflops"].items())
         print(f"NumPy matrix product (2048^2) in this run: {mm} (the better of its start and end); "
               f"PyTorch: {result['torch'] or 'not installed'}")

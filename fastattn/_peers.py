@@ -1,0 +1,111 @@
+"""Optional peers of the benchmark (``fastattn-bench --peers``): ONNX Runtime's
+``com.microsoft`` MultiHeadAttention op and OpenVINO's scaled_dot_product_attention
+op, each built once per workload as a one-node model on the workload's arrays,
+on the same threads, in float32 (OpenVINO pinned to f32: its default can be
+lower on CPUs with bf16 units).
+
+Each maker returns a zero-argument call that returns the output as
+(B, H, n_q, d_v), or None where the peer is not installed or cannot run the
+workload as fastattn does: float64, GQA, windows, softcap, ALiBi, lengths,
+packed sequences, causal with n_q != n_k (their causal masks align top-left),
+NaN in K or V.  The inputs go in each peer's own layout, converted before
+timing, as a user of that peer would hold them.
+"""
+
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+PEERS = ("torch", "onnxruntime", "openvino")
+_UNSUPPORTED = ("gqa", "window", "softcap", "alibi", "kv_lengths", "q_lengths", "packed")
+
+
+def _supported(w: dict) -> bool:
+    B, H, nq, nk, d = w["shape"]
+    return (w["dtype"] == "float32" and not any(w["options"].get(o) for o in _UNSUPPORTED)
+            and (not w["causal"] or nq == nk) and w["mask"] != "pad")
+
+
+def _bias(mask: Optional[np.ndarray]) -> Optional[np.ndarray]:
+    """A mask as an additive float32 bias (0 or -inf for a bool mask)."""
+    if mask is None:
+        return None
+    m = np.asarray(mask)
+    if m.dtype == bool:
+        return np.where(m, np.float32(0), np.float32(-np.inf)).astype(np.float32)
+    return m.astype(np.float32)
+
+
+def onnxruntime_call(w: dict, inputs: Any, threads: int) -> Optional[Callable[[], np.ndarray]]:
+    """ONNX Runtime's MultiHeadAttention (inputs (B, n, H d); unidirectional=1 for causal)."""
+    try:
+        import onnxruntime as ort
+        from onnx import TensorProto, helper
+    except ImportError:
+        return None
+    if not _supported(w):
+        return None
+    q, k, v, mask, kw = inputs
+    B, H, nq, nk, d = w["shape"]
+    dv = v.shape[-1]
+    blhd = kw.get("layout") == "blhd"
+
+    def packed(a):   # (B, H, n, d) or (B, n, H, d) -> (B, n, H d)
+        a = a if blhd else np.swapaxes(a, 1, 2)
+        return np.ascontiguousarray(a).reshape(a.shape[0], a.shape[1], -1)
+    feeds = {"q": packed(q), "k": packed(k), "v": packed(v)}
+    names = ["q", "k", "v"]
+    shapes = {"q": [B, nq, H * d], "k": [B, nk, H * d], "v": [B, nk, H * dv]}
+    bias = _bias(mask)
+    if bias is not None:
+        bias = np.ascontiguousarray(np.broadcast_to(bias, np.broadcast_shapes(bias.shape, (1, 1, nq, nk))))
+        feeds["bias"] = bias
+        shapes["bias"] = list(bias.shape)
+        names += ["", "", "bias"]     # (projection bias, key_padding_mask) unused; attention_bias
+    node = helper.make_node("MultiHeadAttention", names, ["out"], domain="com.microsoft", num_heads=H,
+                            unidirectional=int(bool(w["causal"])))
+    graph = helper.make_graph([node], "mha",
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, shapes[n]) for n in feeds],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, [B, nq, H * dv])])
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    model = helper.make_model(graph, opset_imports=opsets, ir_version=10)
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return lambda: sess.run(None, feeds)[0].reshape(B, nq, H, dv).transpose(0, 2, 1, 3)
+
+
+def openvino_call(w: dict, inputs: Any, threads: int) -> Optional[Callable[[], np.ndarray]]:
+    """OpenVINO's scaled_dot_product_attention op (inputs (B, H, n, d)), f32."""
+    try:
+        import openvino as ov
+        import openvino.opset13 as ops
+    except ImportError:
+        return None
+    if not _supported(w):
+        return None
+    q, k, v, mask, kw = inputs
+    heads_first = (lambda a: np.ascontiguousarray(np.swapaxes(a, 1, 2))) if kw.get("layout") == "blhd" \
+        else np.ascontiguousarray
+    arrays = [heads_first(a) for a in (q, k, v)]
+    params = [ops.parameter(list(a.shape), ov.Type.f32) for a in arrays]
+    bias = _bias(mask)
+    args = list(params)
+    if bias is not None:
+        arrays.append(np.ascontiguousarray(bias))
+        params.append(ops.parameter(list(bias.shape), ov.Type.f32))
+        args.append(params[-1])
+    node = ops.scaled_dot_product_attention(*args, causal=bool(w["causal"]))
+    model = ov.Model([node], params)
+    compiled = ov.Core().compile_model(model, "CPU", {"INFERENCE_NUM_THREADS": threads,
+                                                       "INFERENCE_PRECISION_HINT": "f32"})
+    req = compiled.create_infer_request()
+
+    def call():
+        req.infer(arrays)
+        return req.get_output_tensor(0).data
+    return call
+
+
+MAKERS = {"onnxruntime": onnxruntime_call, "openvino": openvino_call}
