@@ -707,7 +707,8 @@ def openmp_enabled():
 
 
 def last_threads():
-    """Threads the calling thread's last call to the C core ran on."""
+    """Threads the calling thread's last call to the C core ran on (0: it had
+    nothing to compute, and ran none)."""
     return fa_last_threads()
 
 

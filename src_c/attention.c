@@ -288,6 +288,7 @@ static void run_team(void *arg)
  * zero-filled; always the tiled kernel, never split): the plan carried out. */
 static int run(const fa_attention_args *a, int weights)
 {
+    fa_team_none();
     fa_plan pl;
     const int status = fa_attention_plan(a, weights, &pl);
     if (status != FA_OK || pl.n_items == 0) return status;

@@ -223,6 +223,8 @@ int fa_openmp_enabled(void);
  * aligned) on num_threads threads (<= 0: the default); returns a checksum. */
 uint64_t fa_stream_read(const void *x, int64_t n, int num_threads);
 int fa_max_threads(void);
+/* The team size of the calling thread's last call; 0 when it ran no team
+ * (nothing to compute). */
 int fa_last_threads(void);
 /* 1 in a process forked where GNU libgomp's pool could not be freed before
  * the fork (it would hang there): every call then runs on one thread. */

@@ -34,9 +34,11 @@
 #define FA_BUILD_CFLAGS "unknown"
 #endif
 
-/* The team size of the calling thread's last call (diagnostics, tests). */
+/* The team size of the calling thread's last call (diagnostics, tests): 0
+ * until a team runs, so that a call with no work reports 0. */
 static _Thread_local int last_team = 0;
 int fa_last_threads(void) { return last_team; }
+void fa_team_none(void) { last_team = 0; }
 void fa_record_team(void)
 {
     if (fa_thread_num() == 0) last_team = fa_num_threads();

@@ -18,8 +18,10 @@
  * outside a team or without OpenMP). */
 int fa_thread_num(void);
 int fa_num_threads(void);
-/* Records the team size for fa_last_threads: each team member calls it. */
+/* Records the team size for fa_last_threads: each team member calls it;
+ * fa_team_none, at each entry point's start, records that none ran yet. */
 void fa_record_team(void);
+void fa_team_none(void);
 /* Threads for a call: the caller's request (> 0) or the OpenMP default, at
  * most fa_thread_cap; one in a child forked with a stale pool (runtime.c). */
 int fa_threads_wanted(int requested);

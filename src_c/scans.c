@@ -157,6 +157,7 @@ static void mask_keep_team(void *arg)
 int fa_mask_keep(int dtype, const void *x, int64_t rows, int64_t len, double floor, uint8_t *keep,
                  double pad_floor, uint8_t *pad, int num_threads, int *all_ok)
 {
+    fa_team_none();
     if ((dtype != FA_F32 && dtype != FA_F64) || rows < 0 || len < 0 || !(floor <= 0) || !(pad_floor <= 0))
         return FA_EINVAL;
     keep_plan plan = {.x = x, .keep = keep, .pad = pad, .rows = rows, .len = len, .floor = floor,
@@ -266,6 +267,7 @@ static void abs_max_team(void *arg)
 
 int fa_abs_max(int dtype, const void *x, int64_t n, int num_threads, double *out)
 {
+    fa_team_none();
     if ((dtype != FA_F32 && dtype != FA_F64) || n < 0) return FA_EINVAL;
     abs_max_plan plan = {.x = x, .n = n, .max = 0, .dtype = dtype, .nan = 0};
     const int64_t units = (n + ABS_MAX_CHUNK - 1) / ABS_MAX_CHUNK;
@@ -346,6 +348,7 @@ int fa_mask_as_bool(int dtype, const void *q, int64_t nq_el, const void *k, int6
                     double margin, double pad_absorb, int mask_dtype, const void *x, int64_t rows, int64_t len,
                     uint8_t *keep, uint8_t *pad, int num_threads, int *mode)
 {
+    fa_team_none();
     if ((dtype != FA_F32 && dtype != FA_F64) || (mask_dtype != FA_F32 && mask_dtype != FA_F64) || rows < 0 ||
         len < 0 || nq_el < 0 || nk_el < 0 || nv_el < 0)
         return FA_EINVAL;
@@ -372,6 +375,7 @@ int fa_mask_as_bool(int dtype, const void *q, int64_t nq_el, const void *k, int6
  * ------------------------------------------------------------------------- */
 uint64_t fa_stream_read(const void *x, int64_t n, int num_threads)
 {
+    fa_team_none();
     typedef uint64_t u2 __attribute__((vector_size(16)));
     const u2 *p = x;
     const int64_t nv = n / 16;

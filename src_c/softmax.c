@@ -42,6 +42,7 @@ static void softmax_team(void *arg)
 
 int fa_softmax(const fa_softmax_args *a)
 {
+    fa_team_none();
     if (a->dtype != FA_F32 && a->dtype != FA_F64) return FA_EINVAL;
     if (a->n_lead < 0 || a->n_lead > FA_MAX_DIMS) return FA_EINVAL;
     int64_t rows = 1;

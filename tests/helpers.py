@@ -78,8 +78,9 @@ def team_check(num_threads=None):
     assert a["num_threads"] == (0 if num_threads is None else min(num_threads, _core.thread_cap())), \
         f"num_threads={num_threads} reached the C core as {a['num_threads']}"
     plan = _core_attention(*args, **kw, plan_only=True)
-    if plan["n_items"] == 0:
-        return                                     # nothing ran
+    if plan["n_items"] == 0:                       # nothing ran
+        assert _core.last_threads() == 0, f"{_core.last_threads()} threads ran a call with nothing to compute"
+        return
     wanted = a["num_threads"] if a["num_threads"] > 0 else _core.max_threads()
     units = (plan["n_groups"] if plan["group"] else plan["n_items"]) * plan["n_splits"]
     team = 1 if plan["work"] < _core.TEAM_MIN_WORK else min(wanted, units)
