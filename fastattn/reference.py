@@ -348,7 +348,9 @@ def attention_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike, 
         scale = default_scale(q.shape[-1])
     w = attention_weights(q, k, mask=mask, causal=causal, scale=scale, **options)
     dv = np.swapaxes(w, -1, -2) @ do
-    ds = w * (do @ np.swapaxes(vv, -1, -2) - np.sum(do * out, axis=-1, keepdims=True))
+    with np.errstate(invalid="ignore"):   # a hidden key (weight 0) adds nothing, even with inf or NaN
+        ds = np.where(w == 0, 0, w * (do @ np.swapaxes(vv, -1, -2) - np.sum(do * out, axis=-1, keepdims=True)))
+    kk = np.where(np.isfinite(kk), kk, 0)   # (where a row's weights are NaN, its ds is NaN already)
     if options.get("softcap") is not None:   # s = c tanh(x / c): ds/dx = 1 - (s / c)^2
         t = np.tanh((q @ np.swapaxes(kk, -1, -2)) * dt.type(scale) / options["softcap"])
         ds = ds * (1 - t * t)

@@ -201,3 +201,23 @@ def test_varlen_backward(gqa):
     assert not dk[50:60].any() and not dv[50:60].any()
     with pytest.raises(ValueError, match="lse has shape"):
         fastattn.attention_varlen_backward(do, q, k, v, out, lse.T, cq, ck, **kw)
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "lengths"])
+def test_hidden_keys_holding_nan(mask_kind):
+    """Keys a bool mask or kv_lengths hide whose K and V rows hold NaN (a padded
+    cache from np.empty): the forward ignores them, and so do the gradients; their
+    own dk and dv are zero.  (A float mask adds -inf to a NaN score, which stays
+    NaN, in the forward as in the reference.)"""
+    rng = np.random.default_rng(17)
+    q, k, v = problem(rng, (2, 3, 80, 16), (2, 3, 90, 16), dtype=F32)
+    k[..., 70:, :] = np.nan
+    v[..., 70:, :] = np.nan
+    kw = dict(mask=np.arange(90) < 70) if mask_kind == "bool" else dict(kv_lengths=70)
+    got, want = grads(q, k, v, causal=True, **kw)
+    clean = [g.copy() for g in got]
+    assert np.isfinite(got[0]).all() and not got[1][..., 70:, :].any() and not got[2][..., 70:, :].any()
+    for a in (1, 2):
+        clean[a] = clean[a][..., :70, :]
+    for g, w in zip(clean, (want[0], want[1][..., :70, :], want[2][..., :70, :])):
+        assert np.abs(g - w).max() <= 4 * tol(F32) * max(1, np.abs(w).max())

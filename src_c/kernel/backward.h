@@ -105,8 +105,14 @@ void FN(fa_bwd_unit)(const fa_attention_args *a, const fa_tiles *tl, const fa_it
     const T *K = (const T *)its[0].k + j0 * a->k_rs, *V = (const T *)its[0].v + j0 * a->v_rs;
     memset(dKb, 0, (size_t)(bk * dkp) * sizeof(T));
     memset(dVb, 0, (size_t)(bk * dvp) * sizeof(T));
+    /* K for dQ += dS . K: inf and NaN as 0, so that a key hidden from a row
+     * (dS = 0 there) adds nothing to it even where a padded cache holds NaN
+     * (a row that sees such a key has a NaN score, lse and dS already) */
     for (int64_t j = 0; j < nb; j++) {
-        for (int64_t c = 0; c < dk; c++) Kp[j * dkp + c] = K[j * a->k_rs + c];
+        for (int64_t c = 0; c < dk; c++) {
+            const T x = K[j * a->k_rs + c];
+            Kp[j * dkp + c] = x - x == 0 ? x : 0;
+        }
         for (int64_t c = dk; c < dkp; c++) Kp[j * dkp + c] = 0;
     }
     for (int64_t qb = 0; qb < n_qb && !fa_stopped(a->stop); qb++) {
@@ -138,10 +144,11 @@ void FN(fa_bwd_unit)(const fa_attention_args *a, const fa_tiles *tl, const fa_it
         for (int64_t j = 0; j < n; j++)
             for (int64_t i = 0; i < bqp; i += L) {
                 const vec lse = vload(Dl + ld + i);
-                /* a row that sees no key (lse -inf) has no weights: P = 0 */
+                /* a row that sees no key (lse -inf) has no weights: P = 0; and where
+                 * P = 0 (a hidden key) dS = 0, even if V's row holds inf or NaN */
                 const vec p = vsel(lse == vset1(-INFINITY), vset1(0), vexp(vload(St + j * ld + i) - lse));
                 vstore(St + j * ld + i, p);
-                vstore(dPt + j * ld + i, p * (vload(dPt + j * ld + i) - vload(Dl + i)));
+                vstore(dPt + j * ld + i, vsel(p == vset1(0), vset1(0), p * (vload(dPt + j * ld + i) - vload(Dl + i))));
             }
         /* dV += P^T . dO;  dK += dS^T . (Q scale);  dQ += dS . K */
         acc_products(dVb + o * dvp, dvp, n, dvp, St, ld, 1, dOp, dvp, bq);
