@@ -29,42 +29,47 @@
  * dkp and dvp are dk and dv rounded up to whole vectors.
  * ------------------------------------------------------------------------- */
 
+/* acc[r][0..NV L) += sum_x a[r * ars + x * acs] b[x * bs + 0..NV L) for r < R:
+ * one R x NV register tile of tile_products, loaded from acc (row stride accs)
+ * and stored back. */
+INLINE void acc_tile(const int R, const int NV, T *restrict acc, int64_t accs, const T *restrict a, int64_t ars,
+                     int64_t acs, const T *restrict b, int64_t bs, int64_t n)
+{
+    vec a0[RB], a1[RB];
+    UNROLL(16) for (int r = 0; r < R; r++)
+    {
+        a0[r] = vload(acc + r * accs);
+        a1[r] = NV == 2 ? vload(acc + r * accs + L) : a0[r];
+    }
+    tile_products(R, NV, a0, a1, a, ars, acs, b, bs, n);
+    UNROLL(16) for (int r = 0; r < R; r++)
+    {
+        vstore(acc + r * accs, a0[r]);
+        if (NV == 2) vstore(acc + r * accs + L, a1[r]);
+    }
+}
+
+/* The tiles of acc_tile over R rows from r0 and all nc columns (a whole number
+ * of vectors): two vectors at a time, then one. */
+INLINE void acc_row_tiles(const int R, T *restrict acc, int64_t accs, int64_t nc, const T *restrict a, int64_t ars,
+                          int64_t acs, const T *restrict b, int64_t bs, int64_t n)
+{
+    int64_t c0 = 0;
+    for (; c0 + 2 * L <= nc; c0 += 2 * L) acc_tile(R, 2, acc + c0, accs, a, ars, acs, b + c0, bs, n);
+    if (c0 < nc) acc_tile(R, 1, acc + c0, accs, a, ars, acs, b + c0, bs, n);
+}
+
 /* acc (nr, nc) row stride accs += the products of tile_products over n:
  * acc[r][c] += sum_x a[r * ars + x * acs] b[x * bs + c], for r < nr and c < nc,
- * nc a whole number of vectors; b's rows hold nc elements. */
+ * nc a whole number of vectors; b's rows hold nc elements.  Rows RB at a time,
+ * then 4, then 1 (rb_tiles_end's reason: a single row has too few accumulators). */
 static void acc_products(T *restrict acc, int64_t accs, int64_t nr, int64_t nc, const T *restrict a, int64_t ars,
                          int64_t acs, const T *restrict b, int64_t bs, int64_t n)
 {
-#define BWD_TILE(R, NV)                                                                              \
-    do {                                                                                             \
-        vec a0[RB], a1[RB];                                                                          \
-        for (int r = 0; r < (R); r++) {                                                              \
-            a0[r] = vload(acc + (r0 + r) * accs + c0);                                               \
-            a1[r] = (NV) == 2 ? vload(acc + (r0 + r) * accs + c0 + L) : a0[r];                       \
-        }                                                                                            \
-        tile_products((R), (NV), a0, a1, a + r0 * ars, ars, acs, b + c0, bs, n);                     \
-        for (int r = 0; r < (R); r++) {                                                              \
-            vstore(acc + (r0 + r) * accs + c0, a0[r]);                                               \
-            if ((NV) == 2) vstore(acc + (r0 + r) * accs + c0 + L, a1[r]);                            \
-        }                                                                                            \
-    } while (0)
     int64_t r0 = 0;
-    for (; r0 + RB <= nr; r0 += RB) {
-        int64_t c0 = 0;
-        for (; c0 + 2 * L <= nc; c0 += 2 * L) BWD_TILE(RB, 2);
-        if (c0 < nc) BWD_TILE(RB, 1);
-    }
-    for (; r0 + 4 <= nr; r0 += 4) {
-        int64_t c0 = 0;
-        for (; c0 + 2 * L <= nc; c0 += 2 * L) BWD_TILE(4, 2);
-        if (c0 < nc) BWD_TILE(4, 1);
-    }
-    for (; r0 < nr; r0++) {
-        int64_t c0 = 0;
-        for (; c0 + 2 * L <= nc; c0 += 2 * L) BWD_TILE(1, 2);
-        if (c0 < nc) BWD_TILE(1, 1);
-    }
-#undef BWD_TILE
+    for (; r0 + RB <= nr; r0 += RB) acc_row_tiles(RB, acc + r0 * accs, accs, nc, a + r0 * ars, ars, acs, b, bs, n);
+    for (; r0 + 4 <= nr; r0 += 4) acc_row_tiles(4, acc + r0 * accs, accs, nc, a + r0 * ars, ars, acs, b, bs, n);
+    for (; r0 < nr; r0++) acc_row_tiles(1, acc + r0 * accs, accs, nc, a + r0 * ars, ars, acs, b, bs, n);
 }
 
 /* Xt (d, ld) <- x (n, d) row stride xs, transposed, zero past n up to np
