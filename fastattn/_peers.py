@@ -12,6 +12,8 @@ NaN in K or V.  The inputs go in each peer's own layout, converted before
 timing, as a user of that peer would hold them.
 """
 
+import functools
+import importlib
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -36,15 +38,9 @@ def _bias(mask: Optional[np.ndarray]) -> Optional[np.ndarray]:
     return m.astype(np.float32)
 
 
-def onnxruntime_call(w: dict, inputs: Any, threads: int) -> Optional[Callable[[], np.ndarray]]:
+def _onnxruntime(w: dict, inputs: Any, threads: int, ort: Any, onnx: Any) -> Callable[[], np.ndarray]:
     """ONNX Runtime's MultiHeadAttention (inputs (B, n, H d); unidirectional=1 for causal)."""
-    try:
-        import onnxruntime as ort
-        from onnx import TensorProto, helper
-    except ImportError:
-        return None
-    if not _supported(w):
-        return None
+    TensorProto, helper = onnx.TensorProto, onnx.helper
     q, k, v, mask, kw = inputs
     B, H, nq, nk, d = w["shape"]
     dv = v.shape[-1]
@@ -76,15 +72,8 @@ def onnxruntime_call(w: dict, inputs: Any, threads: int) -> Optional[Callable[[]
     return lambda: sess.run(None, feeds)[0].reshape(B, nq, H, dv).transpose(0, 2, 1, 3)
 
 
-def openvino_call(w: dict, inputs: Any, threads: int) -> Optional[Callable[[], np.ndarray]]:
+def _openvino(w: dict, inputs: Any, threads: int, ov: Any, ops: Any) -> Callable[[], np.ndarray]:
     """OpenVINO's scaled_dot_product_attention op (inputs (B, H, n, d)), f32."""
-    try:
-        import openvino as ov
-        import openvino.opset13 as ops
-    except ImportError:
-        return None
-    if not _supported(w):
-        return None
     q, k, v, mask, kw = inputs
     heads_first = (lambda a: np.ascontiguousarray(np.swapaxes(a, 1, 2))) if kw.get("layout") == "blhd" \
         else np.ascontiguousarray
@@ -108,4 +97,21 @@ def openvino_call(w: dict, inputs: Any, threads: int) -> Optional[Callable[[], n
     return call
 
 
-MAKERS = {"onnxruntime": onnxruntime_call, "openvino": openvino_call}
+# each peer: its builder and the modules it needs
+_PEERS = {"onnxruntime": (_onnxruntime, ("onnxruntime", "onnx")),
+          "openvino": (_openvino, ("openvino", "openvino.opset13"))}
+
+
+def make_call(name: str, w: dict, inputs: Any, threads: int) -> Optional[Callable[[], np.ndarray]]:
+    """Peer `name`'s call on workload w (see the module docstring), or None."""
+    if not _supported(w):
+        return None
+    build, modules = _PEERS[name]
+    try:
+        mods = [importlib.import_module(m) for m in modules]
+    except ImportError:
+        return None
+    return build(w, inputs, threads, *mods)
+
+
+MAKERS = {name: functools.partial(make_call, name) for name in _PEERS}

@@ -76,8 +76,8 @@ INLINE void scale_rows(T *x, int64_t stride, int64_t n, vec alpha)
  * the rounding errors of its additions (Knuth's TwoSum: s + x = t + e exactly,
  * for finite s and x).  The row sum l takes each key tile's fresh sum of p
  * this way.  The output accumulator, d values a row, takes its P . V in two
- * levels, as a TwoSum per tile would cost the tiled kernel ~3 % (docs/tuning.md,
- * FOLD_KEYS): a block accumulator F gathers up to FOLD_KEYS keys (plainly),
+ * levels, since a TwoSum per tile costs the products' inner loop measurably
+ * (docs/tuning.md, FOLD_KEYS): a block accumulator F gathers up to FOLD_KEYS keys (plainly),
  * then acc_flush adds F to the compensated total (S, C) and clears it.  F, S
  * and C lie n apart in that order, and are rescaled together.
  * s alone is what a plain sum of the partials gives, so inf and NaN reach it
