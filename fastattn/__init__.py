@@ -15,6 +15,7 @@ Where things are:
     fastattn/_varlen.py      attention_varlen (packed sequences)
     fastattn/_merge.py       merge_attention
     fastattn/_softmax.py     softmax
+    fastattn/_tune.py        tune: the plan's thresholds measured on this machine
     fastattn/dask.py         attention over Dask arrays (optional)
     fastattn/layers.py       self_attention, multihead_attention (projections + attention)
     fastattn/plot.py         attention_map (matplotlib, optional)
@@ -60,7 +61,7 @@ from ._version import __version__  # noqa: E402
 from .layers import multihead_attention, self_attention  # noqa: E402
 
 __all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_backward", "attention_weights",
-           "merge_attention", "softmax", "self_attention", "multihead_attention", "reference", "show_config",
+           "merge_attention", "softmax", "self_attention", "multihead_attention", "reference", "show_config", "tune",
            "__version__"]
 
 
@@ -87,14 +88,19 @@ def _choose_isa() -> None:
 
 
 _choose_isa()
+from . import _tune  # noqa: E402
+from ._tune import tune  # noqa: E402
+
+_tune.load()   # a saved tune() of this CPU, SIMD path and version (FASTATTN_TUNING=off: none)
 
 
 def show_config() -> None:
     """Print how fastattn was built and what it runs on, like numpy.show_config().
 
-    The version, the compiler and its flags, the SIMD path chosen at run time
-    (and the ones this CPU could take), the OpenMP runtime library and the
-    default thread count.
+    The version, the compiler and its flags, the CPU, the SIMD path chosen at
+    run time (and the ones this CPU could take), the tuning table in use (built
+    in for this CPU, the path's default, or measured here by fastattn.tune()),
+    the OpenMP runtime library and the default thread count.
 
     Examples
     --------
@@ -102,15 +108,22 @@ def show_config() -> None:
     >>> fastattn.show_config()  # doctest: +SKIP
     fastattn 0.1.0
       compiler:       gcc 12.2.0; flags: -O3 -fno-math-errno -Wall -Wextra -fopenmp; OpenMP 201511
+      CPU:            AMD EPYC (AuthenticAMD family 26 model 2; L2 1 MiB; L3 32 MiB)
       SIMD path:      avx512 (available: avx512, avx2, generic; FASTATTN_ISA=auto)
+      tuning:         'zen5', the built-in table of this CPU
       OpenMP:         /usr/lib/x86_64-linux-gnu/libgomp.so.1
       threads:        2 (OMP_NUM_THREADS=unset)
     """
     print(f"fastattn {__version__}")
     print(f"  compiler:       {_core.build_info()}")
+    cpu = _core.cpu_info()
+    caches = "; ".join(f"{n} {b / 2**20:g} MiB" for n, b in (("L2", cpu["l2_bytes"]), ("L3", cpu["l3_bytes"])) if b)
+    print(f"  CPU:            {cpu['brand'] or 'unknown'} ({cpu['vendor'] or 'not x86'} family {cpu['family']} "
+          f"model {cpu['model']}{'; ' + caches if caches else ''})")
     print(f"  SIMD path:      {_core.isa_name()} (available: "
           f"{', '.join(n for n in ISA_NAMES if _core.isa_available(n))}; "
           f"FASTATTN_ISA={_os.environ.get('FASTATTN_ISA', 'auto')})")
+    print(f"  tuning:         {_tune.describe()}")
     print(f"  OpenMP:         {_core.openmp_library() if _core.openmp_enabled() else 'no (single-threaded build)'}")
     if _core.fork_serial():
         print("  threads:        1 (a process forked while GNU libgomp's threads could not be "

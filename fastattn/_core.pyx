@@ -31,7 +31,7 @@ cdef extern from "fastattn.h" nogil:
 
     ctypedef struct fa_overrides:
         int64_t bq, bk, rows_max
-        int fuse, stream, group, mask_pack
+        int fuse, stream, far, group, mask_pack
         int64_t split_keys, parts_bytes
 
     ctypedef struct fa_stats:
@@ -150,19 +150,33 @@ cdef extern from "runtime.h" nogil:
         int64_t scratch_elems
         double q_rows, work
 
-    ctypedef struct fa_isa_table:
-        const char *name
-        int lanes[2]
+    ctypedef struct fa_tuning:
+        char name[32]
         int rows_max[2]
         int rows_max_big[2]
         int rows_max_dk[2]
         int rows_full[2]
         int tail_max[2]
-        int fuse
+        int fuse, stream, bk_tiled, bk_tiled_mem
         int fold_rows, fold_rows_big
-        int64_t fold_big_bytes
+        int64_t fold_big_bytes, kv_mem_bytes, kv_far_bytes
+
+    ctypedef struct fa_isa_table:
+        const char *name
+        int lanes[2]
+
+    ctypedef struct fa_cpu:
+        char vendor[16]
+        char brand[64]
+        int family, model, stepping
+        int64_t l2_bytes, l3_bytes
 
     const fa_isa_table *fa_isa_current()
+    const fa_tuning *fa_tuning_current()
+    int fa_tuning_set(const fa_tuning *t)
+    void fa_tuning_reset()
+    void fa_tuning_builtin(fa_tuning *out)
+    void fa_cpu_info(fa_cpu *out)
     int fa_attention_plan(const fa_attention_args *a, int weights, fa_plan *p)
     int fa_gqa_fold(int64_t n_q, int64_t kv_bytes)
 
@@ -530,7 +544,7 @@ def _stream_read(cnp.ndarray buf, int num_threads=0):
 
 _forcing_local = threading.local()
 cdef int _n_forcing = 0      # open forcing blocks on any thread: the calls look for theirs only then
-_OVERRIDES = ("bq", "bk", "rows_max", "fuse", "stream", "group", "mask_pack", "split_keys", "parts_bytes")
+_OVERRIDES = ("bq", "bk", "rows_max", "fuse", "stream", "far", "group", "mask_pack", "split_keys", "parts_bytes")
 
 
 cdef class Forcing:
@@ -541,7 +555,9 @@ cdef class Forcing:
       rows_max     the most query rows that take the row kernel (at most 24; set,
                    it also turns off rows_full and the tail)
       fuse         the tiled kernel's fused exp (1 on, 0 off)
-      stream       the row kernel's prefetch across passes and far prefetch
+      stream       the row kernel's prefetch across passes (and the far prefetch,
+                   unless far is set)
+      far          the row kernel's far prefetch into L2
       group        the group kernel over the heads of a (B, n, H, d) cache (1:
                    wherever it can run, 0: never; -1: from memory only)
       mask_pack    a bool mask packed to bits for the tiled kernel
@@ -555,7 +571,7 @@ cdef class Forcing:
 
     def __cinit__(self):
         self.ov.bq = self.ov.bk = self.ov.rows_max = 0
-        self.ov.fuse = self.ov.stream = self.ov.group = self.ov.mask_pack = -1
+        self.ov.fuse = self.ov.stream = self.ov.far = self.ov.group = self.ov.mask_pack = -1
         self.ov.split_keys = self.ov.parts_bytes = 0
         self.st.group_runs = self.st.tail_rows = self.st.redo_rows = 0
 
@@ -580,6 +596,8 @@ cdef class Forcing:
                 self.ov.fuse = switch
             elif name == "stream":
                 self.ov.stream = switch
+            elif name == "far":
+                self.ov.far = switch
             elif name == "group":
                 self.ov.group = switch
             else:
@@ -589,7 +607,7 @@ cdef class Forcing:
     @property
     def overrides(self):
         return {"bq": self.ov.bq, "bk": self.ov.bk, "rows_max": self.ov.rows_max, "fuse": self.ov.fuse,
-                "stream": self.ov.stream, "group": self.ov.group, "mask_pack": self.ov.mask_pack,
+                "stream": self.ov.stream, "far": self.ov.far, "group": self.ov.group, "mask_pack": self.ov.mask_pack,
                 "split_keys": self.ov.split_keys, "parts_bytes": self.ov.parts_bytes}
 
     @property
@@ -656,15 +674,102 @@ def gqa_fold(int64_t n_q, int64_t kv_bytes):
     return bool(fa_gqa_fold(n_q, kv_bytes))
 
 
+# the fields of a tuning table (src_c/internal.h, fa_tuning): {float32, float64} pairs first
+TUNING_PAIRS = ("rows_max", "rows_max_big", "rows_max_dk", "rows_full", "tail_max")
+TUNING_FIELDS = TUNING_PAIRS + ("fuse", "stream", "bk_tiled", "bk_tiled_mem", "fold_rows", "fold_rows_big",
+                                "fold_big_bytes", "kv_mem_bytes", "kv_far_bytes")
+
+
+cdef dict _tuning_dict(const fa_tuning *t):
+    return {"name": t.name.decode(), "rows_max": tuple(t.rows_max), "rows_max_big": tuple(t.rows_max_big),
+            "rows_max_dk": tuple(t.rows_max_dk), "rows_full": tuple(t.rows_full), "tail_max": tuple(t.tail_max),
+            "fuse": bool(t.fuse), "stream": bool(t.stream), "bk_tiled": t.bk_tiled, "bk_tiled_mem": t.bk_tiled_mem,
+            "fold_rows": t.fold_rows, "fold_rows_big": t.fold_rows_big, "fold_big_bytes": t.fold_big_bytes,
+            "kv_mem_bytes": t.kv_mem_bytes, "kv_far_bytes": t.kv_far_bytes}
+
+
 def isa_table():
-    """The tuning table of the SIMD path in use (src_c/dispatch.c), {float32,
-    float64} pairs as tuples: what the plan reads (tests take their thresholds
-    from here and from plans, never from a copy)."""
-    cdef const fa_isa_table *t = fa_isa_current()
-    return {"name": t.name.decode(), "lanes": tuple(t.lanes), "rows_max": tuple(t.rows_max),
-            "rows_max_big": tuple(t.rows_max_big), "rows_max_dk": tuple(t.rows_max_dk),
-            "rows_full": tuple(t.rows_full), "tail_max": tuple(t.tail_max), "fuse": bool(t.fuse),
-            "fold_rows": t.fold_rows, "fold_rows_big": t.fold_rows_big, "fold_big_bytes": t.fold_big_bytes}
+    """The tuning the plan reads (src_c/dispatch.c; fastattn.tune may have
+    replaced it), with the SIMD path's lanes: {float32, float64} pairs as
+    tuples (tests take their thresholds from here and from plans, never from a
+    copy)."""
+    d = _tuning_dict(fa_tuning_current())
+    d["isa"] = fa_isa_current().name.decode()
+    d["lanes"] = tuple(fa_isa_current().lanes)
+    return d
+
+
+def builtin_tuning():
+    """The built-in tuning of the SIMD path in use on this CPU (its own table, or
+    the path's default), whatever set_tuning put in its place."""
+    cdef fa_tuning t
+    fa_tuning_builtin(&t)
+    return _tuning_dict(&t)
+
+
+def set_tuning(dict fields):
+    """Replace the tuning in use: the built-in table with `fields` in its place
+    (names as isa_table's; "name" at most 31 characters).  ValueError naming
+    the field if one is unknown or out of range (nothing changes)."""
+    cdef fa_tuning t
+    fa_tuning_builtin(&t)
+    for key, value in fields.items():
+        if key == "name":
+            b = str(value).encode()[:31]
+            t.name[:len(b)] = b
+            t.name[len(b)] = 0
+        elif key in TUNING_PAIRS:
+            pair = tuple(value) if isinstance(value, (list, tuple)) else ()
+            if len(pair) != 2:
+                raise ValueError(f"tuning: {key} must be a (float32, float64) pair, got {value!r}")
+            for i in range(2):
+                if key == "rows_max":
+                    t.rows_max[i] = pair[i]
+                elif key == "rows_max_big":
+                    t.rows_max_big[i] = pair[i]
+                elif key == "rows_max_dk":
+                    t.rows_max_dk[i] = pair[i]
+                elif key == "rows_full":
+                    t.rows_full[i] = pair[i]
+                else:
+                    t.tail_max[i] = pair[i]
+        elif key == "fuse":
+            t.fuse = int(value)
+        elif key == "stream":
+            t.stream = int(value)
+        elif key == "bk_tiled":
+            t.bk_tiled = value
+        elif key == "bk_tiled_mem":
+            t.bk_tiled_mem = value
+        elif key == "fold_rows":
+            t.fold_rows = value
+        elif key == "fold_rows_big":
+            t.fold_rows_big = value
+        elif key == "fold_big_bytes":
+            t.fold_big_bytes = value
+        elif key == "kv_mem_bytes":
+            t.kv_mem_bytes = value
+        elif key == "kv_far_bytes":
+            t.kv_far_bytes = value
+        elif key not in ("isa", "lanes"):
+            raise ValueError(f"tuning: no field named {key!r}")
+    if fa_tuning_set(&t) != FA_OK:
+        raise ValueError(f"tuning: a field is out of range in {fields!r}")
+
+
+def reset_tuning():
+    """Go back to the built-in tuning of this CPU."""
+    fa_tuning_reset()
+
+
+def cpu_info():
+    """What CPUID says about this CPU: vendor, brand, family, model, stepping,
+    one core's L2 and the L3 in bytes (0: unknown; vendor "": not x86)."""
+    cdef fa_cpu c
+    fa_cpu_info(&c)
+    return {"vendor": c.vendor.decode(errors="replace"), "brand": c.brand.decode(errors="replace").strip(),
+            "family": c.family, "model": c.model, "stepping": c.stepping,
+            "l2_bytes": c.l2_bytes, "l3_bytes": c.l3_bytes}
 
 
 _KERNELS = {FA_KERNEL_TILED: "tiled", FA_KERNEL_ROWS: "rows", FA_KERNEL_WEIGHTS: "weights"}

@@ -415,6 +415,10 @@ def run(workloads, repeats=5, threads=None, with_reference=True, with_torch=True
     mm = {dt: max(mm_start[dt], mm_end[dt]) for dt in dtypes}
     for row in rows:
         row["pct_mm"] = 100 * row["gflops"] / mm[row["dtype"]]
+        if "read_gbs" in row:   # the roofline: the larger of reading K and V and the flops, at the ceilings
+            read_ms = row["ms"] * row["read_gbs"] / row["stream_gbs"]
+            row["roofline_ms"] = max(read_ms, row["flop"] / mm[row["dtype"]] / 1e6)
+            row["x_roofline"] = row["ms"] / row["roofline_ms"]
     return dict(
         fastattn=sys.modules["fastattn"].__version__, isa=_core.isa_name(), threads=threads,
         cpus=_cpus(),
@@ -503,6 +507,29 @@ def _plot(result, path):
     fig.savefig(path, dpi=120)
 
 
+def _tune_main(threads, as_json):
+    """fastattn-bench --tune: fastattn.tune, with its measurements on stderr."""
+    from . import _tune
+    print(f"Tuning fastattn {sys.modules['fastattn'].__version__} on {_cpu_name()} "
+          f"({_core.isa_name()}, {threads or _core.max_threads()} threads); about a minute", file=sys.stderr)
+    r = _tune.tune(num_threads=threads, log=lambda s: print(s, file=sys.stderr))
+    if as_json:
+        print(json.dumps({k: r[k] for k in ("tuning", "builtin", "changed", "path", "seconds")}, indent=1))
+        return 0
+    print(f"Measured in {r['seconds']:.0f} s; saved to {r['path']} (read at the next import; "
+          f"{_tune.ENV}=off ignores it).")
+    if not r["changed"]:
+        print(f"The built-in table '{r['builtin']['name']}' stays: nothing measured {100 * _tune.TIE:.0f} % faster.")
+    for k, v in r["changed"].items():
+        print(f"  {k}: {r['builtin'][k]} -> {v}")
+    return 0
+
+
+def _cpu_name():
+    c = _core.cpu_info()
+    return f"{c['brand'] or 'an unknown CPU'} (family {c['family']} model {c['model']})"
+
+
 def main(argv: "list[str] | None" = None) -> int:
     p = argparse.ArgumentParser(prog="python -m fastattn.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a short run on a few shapes")
@@ -515,6 +542,9 @@ def main(argv: "list[str] | None" = None) -> int:
     p.add_argument("--peers", default="", metavar="LIST",
                    help="more peers, comma-separated: onnxruntime (MultiHeadAttention), openvino (SDPA op, f32); "
                         "'all' for both (each where installed)")
+    p.add_argument("--tune", action="store_true",
+                   help="measure the plan's thresholds on this machine (about a minute; fastattn.tune) and keep "
+                        "them for the next import")
     p.add_argument("--accuracy", action="store_true",
                    help="instead of speed: the error against an exact evaluation, 1k to 128k keys "
                         "(--quick: to 16k), for fastattn, the NumPy reference and PyTorch")
@@ -524,6 +554,10 @@ def main(argv: "list[str] | None" = None) -> int:
     args = p.parse_args(argv)
     if args.threads is not None and args.threads <= 0:
         p.error("--threads must be positive")
+    if args.tune:
+        if args.plot or args.accuracy or args.backward:
+            p.error("--tune does not go with --plot, --accuracy or --backward")
+        return _tune_main(args.threads, args.json)
     if args.backward:
         if args.plot or args.accuracy:
             p.error("--backward does not go with --plot or --accuracy")
@@ -579,7 +613,9 @@ def main(argv: "list[str] | None" = None) -> int:
             if "read_gbs" in r:
                 print(f"Memory, {r['name'].strip()}: fastattn reads K and V at {r['read_gbs']:.1f} GB/s; "
                       f"a plain streaming read, interleaved with it: {r['stream_gbs']:.1f} GB/s "
-                      f"({100 * r['read_gbs'] / r['stream_gbs']:.0f} %)")
+                      f"({100 * r['read_gbs'] / r['stream_gbs']:.0f} %); {r['x_roofline']:.2f}x its roofline "
+                      f"({r['roofline_ms']:.2f} ms: the larger of that read and its flops at the matrix "
+                      f"product's rate)")
         orc = result["reference_f64"]
         if orc:
             print(f"The float64 reference (the tests' oracle: the same inputs in float64), {orc['workload']}: "

@@ -8,7 +8,11 @@
  * avx512, then avx2, then generic.
  * The Python layer reads FASTATTN_ISA at import and calls fa_set_isa.
  */
+#include <stdint.h>
 #include <string.h>
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#include <cpuid.h>
+#endif
 
 #include "internal.h"
 
@@ -24,11 +28,12 @@
     .softmax_row = {fa_softmax_row_f32_##isa, fa_softmax_row_f64_##isa},                    \
     .exp = {fa_exp_f32_##isa, fa_exp_f64_##isa}, .exp_neg = {fa_exp_neg_f32_##isa, fa_exp_neg_f64_##isa}
 
-/* The tuning of each path, {float32, float64} where there are two
- * (docs/tuning.md has the measurements, by field; plan.c uses them):
+/* The default tuning of each ISA, for a CPU without a table of its own
+ * (docs/tuning.md has the measurements, by field; plan.c uses them).  The
+ * fields (internal.h, fa_tuning):
  *   rows_max      the most query rows that take the row kernel rather than the tiled
  *                 one, whose query rows fill the SIMD lanes;
- *   rows_max_big  the same when K and V exceed FA_KV_MEM_BYTES: from memory the row
+ *   rows_max_big  the same when K and V exceed kv_mem_bytes: from memory the row
  *                 kernel's prefetch keeps ahead of the tiled kernel for more rows;
  *   rows_max_dk   the same when dk >= FA_ROWS_DK_BIG, K and V in cache: long dot
  *                 products hide the row kernel's horizontal sums;
@@ -37,25 +42,109 @@
  *   tail_max      the most rows past the tiled kernel's last whole vector (of at least
  *                 16 rows) that the row kernel takes, after that block;
  *   fuse          the tiled kernel's fused exp, where 32 vector registers leave it room;
+ *   stream        the row kernel's prefetch across passes with K and V from memory;
+ *   bk_tiled, bk_tiled_mem  the tiled kernel's keys a tile (from memory, blocks of at
+ *                 most 32 rows: short tiles arrive in time through the prefetch);
  *   fold_rows, fold_rows_big, fold_big_bytes  the GQA fold (fa_gqa_fold): a group's
  *                 heads as one item's rows, where the row kernel then reads K and V
- *                 once for them; more rows with large K and V on the SIMD paths. */
-static fa_isa_table table_generic = {
-    .name = "generic", .rows_max = {10, 10}, .rows_max_big = {10, 10}, .rows_max_dk = {10, 10},
-    .rows_full = {0, 0}, .tail_max = {3, 1}, .fuse = 0,
-    .fold_rows = 8, .fold_rows_big = 8, .fold_big_bytes = INT64_MAX, FA_KERNELS(generic)};
+ *                 once for them; more rows with large K and V on the SIMD paths;
+ *   kv_mem_bytes  K and V beyond this come from memory (1.5 L3: the L3 holds them
+ *                 no longer); kv_far_bytes  beyond this the far prefetch (L3 / 2).
+ * The two sizes of an ISA's default follow this CPU's L3 (fill_sizes). */
+#define TUNE_GENERIC(nm)                                                                                   \
+    {.name = nm, .rows_max = {10, 10}, .rows_max_big = {10, 10}, .rows_max_dk = {10, 10}, .rows_full = {0, 0}, \
+     .tail_max = {3, 1}, .fuse = 0, .stream = 1, .bk_tiled = 64, .bk_tiled_mem = 32, .fold_rows = 8,         \
+     .fold_rows_big = 8, .fold_big_bytes = INT64_MAX, .kv_mem_bytes = (int64_t)48 << 20,                    \
+     .kv_far_bytes = (int64_t)16 << 20}
+#define TUNE_AVX2(nm)                                                                                      \
+    {.name = nm, .rows_max = {6, 3}, .rows_max_big = {5, 5}, .rows_max_dk = {6, 3}, .rows_full = {0, 0},      \
+     .tail_max = {4, 2}, .fuse = 0, .stream = 1, .bk_tiled = 64, .bk_tiled_mem = 32, .fold_rows = 8,         \
+     .fold_rows_big = 12, .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20,                     \
+     .kv_far_bytes = (int64_t)16 << 20}
+#define TUNE_AVX512(nm)                                                                                    \
+    {.name = nm, .rows_max = {12, 12}, .rows_max_big = {24, 20}, .rows_max_dk = {24, 20},                     \
+     .rows_full = {14, 0}, .tail_max = {8, 4}, .fuse = 1, .stream = 1, .bk_tiled = 64, .bk_tiled_mem = 32,   \
+     .fold_rows = 8, .fold_rows_big = 12, .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20,     \
+     .kv_far_bytes = (int64_t)16 << 20}
+
+static fa_isa_table table_generic = {.name = "generic", .tune = TUNE_GENERIC("generic"), FA_KERNELS(generic)};
 #ifdef FA_HAVE_AVX2_BUILD
-static fa_isa_table table_avx2 = {
-    .name = "avx2", .rows_max = {6, 3}, .rows_max_big = {5, 5}, .rows_max_dk = {6, 3},
-    .rows_full = {0, 0}, .tail_max = {4, 2}, .fuse = 0,
-    .fold_rows = 8, .fold_rows_big = 12, .fold_big_bytes = 4 << 20, FA_KERNELS(avx2)};
+static fa_isa_table table_avx2 = {.name = "avx2", .tune = TUNE_AVX2("avx2"), FA_KERNELS(avx2)};
 #endif
 #ifdef FA_HAVE_AVX512_BUILD
-static fa_isa_table table_avx512 = {
-    .name = "avx512", .rows_max = {12, 12}, .rows_max_big = {24, 20}, .rows_max_dk = {24, 20},
-    .rows_full = {14, 0}, .tail_max = {8, 4}, .fuse = 1,
-    .fold_rows = 8, .fold_rows_big = 12, .fold_big_bytes = 4 << 20, FA_KERNELS(avx512)};
+static fa_isa_table table_avx512 = {.name = "avx512", .tune = TUNE_AVX512("avx512"), FA_KERNELS(avx512)};
 #endif
+
+/* The CPUs with tables of their own, by CPUID vendor, family and model range,
+ * for one ISA: the defaults above are these CPUs' tables (Zen 3 for avx2, Zen 4
+ * for avx512, where they were measured), with their measured cache sizes;
+ * Zen 5 retuned (docs/tuning.md, "Tables by CPU"). */
+typedef struct {
+    const char *vendor;
+    int family, model_lo, model_hi;
+    const char *isa;
+    fa_tuning tune;
+} cpu_table;
+static const cpu_table cpu_tables[] = {
+    {"AuthenticAMD", 0x19, 0x00, 0x0f, "avx2", TUNE_AVX2("zen3")},
+    {"AuthenticAMD", 0x19, 0x20, 0x5f, "avx2", TUNE_AVX2("zen3")},
+    {"AuthenticAMD", 0x19, 0x10, 0x1f, "avx512", TUNE_AVX512("zen4")},
+    {"AuthenticAMD", 0x19, 0x60, 0x7f, "avx512", TUNE_AVX512("zen4")},
+    {"AuthenticAMD", 0x19, 0xa0, 0xaf, "avx512", TUNE_AVX512("zen4")},
+    {"AuthenticAMD", 0x1a, 0x00, 0xff, "avx512",
+     {.name = "zen5", .rows_max = {12, 10}, .rows_max_big = {24, 20}, .rows_max_dk = {24, 12},
+      .rows_full = {14, 0}, .tail_max = {8, 4}, .fuse = 1, .stream = 0, .bk_tiled = 64, .bk_tiled_mem = 16,
+      .fold_rows = 8, .fold_rows_big = 12, .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20,
+      .kv_far_bytes = INT64_MAX}},
+};
+
+/* What CPUID says: vendor, family and model (extended ones folded in), brand,
+ * and the L2 and L3 sizes. */
+void fa_cpu_info(fa_cpu *out)
+{
+    memset(out, 0, sizeof *out);
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+    unsigned a, b, c, d;
+    if (!__get_cpuid(0, &a, &b, &c, &d)) return;
+    const unsigned max_leaf = a;
+    memcpy(out->vendor, &b, 4);
+    memcpy(out->vendor + 4, &d, 4);
+    memcpy(out->vendor + 8, &c, 4);
+    if (__get_cpuid(1, &a, &b, &c, &d)) {
+        int fam = (a >> 8) & 0xf, model = (a >> 4) & 0xf;
+        if (fam == 0xf) fam += (a >> 20) & 0xff;
+        if (fam == 0x6 || fam >= 0xf) model += ((a >> 16) & 0xf) << 4;
+        out->family = fam, out->model = model, out->stepping = a & 0xf;
+    }
+    unsigned ext = __get_cpuid_max(0x80000000, NULL);
+    if (ext >= 0x80000004) {
+        unsigned r[12];
+        for (unsigned i = 0; i < 3; i++) __get_cpuid(0x80000002 + i, &r[4 * i], &r[4 * i + 1], &r[4 * i + 2], &r[4 * i + 3]);
+        memcpy(out->brand, r, 48);
+        out->brand[48] = 0;
+    }
+    /* the cache parameters: Intel's leaf 4, AMD's 0x8000001d (the same layout:
+     * one L3 of one core complex, where 0x80000006 may count the whole package) */
+    const int amd = strcmp(out->vendor, "AuthenticAMD") == 0 || strcmp(out->vendor, "HygonGenuine") == 0;
+    const unsigned leaf = amd ? 0x8000001d : 4;
+    if (amd ? ext >= 0x8000001d : max_leaf >= 4) {
+        for (unsigned i = 0; i < 16; i++) {
+            __cpuid_count(leaf, i, a, b, c, d);
+            const unsigned type = a & 0x1f, level = (a >> 5) & 0x7;
+            if (type == 0) break;
+            if (type == 2) continue; /* instruction cache */
+            const int64_t bytes =
+                (int64_t)((b >> 22) + 1) * (((b >> 12) & 0x3ff) + 1) * ((b & 0xfff) + 1) * ((int64_t)c + 1);
+            if (level == 2) out->l2_bytes = bytes;
+            if (level == 3) out->l3_bytes = bytes;
+        }
+    }
+    if (amd && out->l2_bytes == 0 && ext >= 0x80000006 && __get_cpuid(0x80000006, &a, &b, &c, &d)) {
+        out->l2_bytes = (int64_t)(c >> 16) << 10;
+        out->l3_bytes = (int64_t)(d >> 18) << 19;
+    }
+#endif
+}
 
 static const fa_isa_table *current = NULL;
 
@@ -108,11 +197,46 @@ static const fa_isa_table *lookup(const char *name)
 
 int fa_isa_available(const char *name) { return lookup(name) != NULL; }
 
+/* The tuning in use: two slots, so that a call planning while fa_tuning_set
+ * writes the other still reads a whole table. */
+static fa_tuning tunings[2];
+static const fa_tuning *tuning = NULL;
+
+/* The built-in tuning of table t's ISA on this CPU: its own table if one was
+ * measured, else the ISA's default with sizes from this CPU's L3. */
+static void builtin_for(const fa_isa_table *t, fa_tuning *out)
+{
+    fa_cpu cpu;
+    fa_cpu_info(&cpu);
+    for (size_t i = 0; i < sizeof cpu_tables / sizeof cpu_tables[0]; i++) {
+        const cpu_table *c = &cpu_tables[i];
+        if (strcmp(c->vendor, cpu.vendor) == 0 && c->family == cpu.family && cpu.model >= c->model_lo &&
+            cpu.model <= c->model_hi && strcmp(c->isa, t->name) == 0) {
+            *out = c->tune;
+            return;
+        }
+    }
+    *out = t->tune;
+    if (cpu.l3_bytes >= ((int64_t)4 << 20)) {
+        out->kv_mem_bytes = cpu.l3_bytes / 2 * 3;
+        out->kv_far_bytes = cpu.l3_bytes / 2;
+    }
+}
+
+static void use_tuning(const fa_tuning *t)
+{
+    fa_tuning *slot = &tunings[tuning == &tunings[0]];
+    *slot = *t;
+    slot->name[sizeof slot->name - 1] = 0;
+    tuning = slot;
+}
+
 int fa_set_isa(const char *name)
 {
     const fa_isa_table *t = lookup(name);
     if (!t) return FA_EINVAL;
     current = t;
+    fa_tuning_reset();
     return FA_OK;
 }
 
@@ -124,6 +248,38 @@ const fa_isa_table *fa_isa_current(void)
         current = t ? t : lookup("generic");
     }
     return current;
+}
+
+void fa_tuning_builtin(fa_tuning *out) { builtin_for(fa_isa_current(), out); }
+
+void fa_tuning_reset(void)
+{
+    fa_tuning t;
+    fa_tuning_builtin(&t);
+    use_tuning(&t);
+}
+
+const fa_tuning *fa_tuning_current(void)
+{
+    if (!tuning) fa_tuning_reset();
+    return tuning;
+}
+
+static int in(int64_t x, int64_t lo, int64_t hi) { return x >= lo && x <= hi; }
+
+int fa_tuning_set(const fa_tuning *t)
+{
+    for (int dt = 0; dt < 2; dt++)
+        if (!in(t->rows_max[dt], 1, FA_ROWS_CAP) || !in(t->rows_max_big[dt], 1, FA_ROWS_CAP) ||
+            !in(t->rows_max_dk[dt], 1, FA_ROWS_CAP) || !in(t->rows_full[dt], 0, FA_LANES_MAX) ||
+            !in(t->tail_max[dt], 0, FA_LANES_MAX - 1))
+            return FA_EINVAL;
+    if (!in(t->fuse, 0, 1) || !in(t->stream, 0, 1) || !in(t->bk_tiled, 8, 512) || !in(t->bk_tiled_mem, 8, 512) ||
+        !in(t->fold_rows, 0, 1024) || !in(t->fold_rows_big, 0, 1024) || t->fold_big_bytes < 0 ||
+        t->kv_mem_bytes < 0 || t->kv_far_bytes < 0)
+        return FA_EINVAL;
+    use_tuning(t);
+    return FA_OK;
 }
 
 const char *fa_isa_name(void) { return fa_isa_current()->name; }

@@ -63,7 +63,9 @@ typedef struct {
     int64_t rows_max;    /* the most query rows that take the row kernel (at most
                           * FA_ROWS_CAP); set, it also turns off rows_full and the tail */
     int fuse;            /* the tiled kernel's fused exp: 1 on, 0 off */
-    int stream;          /* the row kernel's prefetch across passes and far prefetch */
+    int stream;          /* the row kernel's prefetch across passes (and the far
+                          * prefetch, unless far is set) */
+    int far;             /* the row kernel's far prefetch into L2 */
     int group;           /* the group kernel over interleaved heads: 1 wherever it
                           * can run, 0 never (-1: from memory only) */
     int mask_pack;       /* a bool mask packed to bits for the tiled kernel */

@@ -58,11 +58,11 @@ typedef struct {
     int64_t ld;   /* row stride of the tiled kernel's transposed tiles, >= bqp */
     int64_t q_main; /* query rows [0, q_main) in items of bq; rows [q_main, nq), fewer
                      * than a vector's lanes, one item more (attention.c, run) */
-    int fuse;     /* the tiled kernel takes the fused exp (kernel_body.h, FUSE_LAG) */
-    int stream;   /* K and V come from memory (FA_KV_MEM_BYTES): the row kernel
+    int fuse;     /* the tiled kernel takes the fused exp (tiled.h, FUSE_LAG) */
+    int stream;   /* K and V come from memory (kv_mem_bytes): the row kernel
                    * prefetches the V of a key tile during its scores and the next
-                   * tile's K during its P.V (kernel_body.h, item_rows) */
-    int far;      /* K and V exceed FA_KV_FAR_BYTES: the row kernel prefetches the
+                   * tile's K during its P.V (rows.h, item_rows) */
+    int far;      /* K and V exceed the tuning's kv_far_bytes: the row kernel prefetches the
                    * K and V rows it reads into L2, further ahead (prefetch_row) */
 } fa_tiles;
 
@@ -143,26 +143,60 @@ typedef void (*fa_softmax_row_fn)(const void *x, int64_t xs, void *o, int64_t os
 /* Scalar exp of the same polynomial as the vector kernels (for tests). */
 typedef void (*fa_exp_fn)(const void *x, void *y, int64_t n);
 
+/* The tuning of the plan (plan.c) on one CPU: {float32, float64} pairs where
+ * there are two.  dispatch.c holds one table an ISA (its default) and the
+ * tables of the CPUs measured (keyed by CPUID); fa_tuning_set replaces the
+ * one in use (fastattn.tune's saved measurements).  docs/tuning.md has the
+ * measurements, by field. */
 typedef struct {
-    const char *name;
-    int lanes[2];                     /* SIMD lanes for FA_F32, FA_F64 */
-    int rows_max[2];                  /* n_q up to this takes the row kernel,
-                                       * for FA_F32, FA_F64 */
+    char name[32];                    /* which table: "zen5", "avx512", "tuned" ... */
+    int rows_max[2];                  /* n_q up to this takes the row kernel */
     int rows_max_big[2];              /* ... when K and V come from memory
-                                       * (beyond FA_KV_MEM_BYTES) */
+                                       * (beyond kv_mem_bytes) */
     int rows_max_dk[2];               /* ... else when dk >= FA_ROWS_DK_BIG */
     int rows_full[2];                 /* but n_q from this up to one vector's lanes
                                        * takes the tiled kernel (0: never), unless
                                        * dk > FA_ROWS_DK_BIG with K and V from memory */
     int tail_max[2];                  /* the tiled kernel's last rows past whole vectors
-                                       * take the row kernel up to this many (attention.c,
-                                       * run: the tail) */
-    int fuse;                         /* the tiled kernel's fused exp: 1 where it
-                                       * is the faster (see dispatch.c) */
+                                       * take the row kernel up to this many (plan.c) */
+    int fuse;                         /* the tiled kernel's fused exp */
+    int stream;                       /* the row kernel's prefetch across passes, K
+                                       * and V from memory (rows.h, item_rows) */
+    int bk_tiled, bk_tiled_mem;       /* the tiled kernel's keys a tile; the same
+                                       * for blocks of up to 32 rows from memory */
     int fold_rows, fold_rows_big;     /* GQA: up to fold_rows query rows a head (or up
                                        * to fold_rows_big with K and V of at least */
     int64_t fold_big_bytes;           /* fold_big_bytes), a group's heads fold into the
                                        * rows of one item (fa_gqa_fold) */
+    int64_t kv_mem_bytes;             /* K and V beyond this come from memory (the
+                                       * plan's from_memory) */
+    int64_t kv_far_bytes;             /* K and V beyond this: the row kernel's far
+                                       * prefetch into L2 (INT64_MAX: never) */
+} fa_tuning;
+
+/* The tuning in use (dispatch.c): the table of this CPU if one was measured,
+ * else the ISA's default, unless fa_tuning_set replaced it. */
+const fa_tuning *fa_tuning_current(void);
+/* Replace the tuning in use (FA_EINVAL if a field is out of range: nothing
+ * changes); fa_tuning_reset goes back to the built-in table; fa_tuning_builtin
+ * copies the built-in table of the ISA in use. */
+int fa_tuning_set(const fa_tuning *t);
+void fa_tuning_reset(void);
+void fa_tuning_builtin(fa_tuning *out);
+
+/* What CPUID says about the CPU (dispatch.c): the key of the tuning tables. */
+typedef struct {
+    char vendor[16];                  /* "AuthenticAMD", "GenuineIntel", "" (not x86) */
+    char brand[64];
+    int family, model, stepping;      /* with the extended family and model folded in */
+    int64_t l2_bytes, l3_bytes;       /* one core's L2, the L3 (0: unknown) */
+} fa_cpu;
+void fa_cpu_info(fa_cpu *out);
+
+typedef struct {
+    const char *name;
+    int lanes[2];                     /* SIMD lanes for FA_F32, FA_F64 */
+    fa_tuning tune;                   /* the default tuning of this ISA */
     fa_attn_item_fn attn_item[2];      /* tiled: many query rows */
     fa_attn_item_fn attn_item_rows[2]; /* few query rows (decode) */
     fa_attn_group_fn attn_group_rows[2]; /* ... over interleaved items (a (B, n, H, d) cache) */
@@ -183,16 +217,12 @@ static inline int64_t fa_attn_scratch_elems(const fa_tiles *t, int64_t dk, int64
 {
     return t->ld * (dk + t->bk + 3 * dv + 4 + (t->bk + 31) / 32);
 }
-/* The row kernel takes n_q <= rows_max query rows (the ISA table's rows_max,
- * rows_max_big when the call's K and V exceed FA_KV_MEM_BYTES, else
+/* The row kernel takes n_q <= rows_max query rows (the tuning's rows_max,
+ * rows_max_big when the call's K and V exceed the tuning's kv_mem_bytes, else
  * rows_max_dk when dk is at least FA_ROWS_DK_BIG; or the override
  * fa_overrides.rows_max, at most FA_ROWS_CAP); dk is padded to a whole number of
  * vectors (at most FA_LANES_MAX lanes: float32 in 64 bytes). */
 #define FA_ROWS_CAP 24
-#define FA_KV_MEM_BYTES ((int64_t)48 << 20)
-/* K and V beyond this: the row kernel's far prefetch (fa_tiles.far), which
- * pays once they outgrow the L2s and most of the L3 (docs/tuning.md). */
-#define FA_KV_FAR_BYTES ((int64_t)16 << 20)
 #define FA_ROWS_DK_BIG 128
 #define FA_LANES_MAX 16
 static inline int64_t fa_rows_scratch_elems(const fa_tiles *t, int64_t dk, int64_t dv)
@@ -274,7 +304,7 @@ typedef struct {
     int64_t full_lo, full_hi; /* ... but not n_q in [full_lo, full_hi] (rows_full; empty: lo > hi) */
     int64_t tail_max;      /* the most rows a tail may have (the table's) */
     int64_t kv_bytes;      /* K and V bytes the call reads */
-    int from_memory;       /* kv_bytes > FA_KV_MEM_BYTES */
+    int from_memory;       /* kv_bytes > the tuning's kv_mem_bytes */
     int tail;              /* each leading index's rows [tiles.q_main, nq) run on the row
                             * kernel right after its last block */
     int few;               /* packed sequences under the tiled kernel: items of few rows

@@ -13,7 +13,7 @@
 #include "internal.h"
 #include "runtime.h"
 
-static const fa_overrides no_overrides = {.fuse = -1, .stream = -1, .group = -1, .mask_pack = -1};
+static const fa_overrides no_overrides = {.fuse = -1, .stream = -1, .far = -1, .group = -1, .mask_pack = -1};
 
 /* Bytes of K and V that a call reads (broadcast leading dims counted once). */
 static int64_t kv_bytes(const fa_attention_args *a)
@@ -32,10 +32,11 @@ static int64_t kv_bytes(const fa_attention_args *a)
  * that leaves fewer than four items per thread; 32 under a narrow window,
  * which wastes less at its edges.  Keys: the row kernel long tiles (fewer
  * switches between the K and V streams: 256 for one row, 128 for more); the
- * tiled kernel 64 (a tile's K and V arrive from memory in time through the
- * prefetch one pass ahead), 32 for few rows from memory. */
-static void choose_tiles(const fa_attention_args *a, const fa_overrides *f, int64_t lanes, int64_t rows_max,
-                         int rows_kernel, int from_memory, int64_t n_lead, int threads, fa_tiles *t)
+ * tiled kernel the tuning's bk_tiled (64: a tile's K and V arrive from memory
+ * in time through the prefetch one pass ahead), bk_tiled_mem for few rows from
+ * memory. */
+static void choose_tiles(const fa_attention_args *a, const fa_overrides *f, const fa_tuning *tu, int64_t lanes,
+                         int64_t rows_max, int rows_kernel, int from_memory, int64_t n_lead, int threads, fa_tiles *t)
 {
     int64_t bq_max = rows_kernel ? rows_max : 128;
     const int64_t esz = a->dtype == FA_F32 ? 4 : 8;
@@ -53,8 +54,8 @@ static void choose_tiles(const fa_attention_args *a, const fa_overrides *f, int6
      * slice of them spreads over more sets of the L1. */
     t->ld = t->bqp;
     if ((t->bqp * esz) % 128 == 0) t->ld += 64 / esz;
-    int64_t bk_max = !rows_kernel ? 64 : a->nq == 1 ? 256 : 128;
-    if (!rows_kernel && t->bq <= 32 && from_memory) bk_max = 32;
+    int64_t bk_max = !rows_kernel ? tu->bk_tiled : a->nq == 1 ? 256 : 128;
+    if (!rows_kernel && t->bq <= 32 && from_memory) bk_max = tu->bk_tiled_mem;
     if (f->bk) bk_max = f->bk;
     t->bk = a->nk < bk_max ? a->nk : bk_max;
     if (t->bk < 1) t->bk = 1;
@@ -169,26 +170,27 @@ int fa_attention_plan(const fa_attention_args *a, int weights, fa_plan *p)
     if ((a->q_start || a->kv_start) && a->mask_kind != FA_MASK_NONE) return FA_EINVAL;
     const fa_overrides *f = a->force ? a->force : &no_overrides;
     const fa_isa_table *isa = fa_isa_current();
+    const fa_tuning *tu = fa_tuning_current();
     const int dt = a->dtype;
     *p = (fa_plan){0};
     p->n_lead = 1;
     for (int d = 0; d < a->n_lead; d++) p->n_lead *= a->lead_shape[d];
     p->lanes = isa->lanes[dt];
-    p->tail_max = isa->tail_max[dt];
+    p->tail_max = tu->tail_max[dt];
     p->kv_bytes = kv_bytes(a);
-    p->from_memory = p->kv_bytes > FA_KV_MEM_BYTES; /* K and V beyond the L3 */
+    p->from_memory = p->kv_bytes > tu->kv_mem_bytes; /* K and V beyond the L3 */
 
     /* The kernel.  The row kernel up to rows_max query rows (more with K and V
      * from memory, or long dot products), except that rows_full to lanes rows,
      * which fill one vector of the tiled kernel, take that one; not where
      * dk > FA_ROWS_DK_BIG with K and V from memory. */
     p->rows_max = f->rows_max          ? (f->rows_max < FA_ROWS_CAP ? f->rows_max : FA_ROWS_CAP)
-                  : p->from_memory     ? isa->rows_max_big[dt]
-                  : a->dk >= FA_ROWS_DK_BIG ? isa->rows_max_dk[dt]
-                                            : isa->rows_max[dt];
+                  : p->from_memory     ? tu->rows_max_big[dt]
+                  : a->dk >= FA_ROWS_DK_BIG ? tu->rows_max_dk[dt]
+                                            : tu->rows_max[dt];
     p->full_lo = 1, p->full_hi = 0; /* (empty) */
-    if (!f->rows_max && isa->rows_full[dt] > 0 && !(p->from_memory && a->dk > FA_ROWS_DK_BIG)) {
-        p->full_lo = isa->rows_full[dt];
+    if (!f->rows_max && tu->rows_full[dt] > 0 && !(p->from_memory && a->dk > FA_ROWS_DK_BIG)) {
+        p->full_lo = tu->rows_full[dt];
         p->full_hi = isa->lanes[dt];
     }
     p->kernel = weights ? FA_KERNEL_WEIGHTS
@@ -197,10 +199,10 @@ int fa_attention_plan(const fa_attention_args *a, int weights, fa_plan *p)
     if (p->n_lead == 0 || a->nq == 0 || (weights && a->nk == 0)) return FA_OK; /* nothing to do: n_items 0 */
     const int rows_kernel = p->kernel == FA_KERNEL_ROWS;
     const int want = fa_threads_wanted(a->num_threads);
-    choose_tiles(a, f, p->lanes, p->rows_max, rows_kernel, p->from_memory, p->n_lead, want, &p->tiles);
-    p->tiles.fuse = f->fuse >= 0 ? f->fuse : isa->fuse;
-    p->tiles.stream = f->stream >= 0 ? f->stream : p->from_memory;
-    p->tiles.far = f->stream >= 0 ? f->stream : p->kv_bytes > FA_KV_FAR_BYTES;
+    choose_tiles(a, f, tu, p->lanes, p->rows_max, rows_kernel, p->from_memory, p->n_lead, want, &p->tiles);
+    p->tiles.fuse = f->fuse >= 0 ? f->fuse : tu->fuse;
+    p->tiles.stream = f->stream >= 0 ? f->stream : p->from_memory && tu->stream;
+    p->tiles.far = f->far >= 0 ? f->far : f->stream >= 0 ? f->stream : p->kv_bytes > tu->kv_far_bytes;
 
     const int64_t split_keys = f->split_keys ? f->split_keys : FA_SPLIT_KEYS;
     p->long_splits = !weights && a->nk > split_keys ? (a->nk + split_keys - 1) / split_keys : 1;
@@ -251,6 +253,6 @@ int fa_attention_plan(const fa_attention_args *a, int weights, fa_plan *p)
 
 int fa_gqa_fold(int64_t n_q, int64_t kv_bytes)
 {
-    const fa_isa_table *isa = fa_isa_current();
-    return n_q <= isa->fold_rows || (n_q <= isa->fold_rows_big && kv_bytes >= isa->fold_big_bytes);
+    const fa_tuning *tu = fa_tuning_current();
+    return n_q <= tu->fold_rows || (n_q <= tu->fold_rows_big && kv_bytes >= tu->fold_big_bytes);
 }

@@ -39,11 +39,13 @@ RTOL = {np.dtype(np.float16): 2e-3, np.dtype(np.float32): 1e-5, np.dtype(np.floa
 
 @pytest.fixture(params=ISAS)
 def isa(request):
-    """Run the test on each SIMD path this machine has, then restore."""
-    before = _core.isa_name()
+    """Run the test on each SIMD path this machine has (with its built-in
+    tuning), then restore the path and the tuning in use."""
+    before, tuning = _core.isa_name(), _core.isa_table()
     _core.set_isa(request.param)
     yield request.param
     _core.set_isa(before)
+    _core.set_tuning(tuning)
 
 
 def tol(dtype):
@@ -94,6 +96,15 @@ def force():
     force.tail_rows, force.redo_rows, counted from force.reset_counts()."""
     with _core.forcing() as f:
         yield f
+
+
+@pytest.fixture
+def tuning():
+    """tuning(field=value, ...): this test's calls plan with the tuning in use but
+    these fields (fastattn._core.isa_table names them); restored after."""
+    before = _core.isa_table()
+    yield lambda **fields: _core.set_tuning(dict(_core.isa_table(), **fields))
+    _core.set_tuning(before)
 
 
 @pytest.fixture

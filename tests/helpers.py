@@ -175,7 +175,7 @@ def tail_rows(isa, dtype, nq):
     """The rows of nq that the row kernel takes as the tiled kernel's tail (with
     enough blocks for the threads; the blocks are whole vectors but the last)."""
     t, x = _core.isa_table(), int(dtype == F64)
-    assert t["name"] == isa
+    assert t["isa"] == isa
     r = nq % t["lanes"][x]
     return r if 0 < r <= t["tail_max"][x] and nq - r >= 16 else 0
 

@@ -32,7 +32,7 @@ def test_decode_rows_and_splits(isa, rng, dtype, nq, nk, threads):
 
 @pytest.mark.parametrize("dtype", [F32, F64])
 @pytest.mark.parametrize("kv_mib, d", [(1, 64), (40, 64), (50, 64), (1, 127), (1, 128), (1, 200), (50, 200)])
-def test_row_kernel_choice(isa, rng, rows_max, dtype, kv_mib, d, force):
+def test_row_kernel_choice(isa, rng, rows_max, dtype, kv_mib, d, force, tuning):
     """Which kernel takes 2 to 24 query rows depends on the SIMD path, the
     dtype, whether K and V exceed 48 MiB (then they come from memory, and the
     tiled kernel takes 32-key tiles up to 32 rows) and the head dim (from 128
@@ -47,6 +47,7 @@ def test_row_kernel_choice(isa, rng, rows_max, dtype, kv_mib, d, force):
     k, v = rand(rng, (h_kv, nk, d), dtype), rand(rng, (h_kv, nk, d), dtype)
     k64, v64 = k.astype(F64), v.astype(F64)   # the reference's inputs, converted once (not per check)
     kind = 1 if kv_mib > 48 else 2 if d >= 128 else 0
+    tuning(kv_mem_bytes=48 << 20)   # this CPU's table may put the line elsewhere (its L3)
     limit, full = rows_limits(dtype, kind)
     if kv_mib > 48 and d > 128:
         full = None
@@ -102,7 +103,8 @@ def test_row_kernel_register_tiles(isa, rng, rows_max, dtype, nq, dk, dv):
 @pytest.mark.parametrize("nk", [1, 303, 513])
 @pytest.mark.parametrize("dk, dv", [(72, 40), (128, 128), (7, 3)])
 @pytest.mark.parametrize("strided", [False, True])
-def test_row_kernel_streaming(isa, rng, stream, rows_max, dtype, nq, nk, dk, dv, strided):
+@pytest.mark.parametrize("kind", ["both", "across", "far"])
+def test_row_kernel_streaming(isa, rng, force, rows_max, dtype, nq, nk, dk, dv, strided, kind):
     """The row kernel (forced for every nq here) as it runs on K and V from
     memory (forced on small ones): K and V rows prefetched into L2 further
     ahead, V rows prefetched during the scores and the next tile's K during
@@ -111,8 +113,10 @@ def test_row_kernel_streaming(isa, rng, stream, rows_max, dtype, nq, nk, dk, dv,
     remainders.  Plain, causal, a bool mask and kv_lengths.  strided: K and V
     rows that do not abut (column slices of wider rows, starting one element in,
     as a (B, n, H, d) cache's heads), whose prefetch also takes each row's last
-    line (kernel_body.h, prefetch_l2); the tiled kernel's prefetch of them too."""
-    stream(1)
+    line (prefetch.h, prefetch_l2); the tiled kernel's prefetch of them too.
+    kind: both prefetches (stream and far), the one across passes alone, the far
+    one alone (the tuning tables turn each on or off by CPU)."""
+    force.set(stream=int(kind != "far"), far=int(kind != "across"))
     rows_max(24)
     q = rand(rng, (2, nq, dk), dtype)
     if strided:

@@ -1,0 +1,174 @@
+"""The tuning tables (src_c/dispatch.c): chosen by CPU, replaced by set_tuning and
+by fastattn.tune()'s saved measurements (fastattn/_tune.py), read back at import
+unless FASTATTN_TUNING=off, and named by show_config."""
+import json
+import os
+
+import pytest
+from conftest import rand
+from helpers import check, run_script
+
+import fastattn
+from fastattn import _core, _tune
+from fastattn._attention import _plan
+
+
+def test_cpu_info_and_the_table_in_use():
+    c = _core.cpu_info()
+    assert set(c) == {"vendor", "brand", "family", "model", "stepping", "l2_bytes", "l3_bytes"}
+    if _core.isa_available("avx2"):            # x86: CPUID answered
+        assert c["vendor"] and c["family"] > 0 and c["l2_bytes"] >= 0 and c["l3_bytes"] >= 0
+    t = _core.isa_table()
+    assert set(_core.TUNING_FIELDS) <= set(t) and t["isa"] == _core.isa_name()
+    if _tune.state["source"] == "built-in":
+        assert t == dict(_core.builtin_tuning(), isa=t["isa"], lanes=t["lanes"])
+    if t["name"] in ("avx512", "avx2", "generic") and c["l3_bytes"] >= 4 << 20:
+        # a CPU without a table of its own: the sizes follow its L3
+        assert (t["kv_mem_bytes"], t["kv_far_bytes"]) == (c["l3_bytes"] // 2 * 3, c["l3_bytes"] // 2)
+
+
+def test_set_tuning_changes_the_plan_and_restores(rng, tuning):
+    k, v = rand(rng, (2, 1000, 64)), rand(rng, (2, 1000, 64))
+    q = rand(rng, (2, 5, 64))
+    tuning(rows_max=(4, 4), rows_full=(0, 0))
+    assert _plan(q, k, v)["kernel"] == "tiled"
+    check(q, k, v)
+    tuning(rows_max=(5, 5))
+    assert _plan(q, k, v)["kernel"] == "rows"
+    tuning(bk_tiled=32)
+    assert _plan(rand(rng, (2, 100, 64)), k, v)["bk"] == 32
+    _core.reset_tuning()
+    assert _core.isa_table()["name"] == _core.builtin_tuning()["name"]
+
+
+def test_tuning_sizes_and_switches_reach_the_plan(rng, tuning):
+    """kv_mem_bytes moves the line of 'from memory', kv_far_bytes the far prefetch,
+    stream the prefetch across passes, bk_tiled_mem the tiled kernel's key tiles for
+    few rows from memory; results agree with the reference either way."""
+    k, v = rand(rng, (4, 2000, 64)), rand(rng, (4, 2000, 64))   # 4 MB
+    q1, q20 = rand(rng, (4, 1, 64)), rand(rng, (4, 20, 64))
+    tuning(kv_mem_bytes=1 << 20, kv_far_bytes=1 << 20, stream=1, bk_tiled_mem=16, rows_max_big=(8, 8))
+    p = _plan(q1, k, v)
+    assert p["from_memory"] and p["stream"] and p["far"]
+    p = _plan(q20, k, v)
+    assert p["kernel"] == "tiled" and p["bk"] == 16
+    check(q1, k, v)
+    check(q20, k, v, causal=True)
+    tuning(stream=0, kv_far_bytes=2 ** 63 - 1, bk_tiled_mem=48)
+    p = _plan(q1, k, v)
+    assert p["from_memory"] and not p["stream"] and not p["far"]
+    assert _plan(q20, k, v)["bk"] == 48
+    check(q1, k, v)
+    check(q20, k, v, causal=True)
+    tuning(kv_mem_bytes=1 << 30)
+    assert not _plan(q1, k, v)["from_memory"]
+
+
+@pytest.mark.parametrize("fields, word", [
+    ({"rows_max": (0, 4)}, "out of range"), ({"rows_max": (25, 4)}, "out of range"),
+    ({"tail_max": (-1, 0)}, "out of range"), ({"rows_full": (17, 0)}, "out of range"),
+    ({"bk_tiled": 4}, "out of range"), ({"bk_tiled_mem": 1024}, "out of range"), ({"fuse": 2}, "out of range"),
+    ({"kv_mem_bytes": -1}, "out of range"), ({"rows_max": (4,)}, "pair"), ({"rows_maxx": (4, 4)}, "rows_maxx"),
+])
+def test_set_tuning_rejects_bad_fields(fields, word):
+    before = _core.isa_table()
+    with pytest.raises(ValueError, match=word):
+        _core.set_tuning(fields)
+    assert _core.isa_table() == before
+
+
+def test_rows_choice_takes_the_faster_kernel_per_regime():
+    """fastattn._tune's choice of rows_max and rows_full from measured times."""
+    rows = dict.fromkeys(_tune.ROWS)
+    # the row kernel faster up to 9 rows in cache, 20 from memory; the tiled kernel in between
+    times = {"cache": {n: (1.0, 2.0 if n <= 9 else 0.5) for n in rows},
+             "mem_wide": {n: (1.0, 2.0 if n <= 20 else 0.5) for n in rows}}
+    pick, full, cost, base = _tune._rows_choice(times, 16, {"cache": 12, "mem_wide": 24}, 14)
+    assert pick == {"cache": 9, "mem_wide": 20} and full == 0 and cost == len(rows) * 2 < base
+    # the tiled kernel faster at 13-16 rows (one vector) only: rows_full 13
+    times = {"cache": {n: (1.0, 0.5 if 13 <= n <= 16 else 2.0) for n in rows}}
+    pick, full, cost, base = _tune._rows_choice(times, 16, {"cache": 12}, 0)
+    assert pick == {"cache": 24} and full == 13 and cost == len(rows)
+
+
+def _saved(tmp_path, tuning, **extra):
+    """A tuning file for this CPU, SIMD path and version under tmp_path; the
+    environment that makes a fresh fastattn read it."""
+    doc = dict({"fastattn": fastattn.__version__, "cpu_key": _tune.cpu_key(), "tuning": tuning}, **extra)
+    name = os.path.basename(_tune.tuning_path())
+    (tmp_path / name).write_text(json.dumps(doc))
+    return {"FASTATTN_CACHE_DIR": str(tmp_path), "FASTATTN_TUNING": ""}
+
+
+SHOW = """
+    import json, warnings
+    warnings.simplefilter("always")
+    with warnings.catch_warnings(record=True) as w:
+        import fastattn
+    from fastattn import _core
+    fastattn.show_config()
+    print(json.dumps({"table": _core.isa_table(), "warnings": [str(x.message) for x in w]}))
+"""
+
+
+def test_a_saved_tuning_is_read_at_import(tmp_path):
+    env = _saved(tmp_path, {"rows_max": [3, 2], "tail_max": [1, 1], "stream": 0})
+    r = run_script(tmp_path, SHOW, env=env)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout.splitlines()[-1])
+    assert got["table"]["name"] == "tuned" and got["table"]["rows_max"] == [3, 2]
+    assert got["table"]["tail_max"] == [1, 1] and got["table"]["stream"] is False and not got["warnings"]
+    assert "tuning:         tuned on this machine (" + str(tmp_path) in r.stdout
+    r = run_script(tmp_path, SHOW, env=dict(env, FASTATTN_TUNING="off"))
+    got = json.loads(r.stdout.splitlines()[-1])
+    assert got["table"]["name"] != "tuned" and "FASTATTN_TUNING=off" in r.stdout
+
+
+@pytest.mark.parametrize("bad, why", [
+    ("{not json", "Expecting"), ({"rows_max": [0, 2]}, "out of range"), ({"rows_max": 3}, "pair"),
+    ({"speed": 1}, "speed"), ("other cpu", "another CPU"), ("no tuning", "tuning"),
+])
+def test_a_tuning_file_that_cannot_be_used_warns(tmp_path, bad, why):
+    """A broken, foreign or out-of-range file: a RuntimeWarning naming the file and
+    why, and the built-in table."""
+    if bad == "{not json":
+        env = _saved(tmp_path, {})
+        next(tmp_path.glob("tuning-*.json")).write_text(bad)
+    elif bad == "other cpu":
+        env = _saved(tmp_path, {"rows_max": [3, 3]}, cpu_key="GenuineIntel-6-85-7-avx512")
+    elif bad == "no tuning":
+        env = _saved(tmp_path, {})
+        next(tmp_path.glob("tuning-*.json")).write_text(json.dumps({"fastattn": fastattn.__version__,
+                                                                     "cpu_key": _tune.cpu_key()}))
+    else:
+        env = _saved(tmp_path, bad)
+    r = run_script(tmp_path, SHOW, env=env)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout.splitlines()[-1])
+    assert got["table"]["name"] != "tuned" and len(got["warnings"]) == 1
+    assert "tuning-" in got["warnings"][0] and why in got["warnings"][0]
+    assert "not used" in r.stdout
+
+
+def test_tune_measures_saves_and_the_next_import_reads_it(tmp_path):
+    """fastattn-bench --tune in a fresh process (about 20 s on 2 cores): a file
+    that the next import puts in place, field for field."""
+    env = {"FASTATTN_CACHE_DIR": str(tmp_path), "FASTATTN_TUNING": ""}
+    r = run_script(tmp_path, """
+        import sys
+        from fastattn.bench import main
+        sys.exit(main(["--tune", "--json"]))
+    """, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert "rows, float32, cache: tiled / row kernel at 2-24 rows:" in r.stderr
+    assert out["path"] == str(tmp_path / os.path.basename(_tune.tuning_path()))
+    saved = json.loads(open(out["path"]).read())
+    assert saved["cpu_key"] == _tune.cpu_key() and saved["fastattn"] == fastattn.__version__
+    assert sorted(saved["changed"]) == sorted(out["changed"])
+    r = run_script(tmp_path, SHOW, env=env)
+    got = json.loads(r.stdout.splitlines()[-1])
+    assert got["table"]["name"] == "tuned" and not got["warnings"]
+    for field in _core.TUNING_FIELDS:
+        want = saved["tuning"][field]
+        assert (list(got["table"][field]) if isinstance(want, list) else int(got["table"][field])) == want, field
