@@ -17,8 +17,9 @@ What it measures (the fields of src_c/internal.h's fa_tuning; docs/tuning.md):
   stream, kv_far_bytes
         the row kernel's prefetch across passes and its far prefetch, K and V
         from memory (decoding, 4 and 8 rows);
-  bk_tiled, bk_tiled_mem
-        the tiled kernel's keys a tile, in cache and (few rows) from memory.
+  bk_tiled, bk_tiled_mem, bk_rows, bk_decode
+        the tiled kernel's keys a tile, in cache and (few rows) from memory; the
+        row kernel's, for several rows and for one (decoding).
 The GQA fold and the cache sizes keep the built-in table's values.
 
 A choice replaces the built-in one only where it measured at least TIE faster
@@ -266,15 +267,22 @@ def _measure_fuse(b: _Bench, dtypes, chosen: Dict[str, Any]) -> None:
     b.say(f"  fuse: unfused / fused time {cost[0] / cost[1]:.3f} -> {bool(chosen['fuse'])}")
 
 
-def _measure_memory(b: _Bench, chosen: Dict[str, Any]) -> None:
-    """bk_tiled (in cache), then bk_tiled_mem and the row kernel's prefetch (stream,
-    far) with K and V from memory: float32, d128."""
+def _measure_tiles(b: _Bench, chosen: Dict[str, Any]) -> None:
+    """The key tiles and the row kernel's prefetch, float32: bk_tiled (in cache),
+    bk_rows and bk_decode (in cache and from memory), then with K and V from memory
+    bk_tiled_mem and the prefetch across passes (stream) and far (into L2)."""
     call = b.call(*(b.q(8, 2048, 64, np.float32) for _ in range(3)))
-    chosen["bk_tiled"] = _pick_size(b, "bk_tiled", (32, 64, 128), lambda bk: _tuned(call, {"bk_tiled": bk}, b.base))
+    chosen["bk_tiled"] = _pick_size(b, "bk_tiled", (32, 64, 128), lambda bk: [_tuned(call, {"bk_tiled": bk}, b.base)])
     k, v = _kv(b.rng, 32, b.mem_bytes // (2 * 32 * 128 * 4), 128, np.float32)
+    kc, vc = _kv(b.rng, 8, 1024, 128, np.float32)
+    for field, rows, sizes in (("bk_decode", (1,), (128, 256, 512, 1024)),
+                               ("bk_rows", (4, 8, 12), (64, 128, 256, 512, 1024))):
+        calls = [b.call(b.q(kk.shape[1], n, 128, np.float32), kk, vv) for n in rows for kk, vv in ((k, v), (kc, vc))]
+        chosen[field] = _pick_size(b, field, sizes,
+                                   lambda bk, f=field, cs=calls: [_tuned(c, {f: bk}, b.base) for c in cs])
     call = b.call(b.q(32, 32, 128, np.float32), k, v)
     chosen["bk_tiled_mem"] = _pick_size(b, "bk_tiled_mem", (16, 32, 64),
-                                        lambda bk: _tuned(call, {"bk_tiled_mem": bk}, b.base))
+                                        lambda bk: [_tuned(call, {"bk_tiled_mem": bk}, b.base)])
     combos = [(s, f) for s in (1, 0) for f in (1, 0)]
     cost = dict.fromkeys(combos, 0.0)
     for n in (1, 4, 8):
@@ -317,12 +325,14 @@ def tune(*, save: bool = True, num_threads: Optional[int] = None, rounds: int = 
     chosen = dict(base)
     notes: Dict[str, Any] = {}
     try:
+        _measure_tiles(b, chosen)
+        b.base = dict(chosen)          # the thresholds below measured with these tiles
+        _core.set_tuning(b.base)
         for name in dtypes:
             dt = np.dtype(name)
             _measure_rows(b, dt, lanes[int(dt == np.float64)], chosen, notes)
             _measure_tail(b, dt, lanes[int(dt == np.float64)], chosen)
         _measure_fuse(b, [np.dtype(n) for n in dtypes], chosen)
-        _measure_memory(b, chosen)
     finally:
         _core.reset_tuning()
 
@@ -358,12 +368,19 @@ def _norm(value):
     return int(value)
 
 
-def _pick_size(b: _Bench, field: str, sizes: Sequence[int], make: Callable[[int], Callable[[], Any]]) -> int:
-    """The size of `sizes` (and the built-in one) that measured fastest, if by TIE."""
+def _pick_size(b: _Bench, field: str, sizes: Sequence[int],
+               make: Callable[[int], List[Callable[[], Any]]]) -> int:
+    """The size of `sizes` (and the one in use) that measured fastest over the calls
+    make(size) returns (each call's time over its best size's, summed), if by TIE."""
     now = int(b.base[field])
     sizes = sorted(set(sizes) | {now})
-    t = dict(zip(sizes, b.race([make(s) for s in sizes])))
-    best = min(sizes, key=lambda s: t[s])
-    pick = best if t[best] < t[now] * (1 - TIE) else now
-    b.say(f"  {field}: " + ", ".join(f"{s}: {t[s] / t[now]:.3f}" for s in sizes) + f" -> {pick}")
+    made = [make(s) for s in sizes]
+    t = b.race([f for fns in made for f in fns])
+    n = len(made[0])
+    per = [[t[i * n + j] for j in range(n)] for i in range(len(sizes))]
+    best_each = [min(per[i][j] for i in range(len(sizes))) for j in range(n)]
+    cost = {s: sum(per[i][j] / best_each[j] for j in range(n)) / n for i, s in enumerate(sizes)}
+    best = min(sizes, key=lambda s: cost[s])
+    pick = best if cost[best] < cost[now] * (1 - TIE) else now
+    b.say(f"  {field}: " + ", ".join(f"{s}: {cost[s] / cost[now]:.3f}" for s in sizes) + f" -> {pick}")
     return pick

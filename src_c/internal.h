@@ -164,6 +164,8 @@ typedef struct {
                                        * and V from memory (rows.h, item_rows) */
     int bk_tiled, bk_tiled_mem;       /* the tiled kernel's keys a tile; the same
                                        * for blocks of up to 32 rows from memory */
+    int bk_rows, bk_decode;           /* the row kernel's keys a tile; the same for
+                                       * one row (decoding) */
     int fold_rows, fold_rows_big;     /* GQA: up to fold_rows query rows a head (or up
                                        * to fold_rows_big with K and V of at least */
     int64_t fold_big_bytes;           /* fold_big_bytes), a group's heads fold into the

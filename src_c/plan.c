@@ -31,7 +31,8 @@ static int64_t kv_bytes(const fa_attention_args *a)
  * would exceed 32 KiB (so that they stay in L1 beside the key tile) and while
  * that leaves fewer than four items per thread; 32 under a narrow window,
  * which wastes less at its edges.  Keys: the row kernel long tiles (fewer
- * switches between the K and V streams: 256 for one row, 128 for more); the
+ * switches between the K and V streams: the tuning's bk_decode for one row,
+ * bk_rows for more); the
  * tiled kernel the tuning's bk_tiled (64: a tile's K and V arrive from memory
  * in time through the prefetch one pass ahead), bk_tiled_mem for few rows from
  * memory. */
@@ -54,7 +55,7 @@ static void choose_tiles(const fa_attention_args *a, const fa_overrides *f, cons
      * slice of them spreads over more sets of the L1. */
     t->ld = t->bqp;
     if ((t->bqp * esz) % 128 == 0) t->ld += 64 / esz;
-    int64_t bk_max = !rows_kernel ? tu->bk_tiled : a->nq == 1 ? 256 : 128;
+    int64_t bk_max = !rows_kernel ? tu->bk_tiled : a->nq == 1 ? tu->bk_decode : tu->bk_rows;
     if (!rows_kernel && t->bq <= 32 && from_memory) bk_max = tu->bk_tiled_mem;
     if (f->bk) bk_max = f->bk;
     t->bk = a->nk < bk_max ? a->nk : bk_max;

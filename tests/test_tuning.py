@@ -4,6 +4,7 @@ unless FASTATTN_TUNING=off, and named by show_config."""
 import json
 import os
 
+import numpy as np
 import pytest
 from conftest import rand
 from helpers import check, run_script
@@ -64,10 +65,30 @@ def test_tuning_sizes_and_switches_reach_the_plan(rng, tuning):
     assert not _plan(q1, k, v)["from_memory"]
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_long_row_kernel_tiles_agree_with_the_reference(isa, rng, tuning, dtype):
+    """The row kernel's key tiles as long as a table may make them (bk_rows,
+    bk_decode up to 4096) and as short (8): one row and several, a tail tile,
+    causal, a bool mask, kv_lengths, a window, the key splits of decoding."""
+    k, v = rand(rng, (2, 3, 2500, 40), dtype), rand(rng, (2, 3, 2500, 24), dtype)
+    for bk_rows, bk_decode in ((4096, 4096), (512, 1024), (8, 8)):
+        tuning(bk_rows=bk_rows, bk_decode=bk_decode)
+        for nq in (1, 3):   # (3: the row kernel on every path)
+            q = rand(rng, (2, 3, nq, 40), dtype)
+            p = _plan(q, k, v)
+            assert p["kernel"] == "rows" and p["bk"] == min(2500, bk_decode if nq == 1 else bk_rows)
+            check(q, k, v)
+            check(q, k, v, causal=True, num_threads=2)
+            check(q, k, v, mask=rng.random((nq, 2500)) < 0.5)
+            check(q, k, v, kv_lengths=np.array([0, 1, 2499]), window=(300, 0), causal=True, num_threads=2)
+            check(q[:1, :1], k[:1, :1], v[:1, :1], num_threads=2)   # one item: keys split between threads
+
+
 @pytest.mark.parametrize("fields, word", [
     ({"rows_max": (0, 4)}, "out of range"), ({"rows_max": (25, 4)}, "out of range"),
     ({"tail_max": (-1, 0)}, "out of range"), ({"rows_full": (17, 0)}, "out of range"),
-    ({"bk_tiled": 4}, "out of range"), ({"bk_tiled_mem": 1024}, "out of range"), ({"fuse": 2}, "out of range"),
+    ({"bk_tiled": 4}, "out of range"), ({"bk_rows": 5000}, "out of range"),
+    ({"bk_decode": 0}, "out of range"), ({"bk_tiled_mem": 1024}, "out of range"), ({"fuse": 2}, "out of range"),
     ({"kv_mem_bytes": -1}, "out of range"), ({"rows_max": (4,)}, "pair"), ({"rows_maxx": (4, 4)}, "rows_maxx"),
 ])
 def test_set_tuning_rejects_bad_fields(fields, word):
