@@ -278,8 +278,10 @@ def _measure_tiles(b: _Bench, chosen: Dict[str, Any]) -> None:
     for field, rows, sizes in (("bk_decode", (1,), (128, 256, 512, 1024)),
                                ("bk_rows", (4, 8, 12), (64, 128, 256, 512, 1024))):
         calls = [b.call(b.q(kk.shape[1], n, 128, np.float32), kk, vv) for n in rows for kk, vv in ((k, v), (kc, vc))]
-        chosen[field] = _pick_size(b, field, sizes,
-                                   lambda bk, f=field, cs=calls: [_tuned(c, {f: bk}, b.base) for c in cs])
+
+        def make(bk: int, f: str = field, cs: List[Callable[[], Any]] = calls) -> List[Callable[[], Any]]:
+            return [_tuned(c, {f: bk}, b.base) for c in cs]
+        chosen[field] = _pick_size(b, field, sizes, make)
     call = b.call(b.q(32, 32, 128, np.float32), k, v)
     chosen["bk_tiled_mem"] = _pick_size(b, "bk_tiled_mem", (16, 32, 64),
                                         lambda bk: [_tuned(call, {"bk_tiled_mem": bk}, b.base)])
