@@ -157,9 +157,9 @@ cdef extern from "runtime.h" nogil:
         int rows_max_dk[2]
         int rows_full[2]
         int tail_max[2]
-        int fuse, stream, bk_tiled, bk_tiled_mem, bk_rows, bk_decode
+        int fuse, stream, bk_tiled, bk_tiled_mem, bk_rows, bk_decode, group_bk_max
         int fold_rows, fold_rows_big
-        int64_t fold_big_bytes, kv_mem_bytes, kv_far_bytes
+        int64_t group_tile_bytes, fold_big_bytes, kv_mem_bytes, kv_far_bytes
 
     ctypedef struct fa_isa_table:
         const char *name
@@ -676,8 +676,8 @@ def gqa_fold(int64_t n_q, int64_t kv_bytes):
 
 # the fields of a tuning table (src_c/internal.h, fa_tuning): {float32, float64} pairs first
 TUNING_PAIRS = ("rows_max", "rows_max_big", "rows_max_dk", "rows_full", "tail_max")
-TUNING_FIELDS = TUNING_PAIRS + ("fuse", "stream", "bk_tiled", "bk_tiled_mem", "bk_rows", "bk_decode", "fold_rows",
-                                "fold_rows_big",
+TUNING_FIELDS = TUNING_PAIRS + ("fuse", "stream", "bk_tiled", "bk_tiled_mem", "bk_rows", "bk_decode", "group_bk_max",
+                                "group_tile_bytes", "fold_rows", "fold_rows_big",
                                 "fold_big_bytes", "kv_mem_bytes", "kv_far_bytes")
 
 
@@ -685,7 +685,8 @@ cdef dict _tuning_dict(const fa_tuning *t):
     return {"name": t.name.decode(), "rows_max": tuple(t.rows_max), "rows_max_big": tuple(t.rows_max_big),
             "rows_max_dk": tuple(t.rows_max_dk), "rows_full": tuple(t.rows_full), "tail_max": tuple(t.tail_max),
             "fuse": bool(t.fuse), "stream": bool(t.stream), "bk_tiled": t.bk_tiled, "bk_tiled_mem": t.bk_tiled_mem,
-            "bk_rows": t.bk_rows, "bk_decode": t.bk_decode,
+            "bk_rows": t.bk_rows, "bk_decode": t.bk_decode, "group_bk_max": t.group_bk_max,
+            "group_tile_bytes": t.group_tile_bytes,
             "fold_rows": t.fold_rows, "fold_rows_big": t.fold_rows_big, "fold_big_bytes": t.fold_big_bytes,
             "kv_mem_bytes": t.kv_mem_bytes, "kv_far_bytes": t.kv_far_bytes}
 
@@ -747,6 +748,10 @@ def set_tuning(dict fields):
             t.bk_rows = value
         elif key == "bk_decode":
             t.bk_decode = value
+        elif key == "group_bk_max":
+            t.group_bk_max = value
+        elif key == "group_tile_bytes":
+            t.group_tile_bytes = value
         elif key == "fold_rows":
             t.fold_rows = value
         elif key == "fold_rows_big":

@@ -19,7 +19,9 @@ What it measures (the fields of src_c/internal.h's fa_tuning; docs/tuning.md):
         from memory (decoding, 4 and 8 rows);
   bk_tiled, bk_tiled_mem, bk_rows, bk_decode
         the tiled kernel's keys a tile, in cache and (few rows) from memory; the
-        row kernel's, for several rows and for one (decoding).
+        row kernel's, for several rows and for one (decoding);
+  group_tile_bytes, group_bk_max
+        the group kernel's key tiles (heads of a (B, n, H, d) cache from memory).
 The GQA fold and the cache sizes keep the built-in table's values.
 
 A choice replaces the built-in one only where it measured at least TIE faster
@@ -203,8 +205,8 @@ class _Bench:
     def q(self, heads: int, n: int, d: int, dtype) -> np.ndarray:
         return self.rng.standard_normal((1, heads, n, d)).astype(dtype)
 
-    def call(self, q, k, v) -> Callable[[], Any]:
-        return lambda: self.attention(q, k, v, num_threads=self.threads)
+    def call(self, q, k, v, **options) -> Callable[[], Any]:
+        return lambda: self.attention(q, k, v, num_threads=self.threads, **options)
 
     def race(self, fns) -> List[float]:
         return _race(fns, self.rounds)
@@ -285,6 +287,17 @@ def _measure_tiles(b: _Bench, chosen: Dict[str, Any]) -> None:
     call = b.call(b.q(32, 32, 128, np.float32), k, v)
     chosen["bk_tiled_mem"] = _pick_size(b, "bk_tiled_mem", (16, 32, 64),
                                         lambda bk: [_tuned(call, {"bk_tiled_mem": bk}, b.base)])
+    # the group kernel's tiles: heads of a (B, n, H, d) cache from memory, GQA 32/8 one
+    # token (four rows an item) and H32 two and four tokens (q: (1, n, H, d))
+    kb, vb = (np.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in (k, v))     # (1, n_k, 32, 128)
+    nk = kb.shape[1]
+    kg, vg = (x.reshape(1, nk * 4, 8, 128) for x in (kb, vb))                   # 8 heads, 4 n_k
+    group_calls = [b.call(b.q(1, 32, 128, np.float32), kg, vg, layout="blhd", enable_gqa=True)]
+    group_calls += [b.call(b.q(n, 32, 128, np.float32), kb, vb, layout="blhd") for n in (2, 4)]
+    chosen["group_tile_bytes"], chosen["group_bk_max"] = _pick_combo(
+        b, ("group_tile_bytes", "group_bk_max"), [(256 << 10, 64), (512 << 10, 128), (1 << 20, 256), (2 << 20, 256)],
+        group_calls)
+    del kb, vb, kg, vg
     combos = [(s, f) for s in (1, 0) for f in (1, 0)]
     cost = dict.fromkeys(combos, 0.0)
     for n in (1, 4, 8):
@@ -368,6 +381,23 @@ def _norm(value):
     if isinstance(value, tuple):
         return [int(v) for v in value]
     return int(value)
+
+
+def _pick_combo(b: _Bench, fields: Tuple[str, ...], combos: List[Tuple[int, ...]],
+                calls: List[Callable[[], Any]]) -> Tuple[int, ...]:
+    """The values of `fields` among `combos` (and those in use) that measured fastest
+    over `calls` (each call's time over its best, summed), if by TIE."""
+    now = tuple(int(b.base[f]) for f in fields)
+    combos = sorted(set(combos) | {now})
+    fns = [_tuned(c, dict(zip(fields, combo)), b.base) for combo in combos for c in calls]
+    t = b.race(fns)
+    n = len(calls)
+    best_each = [min(t[i * n + j] for i in range(len(combos))) for j in range(n)]
+    cost = {combo: sum(t[i * n + j] / best_each[j] for j in range(n)) / n for i, combo in enumerate(combos)}
+    best = min(combos, key=lambda c: cost[c])
+    pick = best if cost[best] < cost[now] * (1 - TIE) else now
+    b.say(f"  {', '.join(fields)}: " + ", ".join(f"{c}: {cost[c] / cost[now]:.3f}" for c in combos) + f" -> {pick}")
+    return pick
 
 
 def _pick_size(b: _Bench, field: str, sizes: Sequence[int],

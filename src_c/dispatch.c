@@ -47,27 +47,30 @@
  *                 most 32 rows: short tiles arrive in time through the prefetch);
  *   bk_rows, bk_decode  the row kernel's keys a tile (one row: bk_decode), long (fewer
  *                 switches between the K and V streams);
+ *   group_tile_bytes, group_bk_max  the group kernel's key tiles for items of several
+ *                 rows: about that many bytes of the group's K and V, 8 to group_bk_max keys;
  *   fold_rows, fold_rows_big, fold_big_bytes  the GQA fold (fa_gqa_fold): a group's
  *                 heads as one item's rows, where the row kernel then reads K and V
  *                 once for them; more rows with large K and V on the SIMD paths;
  *   kv_mem_bytes  K and V beyond this come from memory (1.5 L3: the L3 holds them
  *                 no longer); kv_far_bytes  beyond this the far prefetch (L3 / 2).
- * The two sizes of an ISA's default follow this CPU's L3 (fill_sizes). */
+ * The two sizes of an ISA's default follow this CPU's L3 (builtin_for). */
 #define TUNE_GENERIC(nm)                                                                                   \
     {.name = nm, .rows_max = {10, 10}, .rows_max_big = {10, 10}, .rows_max_dk = {10, 10}, .rows_full = {0, 0}, \
      .tail_max = {3, 1}, .fuse = 0, .stream = 1, .bk_tiled = 64, .bk_tiled_mem = 32, .bk_rows = 128,        \
-     .bk_decode = 256, .fold_rows = 8, .fold_rows_big = 8, .fold_big_bytes = INT64_MAX,                     \
-     .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = (int64_t)16 << 20}
+     .bk_decode = 256, .group_bk_max = 64, .group_tile_bytes = 256 << 10, .fold_rows = 8, .fold_rows_big = 8, \
+     .fold_big_bytes = INT64_MAX, .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = (int64_t)16 << 20}
 #define TUNE_AVX2(nm)                                                                                      \
     {.name = nm, .rows_max = {6, 3}, .rows_max_big = {5, 5}, .rows_max_dk = {6, 3}, .rows_full = {0, 0},      \
      .tail_max = {4, 2}, .fuse = 0, .stream = 1, .bk_tiled = 64, .bk_tiled_mem = 32, .bk_rows = 128,        \
-     .bk_decode = 256, .fold_rows = 8, .fold_rows_big = 12, .fold_big_bytes = 4 << 20,                      \
-     .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = (int64_t)16 << 20}
+     .bk_decode = 256, .group_bk_max = 64, .group_tile_bytes = 256 << 10, .fold_rows = 8, .fold_rows_big = 12, \
+     .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = (int64_t)16 << 20}
 #define TUNE_AVX512(nm)                                                                                    \
     {.name = nm, .rows_max = {12, 12}, .rows_max_big = {24, 20}, .rows_max_dk = {24, 20},                     \
      .rows_full = {14, 0}, .tail_max = {8, 4}, .fuse = 1, .stream = 1, .bk_tiled = 64, .bk_tiled_mem = 32,   \
-     .bk_rows = 128, .bk_decode = 256, .fold_rows = 8, .fold_rows_big = 12, .fold_big_bytes = 4 << 20,      \
-     .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = (int64_t)16 << 20}
+     .bk_rows = 128, .bk_decode = 256, .group_bk_max = 64, .group_tile_bytes = 256 << 10, .fold_rows = 8,   \
+     .fold_rows_big = 12, .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20,                     \
+     .kv_far_bytes = (int64_t)16 << 20}
 
 static fa_isa_table table_generic = {.name = "generic", .tune = TUNE_GENERIC("generic"), FA_KERNELS(generic)};
 #ifdef FA_HAVE_AVX2_BUILD
@@ -96,7 +99,8 @@ static const cpu_table cpu_tables[] = {
     {"AuthenticAMD", 0x1a, 0x00, 0xff, "avx512",
      {.name = "zen5", .rows_max = {12, 10}, .rows_max_big = {24, 20}, .rows_max_dk = {24, 12},
       .rows_full = {14, 0}, .tail_max = {8, 4}, .fuse = 1, .stream = 0, .bk_tiled = 64, .bk_tiled_mem = 16,
-      .bk_rows = 512, .bk_decode = 1024, .fold_rows = 8, .fold_rows_big = 12, .fold_big_bytes = 4 << 20,
+      .bk_rows = 512, .bk_decode = 1024, .group_bk_max = 256, .group_tile_bytes = 1 << 20, .fold_rows = 8,
+      .fold_rows_big = 12, .fold_big_bytes = 4 << 20,
       .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = INT64_MAX}},
 };
 
@@ -277,7 +281,8 @@ int fa_tuning_set(const fa_tuning *t)
             !in(t->tail_max[dt], 0, FA_LANES_MAX - 1))
             return FA_EINVAL;
     if (!in(t->fuse, 0, 1) || !in(t->stream, 0, 1) || !in(t->bk_tiled, 8, 512) || !in(t->bk_tiled_mem, 8, 512) ||
-        !in(t->bk_rows, 8, 4096) || !in(t->bk_decode, 8, 4096) ||
+        !in(t->bk_rows, 8, 4096) || !in(t->bk_decode, 8, 4096) || !in(t->group_bk_max, 8, 1024) ||
+        !in(t->group_tile_bytes, 1, (int64_t)1 << 30) ||
         !in(t->fold_rows, 0, 1024) || !in(t->fold_rows_big, 0, 1024) || t->fold_big_bytes < 0 ||
         t->kv_mem_bytes < 0 || t->kv_far_bytes < 0)
         return FA_EINVAL;

@@ -110,11 +110,10 @@ typedef void (*fa_attn_group_fn)(const fa_attention_args *a, const fa_tiles *t,
                                  const fa_item *its, int64_t n, void *scratch);
 #define FA_GROUP_MAX 64 /* items a group; with several rows an item, rows */
 /* Key tile of fa_attn_group_rows for items of one row (attention.c, run);
- * for items of up to FA_GROUP_ROWS rows, as many keys (8 to 64) as hold about
- * FA_GROUP_TILE_BYTES of the group's K and V. */
+ * for items of up to FA_GROUP_ROWS rows, as many keys as hold about the
+ * tuning's group_tile_bytes of the group's K and V (8 to group_bk_max). */
 #define FA_GROUP_BK 4
 #define FA_GROUP_ROWS 8
-#define FA_GROUP_TILE_BYTES 262144
 /* Rows of more keys than this are split into partials of at most this many
  * (attention.c, run: long_splits): no float32 running sum takes more than this
  * many increments, and a work unit stays short enough for Ctrl-C (the row
@@ -166,6 +165,9 @@ typedef struct {
                                        * for blocks of up to 32 rows from memory */
     int bk_rows, bk_decode;           /* the row kernel's keys a tile; the same for
                                        * one row (decoding) */
+    int group_bk_max;                 /* the group kernel's keys a tile for items of
+                                       * several rows: about group_tile_bytes of */
+    int64_t group_tile_bytes;         /* the group's K and V, 8 to group_bk_max keys */
     int fold_rows, fold_rows_big;     /* GQA: up to fold_rows query rows a head (or up
                                        * to fold_rows_big with K and V of at least */
     int64_t fold_big_bytes;           /* fold_big_bytes), a group's heads fold into the

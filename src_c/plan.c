@@ -90,7 +90,7 @@ int64_t fa_live_items(const fa_attention_args *a, int64_t n_lead_total, int64_t 
  * not in pieces H d elements apart; in cache the item-by-item kernel's rows
  * come from the L3 fast enough.  Sets p->group (0: none), p->n_groups and the
  * group's key tile. */
-static void plan_group(const fa_attention_args *a, const fa_overrides *f, fa_plan *p)
+static void plan_group(const fa_attention_args *a, const fa_overrides *f, const fa_tuning *tu, fa_plan *p)
 {
     p->group = p->n_groups = 0;
     if (p->kernel != FA_KERNEL_ROWS || a->nq > FA_GROUP_ROWS || a->q_start || a->kv_start || a->n_lead < 1 ||
@@ -104,13 +104,13 @@ static void plan_group(const fa_attention_args *a, const fa_overrides *f, fa_pla
     const int64_t n_sub = (hn * a->nq + FA_GROUP_MAX - 1) / FA_GROUP_MAX; /* rows a group */
     p->group = (hn + n_sub - 1) / n_sub;
     p->n_groups = p->n_lead / hn * n_sub;
-    /* FA_GROUP_BK keys for one row; for more, about FA_GROUP_TILE_BYTES of the
+    /* FA_GROUP_BK keys for one row; for more, about group_tile_bytes of the
      * group's K and V, 8 to 64 keys */
     int64_t gbk = FA_GROUP_BK;
     const int64_t key_bytes = p->group * (a->dk + a->dv) * (a->dtype == FA_F32 ? 4 : 8); /* 0: d_k = d_v = 0 */
     if (a->nq > 1) {
-        gbk = key_bytes > 0 ? FA_GROUP_TILE_BYTES / key_bytes / 4 * 4 : 64;
-        gbk = gbk < 8 ? 8 : gbk > 64 ? 64 : gbk;
+        gbk = key_bytes > 0 ? tu->group_tile_bytes / key_bytes / 4 * 4 : tu->group_bk_max;
+        gbk = gbk < 8 ? 8 : gbk > tu->group_bk_max ? tu->group_bk_max : gbk;
     }
     if (!f->bk) p->tiles.bk = a->nk < gbk ? (a->nk < 1 ? 1 : a->nk) : gbk;
 }
@@ -233,7 +233,7 @@ int fa_attention_plan(const fa_attention_args *a, int weights, fa_plan *p)
         p->n_items = fa_live_items(a, p->n_lead, p->n_qb, p->tiles.bq, NULL, &p->q_rows);
         p->few = p->kernel == FA_KERNEL_TILED;
     }
-    plan_group(a, f, p);
+    plan_group(a, f, tu, p);
     plan_splits(a, f, want, p);
     p->scratch_elems = plan_scratch(a, p);
 

@@ -84,11 +84,33 @@ def test_long_row_kernel_tiles_agree_with_the_reference(isa, rng, tuning, dtype)
             check(q[:1, :1], k[:1, :1], v[:1, :1], num_threads=2)   # one item: keys split between threads
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_group_kernel_tiles_from_the_table(isa, rng, tuning, force, dtype):
+    """The group kernel's key tiles for items of several rows come from the table
+    (about group_tile_bytes of the group's K and V, 8 to group_bk_max keys): the
+    shortest and the longest a table may give, against the reference, GQA folded
+    and several tokens a head, causal and kv_lengths."""
+    force.set(group=1)
+    k, v = rand(rng, (2, 700, 4, 24), dtype), rand(rng, (2, 700, 4, 24), dtype)   # (B, n, H, d)
+    for tile_bytes, bk_max, want_bk in ((1, 64, 8), (1 << 30, 1024, 700), (256 << 10, 64, 64)):
+        tuning(group_tile_bytes=tile_bytes, group_bk_max=bk_max)
+        q = rand(rng, (2, 3, 4, 24), dtype)
+        p = _plan(q, k, v, layout="blhd")
+        assert p["kernel"] == "group" and p["bk"] == want_bk
+        force.reset_counts()
+        check(q, k, v, layout="blhd", causal=True, num_threads=2)
+        assert force.group_runs > 0
+        check(q, k, v, layout="blhd", kv_lengths=np.array([[5], [699]]), num_threads=2)
+        qg = rand(rng, (2, 2, 8, 24), dtype)    # 8 query heads on 4: two rows an item, folded
+        check(qg, k, v, layout="blhd", enable_gqa=True, causal=True, num_threads=2)
+
+
 @pytest.mark.parametrize("fields, word", [
     ({"rows_max": (0, 4)}, "out of range"), ({"rows_max": (25, 4)}, "out of range"),
     ({"tail_max": (-1, 0)}, "out of range"), ({"rows_full": (17, 0)}, "out of range"),
     ({"bk_tiled": 4}, "out of range"), ({"bk_rows": 5000}, "out of range"),
-    ({"bk_decode": 0}, "out of range"), ({"bk_tiled_mem": 1024}, "out of range"), ({"fuse": 2}, "out of range"),
+    ({"bk_decode": 0}, "out of range"), ({"group_bk_max": 4}, "out of range"),
+    ({"group_tile_bytes": 0}, "out of range"), ({"bk_tiled_mem": 1024}, "out of range"), ({"fuse": 2}, "out of range"),
     ({"kv_mem_bytes": -1}, "out of range"), ({"rows_max": (4,)}, "pair"), ({"rows_maxx": (4, 4)}, "rows_maxx"),
 ])
 def test_set_tuning_rejects_bad_fields(fields, word):
