@@ -10,6 +10,7 @@ from libc.stdint cimport int64_t, uint64_t
 from cpython.exc cimport PyErr_CheckSignals
 from cpython.pythread cimport PyThread_get_thread_ident
 cimport numpy as cnp
+import numbers
 import os
 import signal
 import threading
@@ -174,6 +175,7 @@ cdef extern from "runtime.h" nogil:
     const fa_isa_table *fa_isa_current()
     const fa_tuning *fa_tuning_current()
     int fa_tuning_set(const fa_tuning *t)
+    int fa_tuning_check(const fa_tuning *t)
     void fa_tuning_reset()
     void fa_tuning_builtin(fa_tuning *out)
     void fa_cpu_info(fa_cpu *out)
@@ -682,13 +684,13 @@ TUNING_FIELDS = TUNING_PAIRS + ("fuse", "stream", "bk_tiled", "bk_tiled_mem", "b
 
 
 cdef dict _tuning_dict(const fa_tuning *t):
-    return {"name": t.name.decode(), "rows_max": tuple(t.rows_max), "rows_max_big": tuple(t.rows_max_big),
-            "rows_max_dk": tuple(t.rows_max_dk), "rows_full": tuple(t.rows_full), "tail_max": tuple(t.tail_max),
-            "fuse": bool(t.fuse), "stream": bool(t.stream), "bk_tiled": t.bk_tiled, "bk_tiled_mem": t.bk_tiled_mem,
+    return {"name": t.name.decode(errors="replace"), "rows_max": tuple(t.rows_max),
+            "rows_max_big": tuple(t.rows_max_big), "rows_max_dk": tuple(t.rows_max_dk),
+            "rows_full": tuple(t.rows_full), "tail_max": tuple(t.tail_max), "fuse": bool(t.fuse),
+            "stream": bool(t.stream), "bk_tiled": t.bk_tiled, "bk_tiled_mem": t.bk_tiled_mem,
             "bk_rows": t.bk_rows, "bk_decode": t.bk_decode, "group_bk_max": t.group_bk_max,
-            "group_tile_bytes": t.group_tile_bytes,
-            "fold_rows": t.fold_rows, "fold_rows_big": t.fold_rows_big, "fold_big_bytes": t.fold_big_bytes,
-            "kv_mem_bytes": t.kv_mem_bytes, "kv_far_bytes": t.kv_far_bytes}
+            "group_tile_bytes": t.group_tile_bytes, "fold_rows": t.fold_rows, "fold_rows_big": t.fold_rows_big,
+            "fold_big_bytes": t.fold_big_bytes, "kv_mem_bytes": t.kv_mem_bytes, "kv_far_bytes": t.kv_far_bytes}
 
 
 def isa_table():
@@ -710,62 +712,90 @@ def builtin_tuning():
     return _tuning_dict(&t)
 
 
+cdef object _tuning_int(str key, object value, object bits):
+    """value as a Python int of at most `bits` bits (signed); ValueError naming key."""
+    if not isinstance(value, numbers.Integral):
+        raise ValueError(f"tuning: {key} must be an integer, got {value!r}")
+    v = int(value)
+    if not -(1 << (bits - 1)) <= v < (1 << (bits - 1)):
+        raise ValueError(f"tuning: {key} is out of range: {v}")
+    return v
+
+
+cdef void _put_field(fa_tuning *t, str key, object value) except *:
+    """One field of t from value (a pair for TUNING_PAIRS); ValueError naming key."""
+    if key == "name":
+        b = str(value).encode()[:31]
+        t.name[:len(b)] = b
+        t.name[len(b)] = 0
+    elif key in TUNING_PAIRS:
+        pair = tuple(value) if isinstance(value, (list, tuple)) else ()
+        if len(pair) != 2:
+            raise ValueError(f"tuning: {key} must be a (float32, float64) pair, got {value!r}")
+        for i in range(2):
+            x = _tuning_int(key, pair[i], 32)
+            if key == "rows_max":
+                t.rows_max[i] = x
+            elif key == "rows_max_big":
+                t.rows_max_big[i] = x
+            elif key == "rows_max_dk":
+                t.rows_max_dk[i] = x
+            elif key == "rows_full":
+                t.rows_full[i] = x
+            else:
+                t.tail_max[i] = x
+    elif key in ("fuse", "stream", "bk_tiled", "bk_tiled_mem", "bk_rows", "bk_decode", "group_bk_max",
+                 "fold_rows", "fold_rows_big"):
+        x = _tuning_int(key, value, 32)
+        if key == "fuse":
+            t.fuse = x
+        elif key == "stream":
+            t.stream = x
+        elif key == "bk_tiled":
+            t.bk_tiled = x
+        elif key == "bk_tiled_mem":
+            t.bk_tiled_mem = x
+        elif key == "bk_rows":
+            t.bk_rows = x
+        elif key == "bk_decode":
+            t.bk_decode = x
+        elif key == "group_bk_max":
+            t.group_bk_max = x
+        elif key == "fold_rows":
+            t.fold_rows = x
+        else:
+            t.fold_rows_big = x
+    elif key in ("group_tile_bytes", "fold_big_bytes", "kv_mem_bytes", "kv_far_bytes"):
+        x = _tuning_int(key, value, 64)
+        if key == "group_tile_bytes":
+            t.group_tile_bytes = x
+        elif key == "fold_big_bytes":
+            t.fold_big_bytes = x
+        elif key == "kv_mem_bytes":
+            t.kv_mem_bytes = x
+        else:
+            t.kv_far_bytes = x
+    elif key not in ("isa", "lanes"):
+        raise ValueError(f"tuning: no field named {key!r}")
+
+
 def set_tuning(dict fields):
     """Replace the tuning in use: the built-in table with `fields` in its place
-    (names as isa_table's; "name" at most 31 characters).  ValueError naming
-    the field if one is unknown or out of range (nothing changes)."""
-    cdef fa_tuning t
+    (names as isa_table's; "name" at most 31 bytes).  ValueError naming the
+    field if one is unknown, not an integer (a pair of them) or out of range
+    (nothing changes)."""
+    cdef fa_tuning t, one
     fa_tuning_builtin(&t)
     for key, value in fields.items():
-        if key == "name":
-            b = str(value).encode()[:31]
-            t.name[:len(b)] = b
-            t.name[len(b)] = 0
-        elif key in TUNING_PAIRS:
-            pair = tuple(value) if isinstance(value, (list, tuple)) else ()
-            if len(pair) != 2:
-                raise ValueError(f"tuning: {key} must be a (float32, float64) pair, got {value!r}")
-            for i in range(2):
-                if key == "rows_max":
-                    t.rows_max[i] = pair[i]
-                elif key == "rows_max_big":
-                    t.rows_max_big[i] = pair[i]
-                elif key == "rows_max_dk":
-                    t.rows_max_dk[i] = pair[i]
-                elif key == "rows_full":
-                    t.rows_full[i] = pair[i]
-                else:
-                    t.tail_max[i] = pair[i]
-        elif key == "fuse":
-            t.fuse = int(value)
-        elif key == "stream":
-            t.stream = int(value)
-        elif key == "bk_tiled":
-            t.bk_tiled = value
-        elif key == "bk_tiled_mem":
-            t.bk_tiled_mem = value
-        elif key == "bk_rows":
-            t.bk_rows = value
-        elif key == "bk_decode":
-            t.bk_decode = value
-        elif key == "group_bk_max":
-            t.group_bk_max = value
-        elif key == "group_tile_bytes":
-            t.group_tile_bytes = value
-        elif key == "fold_rows":
-            t.fold_rows = value
-        elif key == "fold_rows_big":
-            t.fold_rows_big = value
-        elif key == "fold_big_bytes":
-            t.fold_big_bytes = value
-        elif key == "kv_mem_bytes":
-            t.kv_mem_bytes = value
-        elif key == "kv_far_bytes":
-            t.kv_far_bytes = value
-        elif key not in ("isa", "lanes"):
-            raise ValueError(f"tuning: no field named {key!r}")
-    if fa_tuning_set(&t) != FA_OK:
-        raise ValueError(f"tuning: a field is out of range in {fields!r}")
+        _put_field(&t, key, value)
+    if fa_tuning_check(&t) != FA_OK:
+        for key, value in fields.items():     # name the field
+            fa_tuning_builtin(&one)
+            _put_field(&one, key, value)
+            if fa_tuning_check(&one) != FA_OK:
+                raise ValueError(f"tuning: {key} is out of range: {value!r}")
+        raise ValueError(f"tuning: the fields are out of range together: {fields!r}")
+    fa_tuning_set(&t)
 
 
 def reset_tuning():

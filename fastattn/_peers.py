@@ -4,12 +4,19 @@ op, each built once per workload as a one-node model on the workload's arrays,
 on the same threads, in float32 (OpenVINO pinned to f32: its default can be
 lower on CPUs with bf16 units).
 
+Grouped-query attention goes to ONNX Runtime's GroupQueryAttention op, as a
+decoder runs it: the keys but the last n_q as its KV cache (past_key and
+past_value, (B, H_kv, n_k, d), bound by IOBinding to the same buffers as the
+present outputs, so that the cache is not copied), the last n_q as the new
+tokens; always causal, so for one query row or causal rows.
+
 Each maker returns a zero-argument call that returns the output as
 (B, H, n_q, d_v), or None where the peer is not installed or cannot run the
-workload as fastattn does: float64, GQA, windows, softcap, ALiBi, lengths,
-packed sequences, causal with n_q != n_k (their causal masks align top-left),
-NaN in K or V.  The inputs go in each peer's own layout, converted before
-timing, as a user of that peer would hold them.
+workload as fastattn does: float64, GQA (OpenVINO; ONNX Runtime without a
+causal mask or one row), windows, softcap, ALiBi, lengths, packed sequences,
+causal with n_q != n_k (their causal masks align top-left; GQA excepted), NaN
+in K or V.  The inputs go in each peer's own layout, converted before timing,
+as a user of that peer would hold them.
 """
 
 import functools
@@ -19,13 +26,16 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 PEERS = ("torch", "onnxruntime", "openvino")
-_UNSUPPORTED = ("gqa", "window", "softcap", "alibi", "kv_lengths", "q_lengths", "packed")
+_UNSUPPORTED = ("window", "softcap", "alibi", "kv_lengths", "q_lengths", "packed")
 
 
-def _supported(w: dict) -> bool:
+def _supported(w: dict, name: str) -> bool:
     B, H, nq, nk, d = w["shape"]
-    return (w["dtype"] == "float32" and not any(w["options"].get(o) for o in _UNSUPPORTED)
-            and (not w["causal"] or nq == nk) and w["mask"] != "pad")
+    if w["dtype"] != "float32" or any(w["options"].get(o) for o in _UNSUPPORTED) or w["mask"] == "pad":
+        return False
+    if w["options"].get("gqa"):   # ONNX Runtime's GroupQueryAttention: no mask, causal bottom-right
+        return name == "onnxruntime" and w["mask"] is None and (nq == 1 or bool(w["causal"])) and nq <= nk
+    return not w["causal"] or nq == nk
 
 
 def _bias(mask: Optional[np.ndarray]) -> Optional[np.ndarray]:
@@ -72,6 +82,50 @@ def _onnxruntime(w: dict, inputs: Any, threads: int, ort: Any, onnx: Any) -> Cal
     return lambda: sess.run(None, feeds)[0].reshape(B, nq, H, dv).transpose(0, 2, 1, 3)
 
 
+def _onnxruntime_gqa(w: dict, inputs: Any, threads: int, ort: Any, onnx: Any) -> Callable[[], np.ndarray]:
+    """ONNX Runtime's GroupQueryAttention (query (B, n_q, H d); the KV cache
+    (B, H_kv, n_k, d) shared between past and present: see the module docstring)."""
+    TensorProto, helper = onnx.TensorProto, onnx.helper
+    q, k, v, mask, kw = inputs
+    B, H, nq, nk, d = w["shape"]
+    blhd = kw.get("layout") == "blhd"
+    heads_first = (lambda a: np.ascontiguousarray(np.swapaxes(a, 1, 2))) if blhd else np.ascontiguousarray
+    qh, kh, vh = heads_first(q), heads_first(k), heads_first(v)          # (B, H or H_kv, n, d)
+    Hkv, dv = kh.shape[1], vh.shape[-1]
+
+    def tokens(a):   # (B, h, n, d) -> (B, n, h d)
+        return np.ascontiguousarray(np.swapaxes(a, 1, 2)).reshape(a.shape[0], a.shape[2], -1)
+    feeds = {"query": tokens(qh), "key": tokens(kh[:, :, nk - nq:]), "value": tokens(vh[:, :, nk - nq:]),
+             "past_key": kh.copy(), "past_value": vh.copy(),
+             "seqlens_k": np.full((B,), nk - 1, np.int32), "total_sequence_length": np.array(nk, np.int32)}
+    node = helper.make_node("GroupQueryAttention", list(feeds), ["out", "present_key", "present_value"],
+                            domain="com.microsoft", num_heads=H, kv_num_heads=Hkv)
+    ins = [helper.make_tensor_value_info(n, TensorProto.INT32 if a.dtype == np.int32 else TensorProto.FLOAT,
+                                         list(a.shape)) for n, a in feeds.items()]
+    outs = [helper.make_tensor_value_info("out", TensorProto.FLOAT, [B, nq, H * dv]),
+            helper.make_tensor_value_info("present_key", TensorProto.FLOAT, list(feeds["past_key"].shape)),
+            helper.make_tensor_value_info("present_value", TensorProto.FLOAT, list(feeds["past_value"].shape))]
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    model = helper.make_model(helper.make_graph([node], "gqa", ins, outs), opset_imports=opsets, ir_version=10)
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    io = sess.io_binding()
+    values = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in feeds.items()}
+    for n, val in values.items():
+        io.bind_ortvalue_input(n, val)
+    out = np.empty((B, nq, H * dv), np.float32)
+    io.bind_output("out", "cpu", 0, np.float32, list(out.shape), out.ctypes.data)
+    io.bind_ortvalue_output("present_key", values["past_key"])      # the cache in place: no copy
+    io.bind_ortvalue_output("present_value", values["past_value"])
+
+    def call():
+        sess.run_with_iobinding(io)
+        return out.reshape(B, nq, H, dv).transpose(0, 2, 1, 3)
+    return call
+
+
 def _openvino(w: dict, inputs: Any, threads: int, ov: Any, ops: Any) -> Callable[[], np.ndarray]:
     """OpenVINO's scaled_dot_product_attention op (inputs (B, H, n, d)), f32."""
     q, k, v, mask, kw = inputs
@@ -104,9 +158,11 @@ _PEERS = {"onnxruntime": (_onnxruntime, ("onnxruntime", "onnx")),
 
 def make_call(name: str, w: dict, inputs: Any, threads: int) -> Optional[Callable[[], np.ndarray]]:
     """Peer `name`'s call on workload w (see the module docstring), or None."""
-    if not _supported(w):
+    if not _supported(w, name):
         return None
     build, modules = _PEERS[name]
+    if name == "onnxruntime" and w["options"].get("gqa"):
+        build = _onnxruntime_gqa
     try:
         mods = [importlib.import_module(m) for m in modules]
     except ImportError:

@@ -1,7 +1,7 @@
 """Self-tuning: measure the plan's main thresholds on this machine and keep them.
 
-fastattn.tune() times the kernels against each other on this CPU (about a
-minute), puts the result in place of the built-in table and saves it in the
+fastattn.tune() times the kernels against each other on this CPU (20-30 s on
+two cores), puts the result in place of the built-in table and saves it in the
 user's cache directory under a name keyed by the CPU (CPUID vendor, family,
 model, stepping), the SIMD path and fastattn's version.  From the next import
 on, fastattn reads it back (``load``), unless FASTATTN_TUNING=off.
@@ -22,10 +22,12 @@ What it measures (the fields of src_c/internal.h's fa_tuning; docs/tuning.md):
         row kernel's, for several rows and for one (decoding);
   group_tile_bytes, group_bk_max
         the group kernel's key tiles (heads of a (B, n, H, d) cache from memory).
-The GQA fold and the cache sizes keep the built-in table's values.
+The GQA fold and kv_mem_bytes keep the built-in table's values (kv_far_bytes
+is only turned off or on: on, the built-in size or 16 MiB).
 
-A choice replaces the built-in one only where it measured at least TIE faster
-in total, so that noise leaves the built-in table as it is.
+A choice replaces the built-in one only where it measured at least TIE (2 %)
+faster in total, TIE / 4 for the row thresholds and the tail (summed over many
+rows, each normalised), so that noise leaves the built-in table as it is.
 """
 
 import json
@@ -97,7 +99,7 @@ def load() -> None:
         if saved.get("cpu_key") != cpu_key() or saved.get("fastattn") != __version__:
             raise ValueError("it was measured on another CPU, SIMD path or fastattn version")
         _core.set_tuning(dict(saved["tuning"], name="tuned"))
-    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, ArithmeticError) as e:
         _core.reset_tuning()
         state["note"] = f"{path} not used: {e}"
         warnings.warn(f"fastattn: the tuning file {path} was not used ({e}); using the built-in table. "
@@ -110,7 +112,8 @@ def describe() -> str:
     """One line for show_config: the table in use and where it came from."""
     t = _core.isa_table()
     if state["source"] == "tuned":
-        return f"tuned on this machine ({state['path']}; {ENV}=off for the built-in table)"
+        where = state["path"] or f"in this process, not saved: {state['note']}"
+        return f"tuned on this machine ({where}; {ENV}=off for the built-in table)"
     c = _core.cpu_info()
     what = (f"'{t['name']}', the built-in table of this CPU" if t["name"] not in ("avx512", "avx2", "generic")
             else f"'{t['name']}', the default of the {t['isa']} path (no table measured on family "
@@ -321,16 +324,19 @@ def tune(*, save: bool = True, num_threads: Optional[int] = None, rounds: int = 
          dtypes: Sequence[str] = ("float32", "float64"), log: Optional[Callable[[str], None]] = None
          ) -> Dict[str, Any]:
     """Measure the plan's main thresholds and tile sizes on this machine (about a
-    minute), use them from now on, and (save=True) keep them for the next import
+    20-30 s), use them from now on, and (save=True) keep them for the next import
     in the user's cache directory (tuning_path()).  Returns the tuning in use and
     what was measured: {"tuning": fields, "builtin": the built-in table,
     "changed": the fields that differ, "path": the file or None, "seconds": ...}.
 
     num_threads: the threads to measure with (default: the default team).  The
-    built-in table stays in force for every field that did not measure at least
-    2 % faster; FASTATTN_TUNING=off ignores the saved file at import;
+    built-in table stays in force for every field that did not measure faster
+    by a margin (TIE); FASTATTN_TUNING=off ignores the saved file at import;
     fastattn.show_config() says which table is in use."""
+    if not dtypes:
+        raise ValueError("tune: dtypes must name float32, float64 or both")
     t_start = time.perf_counter()
+    before, before_state = _core.isa_table(), dict(state)
     _core.reset_tuning()
     builtin = _core.builtin_tuning()
     base = {k: builtin[k] for k in _core.TUNING_FIELDS}
@@ -348,25 +354,33 @@ def tune(*, save: bool = True, num_threads: Optional[int] = None, rounds: int = 
             _measure_rows(b, dt, lanes[int(dt == np.float64)], chosen, notes)
             _measure_tail(b, dt, lanes[int(dt == np.float64)], chosen)
         _measure_fuse(b, [np.dtype(n) for n in dtypes], chosen)
-    finally:
-        _core.reset_tuning()
+    except BaseException:              # (Ctrl-C too) the tuning in use before, as it was
+        _core.set_tuning(before)
+        state.clear()
+        state.update(before_state)
+        raise
 
     changed = {k: chosen[k] for k in _core.TUNING_FIELDS if _norm(chosen[k]) != _norm(base[k])}
     _core.set_tuning(dict(chosen, name="tuned"))
-    path = None
+    state.update(source="tuned", path=None, note="save=False")
     if save:
         path = tuning_path()
-        os.makedirs(os.path.dirname(path), exist_ok=True)
         doc = {"fastattn": __version__, "cpu_key": cpu_key(), "cpu": _core.cpu_info(), "isa": _core.isa_name(),
                "threads": threads, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                "tuning": {k: _norm(chosen[k]) for k in _core.TUNING_FIELDS}, "changed": sorted(changed),
                "measurements": notes}
         tmp = path + f".{os.getpid()}.tmp"
-        with open(tmp, "w") as out:
-            json.dump(doc, out, indent=1)
-        os.replace(tmp, path)   # whole or not at all: a reader never sees half a file
-    state.update(source="tuned", path=path, note=None if save else "not saved")
-    return {"tuning": _core.isa_table(), "builtin": builtin, "changed": changed, "path": path,
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(tmp, "w") as out:
+                json.dump(doc, out, indent=1)
+            os.replace(tmp, path)   # whole or not at all: a reader never sees half a file
+            state.update(path=path, note=None)
+        except OSError as e:
+            state["note"] = f"{path} could not be written: {e}"
+            warnings.warn(f"fastattn.tune: the tuning is in use but could not be saved ({e}); set "
+                          f"{ENV_DIR} to a writable directory", RuntimeWarning, stacklevel=2)
+    return {"tuning": _core.isa_table(), "builtin": builtin, "changed": changed, "path": state["path"],
             "seconds": time.perf_counter() - t_start}
 
 

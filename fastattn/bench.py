@@ -521,15 +521,19 @@ def _tune_main(threads, as_json):
     """fastattn-bench --tune: fastattn.tune, with its measurements on stderr."""
     from . import _tune
     print(f"Tuning fastattn {sys.modules['fastattn'].__version__} on {_cpu_name()} "
-          f"({_core.isa_name()}, {threads or _core.max_threads()} threads); about a minute", file=sys.stderr)
+          f"({_core.isa_name()}, {threads or _core.max_threads()} threads); 20-30 s", file=sys.stderr)
     r = _tune.tune(num_threads=threads, log=lambda s: print(s, file=sys.stderr))
     if as_json:
         print(json.dumps({k: r[k] for k in ("tuning", "builtin", "changed", "path", "seconds")}, indent=1))
         return 0
-    print(f"Measured in {r['seconds']:.0f} s; saved to {r['path']} (read at the next import; "
-          f"{_tune.ENV}=off ignores it).")
+    if r["path"]:
+        print(f"Measured in {r['seconds']:.0f} s; saved to {r['path']} (read at the next import; "
+              f"{_tune.ENV}=off ignores it).")
+    else:
+        print(f"Measured in {r['seconds']:.0f} s; in use in this process but not saved ({_tune.state['note']}).")
     if not r["changed"]:
-        print(f"The built-in table '{r['builtin']['name']}' stays: nothing measured {100 * _tune.TIE:.0f} % faster.")
+        print(f"The built-in table '{r['builtin']['name']}' stays: nothing measured faster by the margin "
+              f"({100 * _tune.TIE:.0f} %; the row thresholds {25 * _tune.TIE:.1f} %).")
     for k, v in r["changed"].items():
         print(f"  {k}: {r['builtin'][k]} -> {v}")
     return 0
@@ -553,7 +557,7 @@ def main(argv: "list[str] | None" = None) -> int:
                    help="more peers, comma-separated: onnxruntime (MultiHeadAttention), openvino (SDPA op, f32); "
                         "'all' for both (each where installed)")
     p.add_argument("--tune", action="store_true",
-                   help="measure the plan's thresholds on this machine (about a minute; fastattn.tune) and keep "
+                   help="measure the plan's thresholds on this machine (20-30 s; fastattn.tune) and keep "
                         "them for the next import")
     p.add_argument("--accuracy", action="store_true",
                    help="instead of speed: the error against an exact evaluation, 1k to 128k keys "
@@ -610,7 +614,8 @@ def main(argv: "list[str] | None" = None) -> int:
             print(f"x onnxruntime, x openvino ({vers}): over ONNX Runtime's com.microsoft MultiHeadAttention and "
                   f"OpenVINO's scaled_dot_product_attention op (f32), one-node models on the same arrays and "
                   f"threads, each checked against fastattn's output first ('differs': it did not agree to 1e-3; "
-                  f"'-': it cannot run that row, e.g. float64, GQA, windows, lengths)")
+                  f"'-': it cannot run that row, e.g. float64, windows, lengths, GQA but ONNX Runtime's "
+                  f"GroupQueryAttention for decoding and causal rows)")
         mm = ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in result["matmul_gflops"].items())
         print(f"NumPy matrix product (2048^2) in this run: {mm} (the better of its start and end); "
               f"PyTorch: {result['torch'] or 'not installed'}")

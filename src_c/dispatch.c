@@ -80,10 +80,18 @@ static fa_isa_table table_avx2 = {.name = "avx2", .tune = TUNE_AVX2("avx2"), FA_
 static fa_isa_table table_avx512 = {.name = "avx512", .tune = TUNE_AVX512("avx512"), FA_KERNELS(avx512)};
 #endif
 
-/* The CPUs with tables of their own, by CPUID vendor, family and model range,
- * for one ISA: the defaults above are these CPUs' tables (Zen 3 for avx2, Zen 4
- * for avx512, where they were measured), with their measured cache sizes;
- * Zen 5 retuned (docs/tuning.md, "Tables by CPU"). */
+/* Zen 5, retuned (docs/tuning.md, "Zen 5"). */
+#define TUNE_ZEN5                                                                                          \
+    {.name = "zen5", .rows_max = {12, 10}, .rows_max_big = {24, 20}, .rows_max_dk = {24, 12},                 \
+     .rows_full = {14, 0}, .tail_max = {8, 4}, .fuse = 1, .stream = 0, .bk_tiled = 64, .bk_tiled_mem = 16,   \
+     .bk_rows = 512, .bk_decode = 1024, .group_bk_max = 256, .group_tile_bytes = 1 << 20, .fold_rows = 8,    \
+     .fold_rows_big = 12, .fold_big_bytes = 4 << 20,                                                         \
+     .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = INT64_MAX}
+
+/* The CPUs with tables of their own, by CPUID vendor, family and model ranges
+ * (as Linux's arch/x86/kernel/cpu/amd.c names them), for one ISA: the defaults
+ * above are these CPUs' tables (Zen 3 for avx2, Zen 4 for avx512, where they
+ * were measured), with their measured cache sizes; Zen 5 retuned. */
 typedef struct {
     const char *vendor;
     int family, model_lo, model_hi;
@@ -94,19 +102,30 @@ static const cpu_table cpu_tables[] = {
     {"AuthenticAMD", 0x19, 0x00, 0x0f, "avx2", TUNE_AVX2("zen3")},
     {"AuthenticAMD", 0x19, 0x20, 0x5f, "avx2", TUNE_AVX2("zen3")},
     {"AuthenticAMD", 0x19, 0x10, 0x1f, "avx512", TUNE_AVX512("zen4")},
-    {"AuthenticAMD", 0x19, 0x60, 0x7f, "avx512", TUNE_AVX512("zen4")},
-    {"AuthenticAMD", 0x19, 0xa0, 0xaf, "avx512", TUNE_AVX512("zen4")},
-    {"AuthenticAMD", 0x1a, 0x00, 0xff, "avx512",
-     {.name = "zen5", .rows_max = {12, 10}, .rows_max_big = {24, 20}, .rows_max_dk = {24, 12},
-      .rows_full = {14, 0}, .tail_max = {8, 4}, .fuse = 1, .stream = 0, .bk_tiled = 64, .bk_tiled_mem = 16,
-      .bk_rows = 512, .bk_decode = 1024, .group_bk_max = 256, .group_tile_bytes = 1 << 20, .fold_rows = 8,
-      .fold_rows_big = 12, .fold_big_bytes = 4 << 20,
-      .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = INT64_MAX}},
+    {"AuthenticAMD", 0x19, 0x60, 0xaf, "avx512", TUNE_AVX512("zen4")},
+    {"AuthenticAMD", 0x1a, 0x00, 0x4f, "avx512", TUNE_ZEN5},
+    {"AuthenticAMD", 0x1a, 0x60, 0x7f, "avx512", TUNE_ZEN5},
 };
+
+static void read_cpu(fa_cpu *out);
+
+/* CPUID once: a VM traps each CPUID instruction, and every table lookup asks. */
+void fa_cpu_info(fa_cpu *out)
+{
+    static fa_cpu cpu;
+    static int known = 0;
+    if (!__atomic_load_n(&known, __ATOMIC_ACQUIRE)) {
+        fa_cpu c;
+        read_cpu(&c);
+        cpu = c; /* the same bytes from any thread that gets here */
+        __atomic_store_n(&known, 1, __ATOMIC_RELEASE);
+    }
+    *out = cpu;
+}
 
 /* What CPUID says: vendor, family and model (extended ones folded in), brand,
  * and the L2 and L3 sizes. */
-void fa_cpu_info(fa_cpu *out)
+static void read_cpu(fa_cpu *out)
 {
     memset(out, 0, sizeof *out);
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
@@ -203,8 +222,10 @@ static const fa_isa_table *lookup(const char *name)
 
 int fa_isa_available(const char *name) { return lookup(name) != NULL; }
 
-/* The tuning in use: two slots, so that a call planning while fa_tuning_set
- * writes the other still reads a whole table. */
+/* The tuning in use: two slots, so that a call that copies the table while
+ * fa_tuning_set writes the other still reads a whole one (fa_attention_plan
+ * copies it first; setting it is for import time and fastattn.tune, not for
+ * while other threads run calls). */
 static fa_tuning tunings[2];
 static const fa_tuning *tuning = NULL;
 
@@ -234,7 +255,7 @@ static void use_tuning(const fa_tuning *t)
     fa_tuning *slot = &tunings[tuning == &tunings[0]];
     *slot = *t;
     slot->name[sizeof slot->name - 1] = 0;
-    tuning = slot;
+    __atomic_store_n(&tuning, slot, __ATOMIC_RELEASE);
 }
 
 int fa_set_isa(const char *name)
@@ -267,13 +288,13 @@ void fa_tuning_reset(void)
 
 const fa_tuning *fa_tuning_current(void)
 {
-    if (!tuning) fa_tuning_reset();
-    return tuning;
+    if (!__atomic_load_n(&tuning, __ATOMIC_ACQUIRE)) fa_tuning_reset();
+    return __atomic_load_n(&tuning, __ATOMIC_ACQUIRE);
 }
 
 static int in(int64_t x, int64_t lo, int64_t hi) { return x >= lo && x <= hi; }
 
-int fa_tuning_set(const fa_tuning *t)
+int fa_tuning_check(const fa_tuning *t)
 {
     for (int dt = 0; dt < 2; dt++)
         if (!in(t->rows_max[dt], 1, FA_ROWS_CAP) || !in(t->rows_max_big[dt], 1, FA_ROWS_CAP) ||
@@ -286,6 +307,12 @@ int fa_tuning_set(const fa_tuning *t)
         !in(t->fold_rows, 0, 1024) || !in(t->fold_rows_big, 0, 1024) || t->fold_big_bytes < 0 ||
         t->kv_mem_bytes < 0 || t->kv_far_bytes < 0)
         return FA_EINVAL;
+    return FA_OK;
+}
+
+int fa_tuning_set(const fa_tuning *t)
+{
+    if (fa_tuning_check(t) != FA_OK) return FA_EINVAL;
     use_tuning(t);
     return FA_OK;
 }

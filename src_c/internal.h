@@ -185,6 +185,7 @@ const fa_tuning *fa_tuning_current(void);
  * changes); fa_tuning_reset goes back to the built-in table; fa_tuning_builtin
  * copies the built-in table of the ISA in use. */
 int fa_tuning_set(const fa_tuning *t);
+int fa_tuning_check(const fa_tuning *t); /* FA_OK if every field is in range */
 void fa_tuning_reset(void);
 void fa_tuning_builtin(fa_tuning *out);
 

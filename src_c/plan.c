@@ -171,7 +171,7 @@ int fa_attention_plan(const fa_attention_args *a, int weights, fa_plan *p)
     if ((a->q_start || a->kv_start) && a->mask_kind != FA_MASK_NONE) return FA_EINVAL;
     const fa_overrides *f = a->force ? a->force : &no_overrides;
     const fa_isa_table *isa = fa_isa_current();
-    const fa_tuning *tu = fa_tuning_current();
+    const fa_tuning tuning = *fa_tuning_current(), *tu = &tuning; /* one table throughout */
     const int dt = a->dtype;
     *p = (fa_plan){0};
     p->n_lead = 1;

@@ -32,6 +32,26 @@ def test_peer_agrees(peer, name):
     np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4)
 
 
+@pytest.mark.parametrize("name", ["decode GQA 32/8 Nk16k d128", "...(B, n, H_kv, d) layout",
+                                  "8 rows GQA 32/8 Nk16k causal"])
+def test_onnxruntime_group_query_attention_agrees(name):
+    """GQA rows: ONNX Runtime's GroupQueryAttention with its KV cache bound in place
+    (past and present one buffer), against fastattn; the cache is left as it was."""
+    w = _workload(name)
+    w = dict(w, shape=(1, 8, w["shape"][2], 300, 32), options=dict(w["options"], gqa=2))   # a smaller copy
+    inputs = bench.make_inputs(w)
+    k_before = inputs[1].copy()
+    calls = bench.peer_calls(w, inputs, threads=2)
+    extra, bad = bench._extra_peers(w, inputs, 2, ("onnxruntime", "openvino"), calls)
+    assert "openvino" not in extra and not bad, bad      # OpenVINO's SDPA op: one head count
+    want = calls["fastattn"]()
+    if inputs[4].get("layout") == "blhd":
+        want = np.swapaxes(want, 1, 2)
+    for _ in range(2):   # a second call reads the same cache
+        np.testing.assert_allclose(extra["onnxruntime"](), want, rtol=1e-3, atol=1e-4)
+    np.testing.assert_array_equal(inputs[1], k_before)
+
+
 @pytest.mark.parametrize("name", ["B1 H8 N512 d64 f64", "B1 H8 N2048 d64 GQA 8q/2kv", "  ...window (256, 0)",
                                   "decode B8 H8 Nk4096 kv_len", "B1 H8 N2048 d64 pad, NaN"])
 def test_peer_declines(name):

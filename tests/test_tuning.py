@@ -112,6 +112,9 @@ def test_group_kernel_tiles_from_the_table(isa, rng, tuning, force, dtype):
     ({"bk_decode": 0}, "out of range"), ({"group_bk_max": 4}, "out of range"),
     ({"group_tile_bytes": 0}, "out of range"), ({"bk_tiled_mem": 1024}, "out of range"), ({"fuse": 2}, "out of range"),
     ({"kv_mem_bytes": -1}, "out of range"), ({"rows_max": (4,)}, "pair"), ({"rows_maxx": (4, 4)}, "rows_maxx"),
+    ({"bk_rows": 12.5}, "bk_rows must be an integer"), ({"bk_rows": 2 ** 40}, "bk_rows is out of range"),
+    ({"kv_mem_bytes": float("inf")}, "kv_mem_bytes must be an integer"), ({"rows_max": (4, "8")}, "integer"),
+    ({"kv_far_bytes": 2 ** 63}, "kv_far_bytes is out of range"), ({"tail_max": (0, 99)}, "tail_max is out of range"),
 ])
 def test_set_tuning_rejects_bad_fields(fields, word):
     before = _core.isa_table()
@@ -169,12 +172,13 @@ def test_a_saved_tuning_is_read_at_import(tmp_path):
 
 @pytest.mark.parametrize("bad, why", [
     ("{not json", "Expecting"), ({"rows_max": [0, 2]}, "out of range"), ({"rows_max": 3}, "pair"),
+    ({"kv_mem_bytes": float("inf")}, "integer"), ({"bk_rows": 2 ** 40}, "out of range"), ("[]", "no attribute"),
     ({"speed": 1}, "speed"), ("other cpu", "another CPU"), ("no tuning", "tuning"),
 ])
 def test_a_tuning_file_that_cannot_be_used_warns(tmp_path, bad, why):
     """A broken, foreign or out-of-range file: a RuntimeWarning naming the file and
     why, and the built-in table."""
-    if bad == "{not json":
+    if bad in ("{not json", "[]"):
         env = _saved(tmp_path, {})
         next(tmp_path.glob("tuning-*.json")).write_text(bad)
     elif bad == "other cpu":
@@ -215,3 +219,53 @@ def test_tune_measures_saves_and_the_next_import_reads_it(tmp_path):
     for field in _core.TUNING_FIELDS:
         want = saved["tuning"][field]
         assert (list(got["table"][field]) if isinstance(want, list) else int(got["table"][field])) == want, field
+
+
+@pytest.fixture
+def quick_tune(monkeypatch, tmp_path):
+    """fastattn.tune without its measurements (each replaced by `measure`, which
+    may change the choice or raise), its file under tmp_path; the tuning and
+    _tune.state as they were, after."""
+    before, state = _core.isa_table(), dict(_tune.state)
+    monkeypatch.setenv("FASTATTN_CACHE_DIR", str(tmp_path))
+    calls = {}
+
+    def use(measure=lambda chosen: None):
+        calls["measure"] = measure
+    monkeypatch.setattr(_tune, "_measure_tiles", lambda b, chosen: calls["measure"](chosen))
+    for name in ("_measure_rows", "_measure_tail"):
+        monkeypatch.setattr(_tune, name, lambda *a: None)
+    monkeypatch.setattr(_tune, "_measure_fuse", lambda *a: None)
+    use()
+    yield use
+    _core.set_tuning(before)
+    _tune.state.clear()
+    _tune.state.update(state)
+
+
+def test_tune_interrupted_leaves_the_tuning_as_it_was(quick_tune, tuning):
+    tuning(rows_max=(5, 5), name="before")
+    before, state = _core.isa_table(), dict(_tune.state)
+
+    def interrupted(chosen):
+        raise KeyboardInterrupt
+    quick_tune(interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        fastattn.tune()
+    assert _core.isa_table() == before and _tune.state == state
+    with pytest.raises(ValueError, match="dtypes"):
+        fastattn.tune(dtypes=())
+
+
+def test_tune_unsaved_and_unwritable(quick_tune, tmp_path, monkeypatch):
+    """save=False, or a cache directory that cannot be made: the tuning in use in
+    this process, no file, and show_config says so (a warning for the second)."""
+    quick_tune(lambda chosen: chosen.update(bk_rows=96))
+    r = fastattn.tune(save=False)
+    assert r["path"] is None and r["changed"] == {"bk_rows": 96} and _core.isa_table()["bk_rows"] == 96
+    assert "not saved" in _tune.describe() and not list(tmp_path.glob("tuning-*"))
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("FASTATTN_CACHE_DIR", str(tmp_path / "file" / "below"))
+    with pytest.warns(RuntimeWarning, match="could not be saved"):
+        r = fastattn.tune()
+    assert r["path"] is None and _core.isa_table()["name"] == "tuned" and "could not be written" in _tune.describe()
