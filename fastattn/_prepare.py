@@ -240,5 +240,5 @@ def _prepare(q, k, v, mask, causal, scale, enable_gqa, window, softcap, alibi_sl
 
 def _fold_rows(p: _Prepared, n_q: int) -> bool:
     """Few enough query rows for the GQA fold?  The C plan decides, from the SIMD
-    path's table (src_c/dispatch.c: fold_rows, fold_rows_big, fold_big_bytes)."""
+    tuning table (src_c/dispatch.c: fold_rows, fold_rows_big, fold_big_bytes)."""
     return _core.gqa_fold(n_q, _broadcast_core(p.k).nbytes + _broadcast_core(p.v).nbytes)

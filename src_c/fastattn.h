@@ -22,7 +22,7 @@
  *
  * Files:
  *   fastattn.h        this header: argument structs, status codes, entry points
- *   internal.h        between drivers and kernels: work items, tiles, the ISA table
+ *   internal.h        between drivers and kernels: work items, tiles, the tuning table
  *   attention.c       drivers: work split, OpenMP, per-thread scratch
  *   dispatch.c        run-time choice of the SIMD path (CPUID, FASTATTN_ISA)
  *   kernel_body.h     the kernels, written once with GCC vector extensions

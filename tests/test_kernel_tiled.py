@@ -133,7 +133,7 @@ def test_tiled_tail(isa, rng, stream, dtype, nq, threads, force):
     every option that moves a row's keys (causal either way, a window, kv_lengths,
     q_lengths whose padding falls in the tail or before it), masks of both kinds,
     softcap and ALiBi, GQA's folded rows, and the lse; the number of tail rows
-    is the one the SIMD path's table gives (tail_rows).  The tail with the
+    is the one the tuning table gives (tail_rows).  The tail with the
     row kernel's prefetch for K and V from memory (forced on).  Then the
     tests' forced tiles and row-kernel limit, which keep the tiled kernel
     whole (no tail)."""

@@ -54,7 +54,7 @@ INLINE void prefetch_in_step(const tile_pf *pf, int64_t c, int64_t c_end, int64_
 }
 
 /* Software prefetch of the K and V rows that the row kernel streams, in two
- * kinds (far: fa_tiles.far, K and V beyond FA_KV_FAR_BYTES).
+ * kinds (far: fa_tiles.far, K and V beyond the tuning's kv_far_bytes).
  * Near, K and V in cache: into L1, rows about PF_BYTES ahead of use (at least
  * 4 rows).  Far, K and V from memory: into L2 (prefetcht1), FAR_PF_BYTES
  * ahead; the near kind's L1 prefetch held a stream from memory back, and the

@@ -5,7 +5,7 @@
 
 /* ---------------------------------------------------------------------------
  * Few query rows (decode, speculative verification): bq <= rows_max rows
- * (the ISA table in dispatch.c: rows_max; rows_max_big when K and V come from
+ * (the tuning table in dispatch.c: rows_max; rows_max_big when K and V come from
  * memory, rows_max_dk when dk >= 128; but not from rows_full rows up to one
  * vector's lanes, which fill one vector of the tiled kernel) against
  * a long key range; also the few rows past the tiled kernel's last whole

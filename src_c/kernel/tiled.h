@@ -38,7 +38,7 @@ enum { RB = FA_VB == 64 ? FA_RB64 : 6 };
  * FUSE_LAG (24): the lag that makes rescaling rare while p <= e^24 keeps l and
  * Ot far from overflow.  The fused exp is faster with the 32 registers of
  * AVX-512; with 16 the exp has no room beside the accumulators and it was
- * slower, so only AVX-512 takes it (tl->fuse, from the ISA table in
+ * slower, so only AVX-512 takes it (tl->fuse, from the tuning table in
  * dispatch.c; the tests force it on and off; docs/tuning.md, FUSE_LAG). */
 #define FUSE_LAG 24
 typedef struct {
