@@ -677,20 +677,21 @@ def gqa_fold(int64_t n_q, int64_t kv_bytes):
 
 
 # the fields of a tuning table (src_c/internal.h, fa_tuning): {float32, float64} pairs first
-TUNING_PAIRS = ("rows_max", "rows_max_big", "rows_max_dk", "rows_full", "tail_max")
-TUNING_FIELDS = TUNING_PAIRS + ("fuse", "stream", "bk_tiled", "bk_tiled_mem", "bk_rows", "bk_decode", "group_bk_max",
-                                "group_tile_bytes", "fold_rows", "fold_rows_big",
-                                "fold_big_bytes", "kv_mem_bytes", "kv_far_bytes")
+TUNING_PAIRS = ("rows_max", "rows_max_big", "rows_max_dk", "rows_full", "tail_max")   # two int each
+# the other fields and the bits of their C types
+_TUNING_BITS = {"fuse": 32, "stream": 32, "bk_tiled": 32, "bk_tiled_mem": 32, "bk_rows": 32, "bk_decode": 32,
+                "group_bk_max": 32, "group_tile_bytes": 64, "fold_rows": 32, "fold_rows_big": 32,
+                "fold_big_bytes": 64, "kv_mem_bytes": 64, "kv_far_bytes": 64}
+TUNING_FIELDS = TUNING_PAIRS + tuple(_TUNING_BITS)
 
 
 cdef dict _tuning_dict(const fa_tuning *t):
-    return {"name": t.name.decode(errors="replace"), "rows_max": tuple(t.rows_max),
-            "rows_max_big": tuple(t.rows_max_big), "rows_max_dk": tuple(t.rows_max_dk),
-            "rows_full": tuple(t.rows_full), "tail_max": tuple(t.tail_max), "fuse": bool(t.fuse),
-            "stream": bool(t.stream), "bk_tiled": t.bk_tiled, "bk_tiled_mem": t.bk_tiled_mem,
-            "bk_rows": t.bk_rows, "bk_decode": t.bk_decode, "group_bk_max": t.group_bk_max,
-            "group_tile_bytes": t.group_tile_bytes, "fold_rows": t.fold_rows, "fold_rows_big": t.fold_rows_big,
-            "fold_big_bytes": t.fold_big_bytes, "kv_mem_bytes": t.kv_mem_bytes, "kv_far_bytes": t.kv_far_bytes}
+    cdef dict d = t[0]      # Cython's struct-to-dict conversion: name as bytes, pairs as lists
+    d["name"] = d["name"].decode(errors="replace")
+    for key in TUNING_PAIRS:
+        d[key] = tuple(d[key])
+    d["fuse"], d["stream"] = bool(d["fuse"]), bool(d["stream"])
+    return d
 
 
 def isa_table():
@@ -722,76 +723,46 @@ cdef object _tuning_int(str key, object value, object bits):
     return v
 
 
-cdef void _put_field(fa_tuning *t, str key, object value) except *:
-    """One field of t from value (a pair for TUNING_PAIRS); ValueError naming key."""
+cdef object _tuning_value(str key, object value):
+    """value checked for field key, as the struct conversion takes it (None: a key
+    of isa_table's that is not a field); ValueError naming key."""
     if key == "name":
-        b = str(value).encode()[:31]
-        t.name[:len(b)] = b
-        t.name[len(b)] = 0
-    elif key in TUNING_PAIRS:
-        pair = tuple(value) if isinstance(value, (list, tuple)) else ()
-        if len(pair) != 2:
+        return str(value).encode("ascii", "replace")[:31]   # (char: signed on x86)
+    if key in TUNING_PAIRS:
+        if not isinstance(value, (list, tuple)) or len(value) != 2:
             raise ValueError(f"tuning: {key} must be a (float32, float64) pair, got {value!r}")
-        for i in range(2):
-            x = _tuning_int(key, pair[i], 32)
-            if key == "rows_max":
-                t.rows_max[i] = x
-            elif key == "rows_max_big":
-                t.rows_max_big[i] = x
-            elif key == "rows_max_dk":
-                t.rows_max_dk[i] = x
-            elif key == "rows_full":
-                t.rows_full[i] = x
-            else:
-                t.tail_max[i] = x
-    elif key in ("fuse", "stream", "bk_tiled", "bk_tiled_mem", "bk_rows", "bk_decode", "group_bk_max",
-                 "fold_rows", "fold_rows_big"):
-        x = _tuning_int(key, value, 32)
-        if key == "fuse":
-            t.fuse = x
-        elif key == "stream":
-            t.stream = x
-        elif key == "bk_tiled":
-            t.bk_tiled = x
-        elif key == "bk_tiled_mem":
-            t.bk_tiled_mem = x
-        elif key == "bk_rows":
-            t.bk_rows = x
-        elif key == "bk_decode":
-            t.bk_decode = x
-        elif key == "group_bk_max":
-            t.group_bk_max = x
-        elif key == "fold_rows":
-            t.fold_rows = x
-        else:
-            t.fold_rows_big = x
-    elif key in ("group_tile_bytes", "fold_big_bytes", "kv_mem_bytes", "kv_far_bytes"):
-        x = _tuning_int(key, value, 64)
-        if key == "group_tile_bytes":
-            t.group_tile_bytes = x
-        elif key == "fold_big_bytes":
-            t.fold_big_bytes = x
-        elif key == "kv_mem_bytes":
-            t.kv_mem_bytes = x
-        else:
-            t.kv_far_bytes = x
-    elif key not in ("isa", "lanes"):
-        raise ValueError(f"tuning: no field named {key!r}")
+        return [_tuning_int(key, x, 32) for x in value]
+    if key in _TUNING_BITS:
+        return _tuning_int(key, value, _TUNING_BITS[key])
+    if key in ("isa", "lanes"):
+        return None
+    raise ValueError(f"tuning: no field named {key!r}")
+
+
+cdef fa_tuning _tuning_with(dict fields):
+    """The built-in table with the checked `fields` in place."""
+    cdef fa_tuning t
+    fa_tuning_builtin(&t)
+    cdef dict d = t
+    for key, value in fields.items():
+        value = _tuning_value(key, value)
+        if value is not None:
+            d[key] = value
+    d["name"] = d["name"].ljust(sizeof(t.name), b"\0")   # the conversion takes the whole array
+    t = d
+    return t
 
 
 def set_tuning(dict fields):
     """Replace the tuning in use: the built-in table with `fields` in its place
-    (names as isa_table's; "name" at most 31 bytes).  ValueError naming the
+    (names as isa_table's; "name" at most 31 ASCII characters).  ValueError naming the
     field if one is unknown, not an integer (a pair of them) or out of range
     (nothing changes)."""
-    cdef fa_tuning t, one
-    fa_tuning_builtin(&t)
-    for key, value in fields.items():
-        _put_field(&t, key, value)
+    cdef fa_tuning t = _tuning_with(fields)
+    cdef fa_tuning one
     if fa_tuning_check(&t) != FA_OK:
         for key, value in fields.items():     # name the field
-            fa_tuning_builtin(&one)
-            _put_field(&one, key, value)
+            one = _tuning_with({key: value})
             if fa_tuning_check(&one) != FA_OK:
                 raise ValueError(f"tuning: {key} is out of range: {value!r}")
         raise ValueError(f"tuning: the fields are out of range together: {fields!r}")

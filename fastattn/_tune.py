@@ -30,12 +30,13 @@ faster in total, TIE / 4 for the row thresholds and the tail (summed over many
 rows, each normalised), so that noise leaves the built-in table as it is.
 """
 
+import contextlib
 import json
 import os
 import sys
 import time
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -124,41 +125,54 @@ def describe() -> str:
 # ---------------------------------------------------------------------------
 # timing
 
-def _race(fns: Sequence[Callable[[], Any]], rounds: int = 5, min_time: float = 0.01) -> List[float]:
-    """The best seconds a call of each fn, the fns interleaved round by round
-    (a neighbour on a shared machine slows the rounds, not one fn)."""
+class _Variant:
+    """A call under a context (a forcing block, a tuning in place) that _race enters
+    once a sample, not once a call."""
+
+    def __init__(self, call: Callable[[], Any], context: Callable[[], Any]):
+        self.call, self.context = call, context
+
+
+def _race(fns: Sequence[Any], rounds: int = 5, min_time: float = 0.01) -> List[float]:
+    """The best seconds a call of each fn (a callable or a _Variant), the fns
+    interleaved round by round (a neighbour on a shared machine slows the rounds,
+    not one fn)."""
+    def sample(f: Any, n: int) -> float:
+        call, context = (f.call, f.context()) if isinstance(f, _Variant) else (f, contextlib.nullcontext())
+        with context:
+            t0 = time.perf_counter()
+            for _ in range(n):
+                call()
+            return (time.perf_counter() - t0) / n
+
     inner = []
     for f in fns:
-        f()
-        t0 = time.perf_counter()
-        f()
-        inner.append(max(1, int(min_time / max(time.perf_counter() - t0, 1e-7))))
+        sample(f, 1)
+        inner.append(max(1, int(min_time / max(sample(f, 1), 1e-7))))
     best = [float("inf")] * len(fns)
     for _ in range(rounds):
         for i, f in enumerate(fns):
-            t0 = time.perf_counter()
-            for _ in range(inner[i]):
-                f()
-            best[i] = min(best[i], (time.perf_counter() - t0) / inner[i])
+            best[i] = min(best[i], sample(f, inner[i]))
     return best
 
 
-def _forced(call: Callable[[], Any], **overrides: int) -> Callable[[], Any]:
-    def run():
-        with _core.forcing(**overrides):
-            call()
-    return run
+def _forced(call: Callable[[], Any], **overrides: int) -> _Variant:
+    """call inside a forcing block of `overrides`."""
+    return _Variant(call, lambda: _core.forcing(**overrides))
 
 
-def _tuned(call: Callable[[], Any], fields: Dict[str, Any], base: Dict[str, Any]) -> Callable[[], Any]:
-    """call with the tuning `base` and `fields` in place (the tuning restored after)."""
-    def run():
-        _core.set_tuning(dict(base, **fields))
-        try:
-            call()
-        finally:
-            _core.set_tuning(base)
-    return run
+@contextlib.contextmanager
+def _tuning_in_place(table: Dict[str, Any], base: Dict[str, Any]) -> Iterator[None]:
+    _core.set_tuning(table)
+    try:
+        yield
+    finally:
+        _core.set_tuning(base)
+
+
+def _tuned(call: Callable[[], Any], fields: Dict[str, Any], base: Dict[str, Any]) -> _Variant:
+    """call with the tuning `base` and `fields` in place (`base` restored after)."""
+    return _Variant(call, lambda: _tuning_in_place(dict(base, **fields), base))
 
 
 # ---------------------------------------------------------------------------
@@ -277,19 +291,15 @@ def _measure_tiles(b: _Bench, chosen: Dict[str, Any]) -> None:
     bk_rows and bk_decode (in cache and from memory), then with K and V from memory
     bk_tiled_mem and the prefetch across passes (stream) and far (into L2)."""
     call = b.call(*(b.q(8, 2048, 64, np.float32) for _ in range(3)))
-    chosen["bk_tiled"] = _pick_size(b, "bk_tiled", (32, 64, 128), lambda bk: [_tuned(call, {"bk_tiled": bk}, b.base)])
+    chosen["bk_tiled"] = _pick_size(b, "bk_tiled", (32, 64, 128), [call])
     k, v = _kv(b.rng, 32, b.mem_bytes // (2 * 32 * 128 * 4), 128, np.float32)
     kc, vc = _kv(b.rng, 8, 1024, 128, np.float32)
     for field, rows, sizes in (("bk_decode", (1,), (128, 256, 512, 1024)),
                                ("bk_rows", (4, 8, 12), (64, 128, 256, 512, 1024))):
         calls = [b.call(b.q(kk.shape[1], n, 128, np.float32), kk, vv) for n in rows for kk, vv in ((k, v), (kc, vc))]
-
-        def make(bk: int, f: str = field, cs: List[Callable[[], Any]] = calls) -> List[Callable[[], Any]]:
-            return [_tuned(c, {f: bk}, b.base) for c in cs]
-        chosen[field] = _pick_size(b, field, sizes, make)
+        chosen[field] = _pick_size(b, field, sizes, calls)
     call = b.call(b.q(32, 32, 128, np.float32), k, v)
-    chosen["bk_tiled_mem"] = _pick_size(b, "bk_tiled_mem", (16, 32, 64),
-                                        lambda bk: [_tuned(call, {"bk_tiled_mem": bk}, b.base)])
+    chosen["bk_tiled_mem"] = _pick_size(b, "bk_tiled_mem", (16, 32, 64), [call])
     # the group kernel's tiles: heads of a (B, n, H, d) cache from memory, GQA 32/8 one
     # token (four rows an item) and H32 two and four tokens (q: (1, n, H, d))
     kb, vb = (np.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in (k, v))     # (1, n_k, 32, 128)
@@ -410,23 +420,13 @@ def _pick_combo(b: _Bench, fields: Tuple[str, ...], combos: List[Tuple[int, ...]
     cost = {combo: sum(t[i * n + j] / best_each[j] for j in range(n)) / n for i, combo in enumerate(combos)}
     best = min(combos, key=lambda c: cost[c])
     pick = best if cost[best] < cost[now] * (1 - TIE) else now
-    b.say(f"  {', '.join(fields)}: " + ", ".join(f"{c}: {cost[c] / cost[now]:.3f}" for c in combos) + f" -> {pick}")
+    def name(c: Tuple[int, ...]) -> str:
+        return str(c[0] if len(c) == 1 else c)
+    b.say(f"  {', '.join(fields)}: " + ", ".join(f"{name(c)}: {cost[c] / cost[now]:.3f}" for c in combos)
+          + f" -> {name(pick)}")
     return pick
 
 
-def _pick_size(b: _Bench, field: str, sizes: Sequence[int],
-               make: Callable[[int], List[Callable[[], Any]]]) -> int:
-    """The size of `sizes` (and the one in use) that measured fastest over the calls
-    make(size) returns (each call's time over its best size's, summed), if by TIE."""
-    now = int(b.base[field])
-    sizes = sorted(set(sizes) | {now})
-    made = [make(s) for s in sizes]
-    t = b.race([f for fns in made for f in fns])
-    n = len(made[0])
-    per = [[t[i * n + j] for j in range(n)] for i in range(len(sizes))]
-    best_each = [min(per[i][j] for i in range(len(sizes))) for j in range(n)]
-    cost = {s: sum(per[i][j] / best_each[j] for j in range(n)) / n for i, s in enumerate(sizes)}
-    best = min(sizes, key=lambda s: cost[s])
-    pick = best if cost[best] < cost[now] * (1 - TIE) else now
-    b.say(f"  {field}: " + ", ".join(f"{s}: {cost[s] / cost[now]:.3f}" for s in sizes) + f" -> {pick}")
-    return pick
+def _pick_size(b: _Bench, field: str, sizes: Sequence[int], calls: List[Callable[[], Any]]) -> int:
+    """_pick_combo of one field."""
+    return _pick_combo(b, (field,), [(size,) for size in sizes], calls)[0]

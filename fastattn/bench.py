@@ -23,9 +23,9 @@ After anything that runs in NumPy's OpenBLAS (the matrix-product ceiling, the
 reference) the benchmark pauses for a moment (`_settle`): OpenBLAS's idle
 worker threads keep spinning for about 0.1 s after a call, and a peer timed in
 that window shares its cores with them (measured: a 2.8 ms decode call took
-13 ms there).  The peers' runtimes do the same (ONNX Runtime's threads spin for
-about 45 ms after its calls: fastattn at B1 H8 N512 took 2.4 ms there against
-1.3 ms), so two peers' samples have a pause and an untimed call between them.
+13 ms there).  The peers' runtimes do the same (ONNX Runtime's threads for
+tens of ms; docs/benchmarks.md), so two peers' samples have a pause and an
+untimed call between them.
 """
 
 import argparse
@@ -112,8 +112,8 @@ def _interleaved_samples(fns, repeats, min_time=0.05):
     """Run each fn of `fns` interleaved, `repeats` times; per fn, the list of
     seconds per call.  Each sample repeats the call enough times to last about
     min_time.  Between the samples of two fns a pause (PEER_PAUSE) and one untimed
-    call: a peer's idle threads spin on for a while after its calls (ONNX Runtime's
-    for about 45 ms), and the next fn timed in that window shares its cores."""
+    call: a peer's idle threads spin on for a while after its calls, and the next
+    fn timed in that window would share its cores."""
     inner = []
     for f in fns:
         f()  # warm up
