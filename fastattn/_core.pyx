@@ -10,9 +10,11 @@ from libc.stdint cimport int64_t, uint64_t
 from cpython.exc cimport PyErr_CheckSignals
 from cpython.pythread cimport PyThread_get_thread_ident
 cimport numpy as cnp
+import numpy as np
 import numbers
 import os
 import signal
+import sys
 import threading
 
 cnp.import_array()
@@ -26,6 +28,9 @@ cdef extern from "fastattn.h" nogil:
         FA_EINTR
         FA_F32
         FA_F64
+        FA_KV_SAME
+        FA_KV_F16
+        FA_KV_BF16
         FA_MASK_NONE
         FA_MASK_BOOL
         FA_MASK_ADD
@@ -36,7 +41,7 @@ cdef extern from "fastattn.h" nogil:
         int64_t split_keys, parts_bytes
 
     ctypedef struct fa_stats:
-        int64_t group_runs, tail_rows, redo_rows
+        int64_t group_runs, tail_rows, redo_rows, kv_widened
 
     ctypedef struct fa_attention_args:
         int n_lead
@@ -58,6 +63,7 @@ cdef extern from "fastattn.h" nogil:
         void *out
         void *lse
         int dtype
+        int kv_dtype
         int mask_kind
         int causal
         int top_left
@@ -128,6 +134,7 @@ cdef extern from "fastattn.h" nogil:
 
 cdef extern from "internal.h" nogil:
     int fa_exp(int dtype, int which, const void *x, void *y, int64_t n)
+    int fa_kv_widen(int kv_dtype, const void *x, float *y, int64_t n)
 
 cdef extern from "runtime.h" nogil:
     double FA_TEAM_MIN_WORK
@@ -197,6 +204,26 @@ cdef int _dtype_code(cnp.ndarray a) except -1:
     if a.dtype.num == cnp.NPY_FLOAT64:
         return FA_F64
     raise TypeError(f"internal: the C core takes float32 or float64, got {a.dtype}")
+
+
+def bfloat16_dtype():
+    """ml_dtypes' bfloat16 dtype when ml_dtypes is imported, else None: an array
+    can only hold bfloat16 once ml_dtypes is imported, so fastattn never imports it."""
+    mld = sys.modules.get("ml_dtypes")
+    return np.dtype(mld.bfloat16) if mld is not None else None
+
+
+cdef int _kv_code(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, bint weights) except -1:
+    """How k and v are stored (fastattn.h, FA_KV_*): q's dtype, or 16-bit floats
+    (both the same kind) for float32 q."""
+    if k.dtype == q.dtype and (weights or v.dtype == q.dtype):
+        return FA_KV_SAME
+    if q.dtype.num == cnp.NPY_FLOAT32 and (weights or v.dtype == k.dtype):
+        if k.dtype.num == cnp.NPY_FLOAT16:
+            return FA_KV_F16
+        if k.dtype == bfloat16_dtype():
+            return FA_KV_BF16
+    raise TypeError(f"internal: k and v of {k.dtype} and {v.dtype} with q of {q.dtype}")
 
 
 cdef inline int64_t _estride(cnp.ndarray a, int axis):
@@ -350,6 +377,7 @@ def attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask
     a.v = cnp.PyArray_DATA(v)
     a.out = cnp.PyArray_DATA(out)
     a.dtype = _dtype_code(q)
+    a.kv_dtype = _kv_code(q, k, v, weights)
     a.mask_kind = mask_kind
     a.mask = NULL
     a.m_rs = 0
@@ -529,6 +557,21 @@ def vexp(cnp.ndarray x, bint neg=False):
     return y
 
 
+def kv_widen(cnp.ndarray x):
+    """The chosen path's widening of 16-bit K and V to float32, elementwise (for
+    the tests).  x: 1-D contiguous float16 or bfloat16."""
+    if x.ndim != 1 or not cnp.PyArray_IS_C_CONTIGUOUS(x):
+        raise ValueError("kv_widen: a 1-D contiguous array")
+    cdef int code = FA_KV_F16 if x.dtype.num == cnp.NPY_FLOAT16 else FA_KV_BF16 if x.dtype == bfloat16_dtype() else 0
+    if code == 0:
+        raise TypeError(f"kv_widen: float16 or bfloat16, not {x.dtype}")
+    cdef cnp.ndarray y = cnp.PyArray_EMPTY(1, x.shape, cnp.NPY_FLOAT32, 0)
+    cdef int64_t n = x.shape[0]
+    with nogil:
+        fa_kv_widen(code, cnp.PyArray_DATA(x), <float *>cnp.PyArray_DATA(y), n)
+    return y
+
+
 def _stream_read(cnp.ndarray buf, int num_threads=0):
     """Read buf once, as a plain streaming read on num_threads threads (0: the
     default): the benchmark's memory-bandwidth ceiling.  buf: C-contiguous,
@@ -567,7 +610,8 @@ cdef class Forcing:
       parts_bytes  the split partials of one wave (0: 256 MiB)
     The counts, over the calls of the block: group_runs (item groups the group
     kernel ran), tail_rows (query rows the row kernel ran as the tiled kernel's
-    tails), redo_rows (rows recomputed carefully after a non-finite result)."""
+    tails), redo_rows (rows recomputed carefully after a non-finite result),
+    kv_widened (calls whose 16-bit K and V were widened into float32 copies)."""
     cdef fa_overrides ov
     cdef fa_stats st
 
@@ -575,7 +619,7 @@ cdef class Forcing:
         self.ov.bq = self.ov.bk = self.ov.rows_max = 0
         self.ov.fuse = self.ov.stream = self.ov.far = self.ov.group = self.ov.mask_pack = -1
         self.ov.split_keys = self.ov.parts_bytes = 0
-        self.st.group_runs = self.st.tail_rows = self.st.redo_rows = 0
+        self.st.group_runs = self.st.tail_rows = self.st.redo_rows = self.st.kv_widened = 0
 
     def set(self, **overrides):
         """Change some overrides (names as above); returns self."""
@@ -624,8 +668,12 @@ cdef class Forcing:
     def redo_rows(self):
         return self.st.redo_rows
 
+    @property
+    def kv_widened(self):
+        return self.st.kv_widened
+
     def reset_counts(self):
-        self.st.group_runs = self.st.tail_rows = self.st.redo_rows = 0
+        self.st.group_runs = self.st.tail_rows = self.st.redo_rows = self.st.kv_widened = 0
 
     def __enter__(self):
         global _n_forcing

@@ -25,6 +25,7 @@ from ._validate import (
     _broadcast_shapes,
     _causal,
     _dtypes,
+    _is_half,
     _lengths,
     _num_threads,
     _scale,
@@ -52,7 +53,8 @@ def _split_heads(a, name, H, Hkv, core):
 class _Prepared:
     """Validated, converted arguments of one attention or attention_weights call.
 
-    q, k, v and slopes are in the compute dtype, the mask in it too or a bool mask
+    q, v and slopes are in the compute dtype (k and v may instead stay 16-bit floats,
+    float16 or bfloat16 alike, for float32: the C core reads them so), the mask in it too or a bool mask
     as uint8, the lengths int64: each readable by the C core as it is, with leading
     dims that broadcast to `lead`.  Under GQA the head axis is split: lead is
     (..., H_kv, g), g = H // H_kv query heads a group (K and V of size 1 there).
@@ -92,11 +94,14 @@ class _Prepared:
 
 
 def _prepare(q, k, v, mask, causal, scale, enable_gqa, window, softcap, alibi_slopes, kv_lengths,
-             num_threads, weights=False, q_lengths=None, blhd=False, mask_as_bool=True) -> _Prepared:
+             num_threads, weights=False, q_lengths=None, blhd=False, mask_as_bool=True,
+             half_kv=True) -> _Prepared:
     """Check and convert the arguments of attention and attention_weights (q, k, v
     as (..., H, n, d); blhd: the caller's arrays were (..., n, H, d), and the errors
     name their shapes as given).  mask_as_bool=False keeps a float mask float (the
-    backward pass, which reads it as the forward's scores took it)."""
+    backward pass, which reads it as the forward's scores took it).  half_kv: K and V
+    of one 16-bit dtype stay so for a float32 call (the C core widens them as it
+    reads them); False converts them (the backward pass)."""
     def sh(a):
         return a.swapaxes(-3, -2).shape if blhd else a.shape
 
@@ -213,7 +218,8 @@ def _prepare(q, k, v, mask, causal, scale, enable_gqa, window, softcap, alibi_sl
     win_left, win_right = _window(window, n_q + n_k)
     softcap_ = _softcap(softcap)
     # mask, pad and fold are set below: _mask_as_bool and _fold_rows read p
-    p = _Prepared(q=_as_compute(qq, comp), k=_as_compute(k, comp), v=_as_compute(vv, comp), mask=None,
+    kv_store = k.dtype if half_kv and comp == np.float32 and k.dtype == vv.dtype and _is_half(k.dtype) else comp
+    p = _Prepared(q=_as_compute(qq, comp), k=_as_compute(k, kv_store), v=_as_compute(vv, kv_store), mask=None,
                   mask_kind=mask_kind, pad=None, slopes=slopes, kvl=kvl, qln=qln, lead=lead, n_q=n_q, n_k=n_k,
                   d_v=d_v, q1=q1, v1=v1, gqa=gqa, fold=False, res=res, comp=comp, scale=scale_, softcap=softcap_,
                   causal=causal_, top_left=top_left, win_left=win_left, win_right=win_right, nthreads=nthreads,

@@ -22,8 +22,9 @@ def softmax(x: ArrayLike, axis: Union[int, Tuple[int, ...], None] = -1, *,
     Parameters
     ----------
     x : array_like
-        Real floating, integer or bool.  float16 is computed in float32 and
-        returned as float16; integers and bool give float64.
+        Real floating, integer or bool.  float16 (and ml_dtypes' bfloat16) is
+        computed in float32 and returned in its own dtype; integers and bool
+        give float64.
     axis : int, tuple of ints or None, default -1
         The axis along which the entries sum to 1; with a tuple, the entries
         of those axes together sum to 1 (None: all axes, as in
@@ -58,7 +59,7 @@ def softmax(x: ArrayLike, axis: Union[int, Tuple[int, ...], None] = -1, *,
     """
     x = _asarray(x, "x")
     _check_input_dtype(x, "x")
-    res, comp = _dtypes(x)
+    res, comp = _dtypes(x, half_result=True)
     if isinstance(axis, tuple) or axis is None:
         axes = tuple(range(x.ndim)) if axis is None else tuple(_normalize_axis(a, x.ndim) for a in axis)
         if len(set(axes)) < len(axes):

@@ -63,8 +63,21 @@ def _as_array(a: Any, name: str) -> np.ndarray:
 # ---------------------------------------------------------------------------
 # dtypes
 # ---------------------------------------------------------------------------
+def _bf16() -> Optional[np.dtype[Any]]:
+    """ml_dtypes' bfloat16, when ml_dtypes is imported (an array can hold it only then;
+    fastattn never imports it), else None."""
+    return _core.bfloat16_dtype()
+
+
+def _is_half(dt: np.dtype[Any]) -> bool:
+    """float16 or bfloat16: 16-bit floats, computed in float32."""
+    return dt == _F16 or (dt.kind == "V" and dt == _bf16())
+
+
 def _check_input_dtype(a, name):
     dt = a.dtype
+    if _is_half(dt):
+        return
     if dt.kind == "f" and dt.itemsize > 8:
         raise TypeError(f"{name} has dtype {dt}; fastattn computes in float32 or float64, "
                         f"cast it with .astype(np.float64)")
@@ -73,12 +86,16 @@ def _check_input_dtype(a, name):
                         f"arrays (complex, object, string and datetime are not supported)")
 
 
-def _dtypes(*arrays: Any) -> tuple[np.dtype[Any], np.dtype[Any]]:
-    """(result dtype, compute dtype) of NumPy's promotion of the inputs."""
-    res = np.result_type(*arrays)
+def _dtypes(*arrays: Any, half_result: bool = False) -> tuple[np.dtype[Any], np.dtype[Any]]:
+    """(result dtype, compute dtype) of NumPy's promotion of the inputs, where 16-bit
+    floats (float16, bfloat16) compute in float32 and give float32 results; with
+    half_result one array of 16-bit floats gives its own dtype (softmax)."""
+    res = np.result_type(*(_F32 if _is_half(a.dtype) else a for a in arrays))
     if res.kind != "f":  # integer and bool compute in float64, as NumPy does
         res = _F64
-    comp = _F32 if res in (_F16, _F32) else _F64
+    comp = _F32 if res == _F32 else _F64
+    if half_result and len(arrays) == 1 and _is_half(arrays[0].dtype):
+        res = arrays[0].dtype
     return res, comp
 
 

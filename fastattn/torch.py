@@ -27,8 +27,13 @@ _REFUSED = ("return_lse", "out")
 def _array(t: torch.Tensor, name: str) -> np.ndarray:
     if t.device.type != "cpu":
         raise ValueError(f"{name} is on {t.device}; fastattn runs on the CPU: pass {name}.cpu()")
-    if t.dtype == torch.bfloat16:
-        raise TypeError(f"{name} is bfloat16, which NumPy has no dtype for: pass {name}.float()")
+    if t.dtype == torch.bfloat16:  # NumPy's bfloat16 is ml_dtypes': the same bits, viewed
+        try:
+            import ml_dtypes
+        except ImportError:
+            raise TypeError(f"{name} is bfloat16, which NumPy reads through the ml_dtypes package: "
+                            f"pip install ml_dtypes, or pass {name}.float()") from None
+        return t.detach().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
     return t.detach().numpy()
 
 
@@ -57,7 +62,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any)
     Parameters
     ----------
     q, k, v : torch.Tensor
-        CPU tensors, float16, float32 or float64, shapes as for `fastattn.attention`.
+        CPU tensors, float16, bfloat16 (with ml_dtypes installed), float32 or float64,
+        shapes as for `fastattn.attention`.
     **options
         The keywords of `fastattn.attention` but `return_lse` and `out`; tensors
         among them (mask, kv_lengths, q_lengths, alibi_slopes) are read as arrays.

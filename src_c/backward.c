@@ -124,7 +124,7 @@ static void bwd_team(void *arg)
 int fa_attention_backward(const fa_attention_args *a, const fa_backward_args *b)
 {
     fa_team_none();
-    if (a->row_group != 1 || a->q_start || a->kv_start || !a->lse) return FA_EINVAL;
+    if (a->row_group != 1 || a->q_start || a->kv_start || !a->lse || a->kv_dtype != FA_KV_SAME) return FA_EINVAL;
     const fa_isa_table *isa = fa_isa_current();
     const int dt = a->dtype;
     bwd_state st = {.a = a, .b = b, .fn = isa->bwd_unit[dt], .status = FA_OK};

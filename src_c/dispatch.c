@@ -22,6 +22,9 @@
     .attn_item = {fa_attn_item_f32_##isa, fa_attn_item_f64_##isa},                          \
     .attn_item_rows = {fa_attn_item_rows_f32_##isa, fa_attn_item_rows_f64_##isa},           \
     .attn_group_rows = {fa_attn_group_rows_f32_##isa, fa_attn_group_rows_f64_##isa},        \
+    .attn_item_rows_kv = {fa_attn_item_rows_h16_##isa, fa_attn_item_rows_b16_##isa},        \
+    .attn_group_rows_kv = {fa_attn_group_rows_h16_##isa, fa_attn_group_rows_b16_##isa},     \
+    .kv_widen = {fa_kv_widen_h16_##isa, fa_kv_widen_b16_##isa},                              \
     .attn_merge = {fa_attn_merge_f32_##isa, fa_attn_merge_f64_##isa},                       \
     .bwd_unit = {fa_bwd_unit_f32_##isa, fa_bwd_unit_f64_##isa},                             \
     .weights_item = {fa_weights_item_f32_##isa, fa_weights_item_f64_##isa},                \
@@ -173,11 +176,20 @@ static void read_cpu(fa_cpu *out)
 
 static const fa_isa_table *current = NULL;
 
+#if defined(FA_HAVE_AVX2_BUILD) && (defined(__GNUC__) || defined(__clang__))
+static int cpu_has_f16c(void)
+{
+    unsigned a, b, c, d;
+    return __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C);
+}
+#endif
+
 static int cpu_has_avx2_fma(void)
 {
 #if defined(FA_HAVE_AVX2_BUILD) && (defined(__GNUC__) || defined(__clang__))
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    /* F16C (every AVX2 CPU has it) for the float16 K and V kernels */
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && cpu_has_f16c();
 #else
     return 0;
 #endif
@@ -318,6 +330,13 @@ int fa_tuning_set(const fa_tuning *t)
 }
 
 const char *fa_isa_name(void) { return fa_isa_current()->name; }
+
+int fa_kv_widen(int kv_dtype, const void *x, float *y, int64_t n)
+{
+    if (kv_dtype != FA_KV_F16 && kv_dtype != FA_KV_BF16) return FA_EINVAL;
+    fa_isa_current()->kv_widen[kv_dtype - 1](x, y, n);
+    return FA_OK;
+}
 
 int fa_exp(int dtype, int which, const void *x, void *y, int64_t n)
 {

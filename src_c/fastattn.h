@@ -48,6 +48,10 @@ enum {
 
 /* Compute dtypes. */
 enum { FA_F32 = 0, FA_F64 = 1 };
+/* How K and V are stored (fa_attention_args.kv_dtype): in the compute dtype,
+ * or (float32 calls only) as 16-bit floats, widened to float32 as they are
+ * read: IEEE binary16 or bfloat16. */
+enum { FA_KV_SAME = 0, FA_KV_F16 = 1, FA_KV_BF16 = 2 };
 
 /* Mask kinds. */
 enum {
@@ -78,12 +82,13 @@ typedef struct {
     int64_t group_runs;  /* item groups the group kernel ran */
     int64_t tail_rows;   /* query rows the row kernel ran as the tiled kernel's tails */
     int64_t redo_rows;   /* rows recomputed carefully (a result came out non-finite) */
+    int64_t kv_widened;  /* calls whose 16-bit K and V were widened to float32 copies */
 } fa_stats;
 
 /* Arguments of fa_attention.
  *   q     (lead, nq, dk)    compute dtype
- *   k     (lead, nk, dk)    compute dtype
- *   v     (lead, nk, dv)    compute dtype
+ *   k     (lead, nk, dk)    compute dtype, or 16-bit floats (kv_dtype)
+ *   v     (lead, nk, dv)    as k
  *   mask  (lead, nq, nk)    uint8 or compute dtype, any strides, or NULL
  *   out   (lead, nq, dv)    compute dtype, written
  *   lse   (lead, nq)        compute dtype, written, or NULL
@@ -124,6 +129,8 @@ typedef struct {
     const void *q, *k, *v, *mask;
     void *out, *lse;
     int dtype;                          /* FA_F32 or FA_F64 */
+    int kv_dtype;                       /* FA_KV_*: how k and v are stored (16-bit:
+                                         * FA_F32 only; not the backward pass) */
     int mask_kind;                      /* FA_MASK_* */
     int causal;                         /* key j visible to query i iff j <= p (above) */
     int top_left;                       /* positions aligned top-left: p = i / G (above) */

@@ -139,6 +139,15 @@ typedef void (*fa_attn_merge_fn)(const fa_attention_args *a, const fa_item *it,
 typedef void (*fa_softmax_row_fn)(const void *x, int64_t xs, void *o, int64_t os,
                                   int64_t n, void *scratch);
 
+/* dst[0..n) = src[0..n), 16-bit floats (FA_KV_F16 or FA_KV_BF16) widened to
+ * float32: K and V for the kernels that read them in float32 (attention.c). */
+typedef void (*fa_kv_widen_fn)(const void *src, float *dst, int64_t n);
+/* Bytes of one stored K or V element. */
+static inline int64_t fa_kv_esz(const fa_attention_args *a)
+{
+    return a->kv_dtype != FA_KV_SAME ? 2 : a->dtype == FA_F32 ? 4 : 8;
+}
+
 /* Scalar exp of the same polynomial as the vector kernels (for tests). */
 typedef void (*fa_exp_fn)(const void *x, void *y, int64_t n);
 
@@ -205,6 +214,9 @@ typedef struct {
     fa_attn_item_fn attn_item[2];      /* tiled: many query rows */
     fa_attn_item_fn attn_item_rows[2]; /* few query rows (decode) */
     fa_attn_group_fn attn_group_rows[2]; /* ... over interleaved items (a (B, n, H, d) cache) */
+    fa_attn_item_fn attn_item_rows_kv[2]; /* the row and group kernels over K and V */
+    fa_attn_group_fn attn_group_rows_kv[2]; /* stored as FA_KV_F16, FA_KV_BF16 (index - 1) */
+    fa_kv_widen_fn kv_widen[2];        /* ... and those to float32 (fa_kv_widen) */
     fa_attn_merge_fn attn_merge[2];
     fa_bwd_unit_fn bwd_unit[2];        /* the backward kernel (kernel/backward.h) */
     fa_attn_item_fn weights_item[2];   /* probabilities (attention_weights) */
@@ -287,7 +299,16 @@ static inline int64_t fa_softmax_scratch_elems(int64_t n)
     void fa_exp_f64_##isa(const void *, void *, int64_t);                             \
     void fa_exp_neg_f32_##isa(const void *, void *, int64_t);                         \
     void fa_exp_neg_f64_##isa(const void *, void *, int64_t);                         \
-    extern const int fa_lanes_f32_##isa, fa_lanes_f64_##isa;
+    extern const int fa_lanes_f32_##isa, fa_lanes_f64_##isa;                          \
+    FA_DECLARE_KV(h16, isa)                                                           \
+    FA_DECLARE_KV(b16, isa)
+/* The 16-bit K and V kernels (kernels_h16_*.c, kernels_b16_*.c). */
+#define FA_DECLARE_KV(kv, isa)                                                        \
+    void fa_attn_item_rows_##kv##_##isa(const fa_attention_args *, const fa_tiles *,  \
+                                        const fa_item *, void *);                     \
+    void fa_attn_group_rows_##kv##_##isa(const fa_attention_args *, const fa_tiles *, \
+                                         const fa_item *, int64_t, void *);           \
+    void fa_kv_widen_##kv##_##isa(const void *, float *, int64_t);
 
 FA_DECLARE_ISA(generic)
 #if defined(__x86_64__) || defined(_M_X64)
@@ -357,5 +378,8 @@ int64_t fa_live_items(const fa_attention_args *a, int64_t n_lead_total, int64_t 
 /* Exposed for the tests: the chosen path's vector exp (which = 0) and the
  * attention kernels' exp for arguments <= 0 (which = 1). */
 int fa_exp(int dtype, int which, const void *x, void *y, int64_t n);
+/* ... and the chosen path's widening of 16-bit K and V (kv_dtype: FA_KV_F16
+ * or FA_KV_BF16) to float32. */
+int fa_kv_widen(int kv_dtype, const void *x, float *y, int64_t n);
 
 #endif /* FASTATTN_INTERNAL_H */

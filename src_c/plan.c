@@ -23,7 +23,7 @@ static int64_t kv_bytes(const fa_attention_args *a)
         if (a->k_lead[d] != 0) nk_rows *= a->lead_shape[d];
         if (a->v_lead[d] != 0) nv_rows *= a->lead_shape[d];
     }
-    return (nk_rows * a->dk + nv_rows * a->dv) * (a->dtype == FA_F32 ? 4 : 8);
+    return (nk_rows * a->dk + nv_rows * a->dv) * fa_kv_esz(a);
 }
 
 /* The tiles (query rows per item, keys per tile, their padded layout).

@@ -34,19 +34,26 @@ _core_attention = _core.attention   # the binding itself, for plans (not a test'
 
 
 def _operands(arrays):
-    """Arrays (array-likes such as lists as arrays) and dtypes, for np.result_type."""
-    return [a if isinstance(a, (np.dtype, type)) else np.asarray(a) for a in arrays]
+    """Arrays (array-likes such as lists as arrays) and dtypes, for np.result_type;
+    16-bit floats (float16, ml_dtypes' bfloat16) as float32, which they compute in."""
+    out = []
+    for a in arrays:
+        dt = np.dtype(a) if isinstance(a, (np.dtype, type)) else np.asarray(a).dtype
+        out.append(np.dtype(F32) if dt.itemsize == 2 and dt.kind in "fV" else
+                   (a if isinstance(a, (np.dtype, type)) else np.asarray(a)))
+    return out
 
 
 def compute_dtype(*arrays):
-    """The dtype fastattn computes in: float32 for float16 and float32 inputs, else float64
-    (arrays: the inputs, or their dtypes)."""
+    """The dtype fastattn computes in: float32 for 16-bit floats and float32 inputs, else
+    float64 (arrays: the inputs, or their dtypes)."""
     res = np.result_type(*_operands(arrays))
-    return np.dtype(F32) if res in (np.dtype(np.float16), np.dtype(F32)) else np.dtype(F64)
+    return np.dtype(F32) if res == np.dtype(F32) else np.dtype(F64)
 
 
 def result_dtype(*arrays):
-    """The dtype of the result: NumPy's result_type of the inputs, float64 for integers and bools."""
+    """The dtype of the result: NumPy's result_type of the inputs, float32 for 16-bit
+    floats, float64 for integers and bools."""
     res = np.result_type(*_operands(arrays))
     return res if res.kind == "f" else np.dtype(F64)
 

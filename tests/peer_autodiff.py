@@ -40,10 +40,29 @@ def test_torch_errors():
     q = torch.randn(4, 8)
     with pytest.raises(TypeError, match="return_lse"):
         attention(q, q, q, return_lse=True)
-    with pytest.raises(TypeError, match="bfloat16"):
-        attention(q.bfloat16(), q, q)
     with pytest.raises(TypeError, match="torch.Tensor"):
         attention(np.ones((4, 8)), q, q)
+
+
+def test_torch_half_kv():
+    """float16 and bfloat16 K and V (a 16-bit KV cache) with float32 q: read as they
+    are; the output float32, the gradients in the inputs' dtypes (torch casts them)."""
+    import torch
+
+    from fastattn.torch import attention
+    torch.manual_seed(0)
+    for dt in (torch.float16, torch.bfloat16):
+        q = torch.randn(2, 4, 3, 16, requires_grad=True)
+        k = torch.randn(2, 4, 40, 16).to(dt).requires_grad_()
+        v = torch.randn(2, 4, 40, 16).to(dt).requires_grad_()
+        out = attention(q, k, v, causal=True)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q.double(), k.double(), v.double(), is_causal=False,
+            attn_mask=torch.ones(3, 40, dtype=torch.bool).tril(37))
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-6)
+        out.sum().backward()
+        assert k.grad.dtype == dt and v.grad.dtype == dt and q.grad.dtype == torch.float32
 
 
 def _jax_reference(q, k, v, causal):

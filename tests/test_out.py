@@ -80,7 +80,8 @@ def test_out_casts_same_kind(rng, in_dt, out_dt, form):
         q, k, v = (np.ascontiguousarray(a.swapaxes(1, 2)) for a in (q, k, v))
         kw["layout"] = "blhd"
     comp = compute_dtype(np.result_type(q, k, v))
-    plain = fastattn.attention(*(a.astype(comp) for a in (q, k, v)), **kw)
+    plain = fastattn.attention(q, k, v, **kw)
+    assert plain.dtype == comp
     out = np.full(plain.shape, 7, out_dt)
     res = fastattn.attention(q, k, v, out=out, **kw)
     assert res is out and out.dtype == np.dtype(out_dt)

@@ -6,7 +6,7 @@ inputs left as they were; each against the float64 reference."""
 import numpy as np
 import pytest
 from conftest import assert_close, rand, reference64
-from helpers import F32, F64, check, heads_last, team_check
+from helpers import F32, F64, check, compute_dtype, heads_last, team_check
 
 import fastattn
 from fastattn import reference as ref
@@ -151,23 +151,24 @@ def test_real_arguments_of_any_real_type(rng):
 def test_float16(isa, rng):
     q, k, v = (rand(rng, (2, 50, 16), np.float16) for _ in range(3))
     out, lse = fastattn.attention(q, k, v, return_lse=True)
-    assert out.dtype == np.float16 and lse.dtype == F32
+    assert out.dtype == F32 and lse.dtype == F32   # 16-bit floats compute in and give float32
     want, want_lse = reference64(q, k, v)
-    assert_close(out, want, np.float16)
+    assert_close(out, want, F32)
     assert_close(lse, want_lse, F32, "lse")
 
 
 @pytest.mark.parametrize("dts,expect", [
     ((F32, F32, F32), F32), ((F32, F64, F32), F64), ((np.float16, F32, np.float16), F32),
     ((np.int64, np.int64, np.int64), F64), ((np.int32, F32, np.int8), F64), ((bool, bool, bool), F64),
-    ((np.uint8, np.float16, np.float16), np.float16),
+    ((np.uint8, np.float16, np.float16), F32), ((np.float16,) * 3, F32), ((np.float16, F64, F64), F64),
 ])
 def test_result_dtype(rng, dts, expect):
     q = (rng.standard_normal((6, 4)) * 3).astype(dts[0])
     k = (rng.standard_normal((9, 4)) * 3).astype(dts[1])
     v = (rng.standard_normal((9, 5)) * 3).astype(dts[2])
     out = fastattn.attention(q, k, v)
-    assert out.dtype == np.dtype(expect) == (np.result_type(q, k, v) if np.result_type(q, k, v).kind == "f" else F64)
+    promoted = np.result_type(q, k, v)   # NumPy's, but integers give float64 and 16-bit floats float32
+    assert out.dtype == np.dtype(expect) == (F64 if promoted.kind != "f" else max(promoted, np.dtype(F32)))
     want, _ = reference64(q, k, v)
     assert_close(out, want, expect)
 
@@ -319,7 +320,7 @@ def test_layout_blhd(isa, rng, dtype, nq, threads):
         with team_check(threads):
             out, lse = fastattn.attention(q, k, v, layout="blhd", return_lse=True, num_threads=threads, **kw)
         want, want_lse = reference64(qh, kh, vh, **kw)
-        assert out.shape == (B, nq, H, 12) and out.dtype == dtype and out.flags.c_contiguous
+        assert out.shape == (B, nq, H, 12) and out.dtype == compute_dtype(dtype) and out.flags.c_contiguous
         assert_close(out, heads_last(want), dtype)
         assert lse.shape == (B, H, nq)                                       # head-major, as flash-attn's
         assert_close(lse, want_lse, dtype, "lse")

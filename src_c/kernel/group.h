@@ -40,7 +40,7 @@ enum { GROUP_PF_BYTES = 131072 };
  * (docs/tuning.md, group_step).  Only where a vector has 4 lanes or more.
  *   Qs (dkp) the row, times scale, zero-padded   K (nb, dk), V (nb, dv) row
  *   strides krs, vrs   A, As, Ac (dv)   m, l, lc (1) */
-INLINE void group_step(const T *restrict Qs, const T *restrict K, int64_t krs, int64_t dk, const T *restrict V,
+INLINE void group_step(const T *restrict Qs, const KT *restrict K, int64_t krs, int64_t dk, const KT *restrict V,
                        int64_t vrs, int64_t dv, int64_t nb, T *restrict A, T *m, T *l)
 {
     const int64_t dkv = dk / L * L, dvv = dv / L * L;
@@ -102,7 +102,7 @@ void FN(fa_attn_group_rows)(const fa_attention_args *a, const fa_tiles *tl, cons
         for (int64_t g = 0; g < n; g++) {
             const fa_item *it = &its[g];
             const band_t *b = &band[g];
-            const T *K = it->k, *V = it->v;
+            const KT *K = it->k, *V = it->v;
             const int64_t jl = j0 > b->j_lo ? j0 : b->j_lo, jh = j0 + bk < b->j_hi ? j0 + bk : b->j_hi;
             const int64_t ja = j0 + ahead, na = b->j_hi - ja < bk ? b->j_hi - ja : bk; /* rows ahead */
             const int in_step = it->bq > 1 && jl < jh; /* several rows: prefetch in step */

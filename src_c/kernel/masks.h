@@ -250,6 +250,33 @@ static T abs_max(const T *x, int64_t rs, int64_t nc, int64_t nr)
     return ms;
 }
 
+#if FA_KV
+/* abs_max of K or V rows, as stored (KT). */
+static T abs_max_kv(const KT *x, int64_t rs, int64_t nc, int64_t nr)
+{
+    vec mv = vset1(0);
+    T ms = 0;
+    for (int64_t r = 0; r < nr; r++) {
+        int64_t c = 0;
+        for (; c + L <= nc; c += L) {
+            const vec y = vload_kv(x + r * rs + c);
+            mv = vnanmax(vsel(y < 0, -y, y), mv);
+        }
+        for (; c < nc; c++) {
+            const T xs = kv_s(x[r * rs + c]), y = xs < 0 ? -xs : xs;
+            if (y > ms || y != y) ms = y;
+        }
+    }
+    T t[L];
+    memcpy(t, &mv, sizeof t);
+    for (int i = 0; i < L; i++)
+        if (t[i] > ms || t[i] != t[i]) ms = t[i];
+    return ms;
+}
+#else
+#define abs_max_kv abs_max
+#endif
+
 /* Whether no score of queries with max |q| = qmax (scaled) and keys with
  * max |k| = kmax can be NaN or +inf: every |score| is at most dk * qmax * kmax
  * (false when either max is NaN); a softcap and ALiBi keep a finite score
@@ -365,9 +392,10 @@ static __attribute__((noinline)) void mask_trim(band_t *b, const fa_attention_ar
     while (hi > lo && !mask_key_seen(a, it, hi - 1)) hi--;
     while (lo < hi && !mask_key_seen(a, it, lo)) lo++;
     if (a->mask_kind == FA_MASK_ADD && (lo > b->j_lo || hi < b->j_hi)) {
-        const T *K = (const T *)it->k, qmax = abs_max(Qs, dkp, dkp, it->bq);
-        if (!scores_bounded(qmax, abs_max(K + b->j_lo * a->k_rs, a->k_rs, a->dk, lo - b->j_lo), a->dk) ||
-            !scores_bounded(qmax, abs_max(K + hi * a->k_rs, a->k_rs, a->dk, b->j_hi - hi), a->dk))
+        const KT *K = (const KT *)it->k;
+        const T qmax = abs_max(Qs, dkp, dkp, it->bq);
+        if (!scores_bounded(qmax, abs_max_kv(K + b->j_lo * a->k_rs, a->k_rs, a->dk, lo - b->j_lo), a->dk) ||
+            !scores_bounded(qmax, abs_max_kv(K + hi * a->k_rs, a->k_rs, a->dk, b->j_hi - hi), a->dk))
             return;
     }
     b->j_lo = lo;

@@ -13,8 +13,8 @@
  * 12-20 query rows from memory, and no slower elsewhere (docs/tuning.md,
  * tile_pf). */
 typedef struct {
-    const T *v;        /* V rows of this tile: (nv, dv) row stride vrs */
-    const T *k;        /* K rows of the next tile, or of the thread's next item's
+    const KT *v;       /* V rows of this tile: (nv, dv) row stride vrs */
+    const KT *k;       /* K rows of the next tile, or of the thread's next item's
                         * first tile: (nk, dk) row stride krs */
     const T *q;        /* the next item's query rows: (nq, dk) row stride qrs */
     int64_t nv, nk, nq, vrs, krs, qrs, dv, dk;
@@ -30,11 +30,13 @@ typedef struct {
  * rows H*d apart) it was a demand miss from memory on every row.  The callers
  * ask for the tail only where rows do not abut: there it pays, for abutting
  * rows it costs a little (docs/tuning.md, prefetch_l2). */
-INLINE void prefetch_l2(const T *p, int64_t n, int tail)
+INLINE void prefetch_l2_bytes(const char *p, int64_t bytes, int64_t esz, int tail)
 {
-    for (int64_t c = 0; c < n; c += 64 / (int64_t)sizeof(T)) __builtin_prefetch(p + c, 0, 2);
-    if (tail && n > 0) __builtin_prefetch(p + n - 1, 0, 2);
+    for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(p + c, 0, 2);
+    if (tail && bytes > 0) __builtin_prefetch(p + bytes - esz, 0, 2);
 }
+/* p: a T, KT or other row of n elements */
+#define prefetch_l2(p, n, tail) prefetch_l2_bytes((const char *)(p), (n) * (int64_t)sizeof(*(p)), sizeof(*(p)), tail)
 
 INLINE void tile_prefetch(const tile_pf *pf, int64_t j, int64_t r)
 {
@@ -67,7 +69,7 @@ INLINE void prefetch_in_step(const tile_pf *pf, int64_t c, int64_t c_end, int64_
 enum { PF_BYTES = 6144, DECODE_PF_BYTES = 2048, FAR_PF_BYTES = 8192 };
 INLINE int64_t prefetch_dist_bytes(int64_t row_elems, int64_t bytes)
 {
-    const int64_t r = bytes / (row_elems * (int64_t)sizeof(T) + 1);
+    const int64_t r = bytes / (row_elems * (int64_t)sizeof(KT) + 1); /* K or V rows */
     return r < 4 ? 4 : r;
 }
 /* Rows ahead for the row kernel's K and V prefetch (near: PF_BYTES). */
@@ -78,10 +80,10 @@ INLINE int64_t prefetch_dist(int64_t row_elems, int far)
 /* One K or V row (n elements), into L2 (far; tail: see prefetch_l2) or into
  * L1 without the tail (in cache it makes no difference: docs/tuning.md,
  * prefetch_l2). */
-INLINE void prefetch_row(const T *p, int64_t n, int far, int tail)
+INLINE void prefetch_row(const KT *p, int64_t n, int far, int tail)
 {
     if (far)
         prefetch_l2(p, n, tail);
     else
-        for (int64_t c = 0; c < n; c += 64 / (int64_t)sizeof(T)) __builtin_prefetch(p + c, 0, 3);
+        for (int64_t c = 0; c < n; c += 64 / (int64_t)sizeof(KT)) __builtin_prefetch(p + c, 0, 3);
 }

@@ -50,42 +50,42 @@
 
 /* Scores of one row and four keys, K rows k0..k3: s[0..4) = Qs row . K row.
  * Two accumulators per key: eight independent FMA chains (the decode case). */
-INLINE void rows_scores_1x4(T *restrict s, const T *restrict qi, const T *restrict k0,
-                            const T *restrict k1, const T *restrict k2, const T *restrict k3,
+INLINE void rows_scores_1x4(T *restrict s, const T *restrict qi, const KT *restrict k0,
+                            const KT *restrict k1, const KT *restrict k2, const KT *restrict k3,
                             int64_t dk, int64_t dkv)
 {
     vec a0 = vset1(0), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
     int64_t c = 0;
     for (; c + 2 * L <= dkv; c += 2 * L) {
         const vec x = vload(qi + c), y = vload(qi + c + L);
-        a0 += x * vload(k0 + c); b0 += y * vload(k0 + c + L);
-        a1 += x * vload(k1 + c); b1 += y * vload(k1 + c + L);
-        a2 += x * vload(k2 + c); b2 += y * vload(k2 + c + L);
-        a3 += x * vload(k3 + c); b3 += y * vload(k3 + c + L);
+        a0 += x * vload_kv(k0 + c); b0 += y * vload_kv(k0 + c + L);
+        a1 += x * vload_kv(k1 + c); b1 += y * vload_kv(k1 + c + L);
+        a2 += x * vload_kv(k2 + c); b2 += y * vload_kv(k2 + c + L);
+        a3 += x * vload_kv(k3 + c); b3 += y * vload_kv(k3 + c + L);
     }
     for (; c < dkv; c += L) {
         const vec x = vload(qi + c);
-        a0 += x * vload(k0 + c); a1 += x * vload(k1 + c);
-        a2 += x * vload(k2 + c); a3 += x * vload(k3 + c);
+        a0 += x * vload_kv(k0 + c); a1 += x * vload_kv(k1 + c);
+        a2 += x * vload_kv(k2 + c); a3 += x * vload_kv(k3 + c);
     }
     hsum4(a0 + b0, a1 + b1, a2 + b2, a3 + b3, s);
     for (; c < dk; c++) {
-        s[0] += qi[c] * k0[c]; s[1] += qi[c] * k1[c];
-        s[2] += qi[c] * k2[c]; s[3] += qi[c] * k3[c];
+        s[0] += qi[c] * kv_s(k0[c]); s[1] += qi[c] * kv_s(k1[c]);
+        s[2] += qi[c] * kv_s(k2[c]); s[3] += qi[c] * kv_s(k3[c]);
     }
 }
 
 /* Scores of R rows (Qs rows i = 0..R, stride dkp) and four keys k0..k3:
  * S[i * ls + 0..4).  R x 4 accumulators; each K vector serves R rows. */
 INLINE void rows_scores_rx4(const int R, T *restrict S, int64_t ls, const T *restrict Qs, int64_t dkp,
-                            const T *restrict k0, const T *restrict k1, const T *restrict k2,
-                            const T *restrict k3, int64_t dk, int64_t dkv)
+                            const KT *restrict k0, const KT *restrict k1, const KT *restrict k2,
+                            const KT *restrict k3, int64_t dk, int64_t dkv)
 {
     vec acc[RS_MAX][4];
     UNROLL(4) for (int i = 0; i < R; i++)
         UNROLL(4) for (int x = 0; x < 4; x++) acc[i][x] = vset1(0);
     for (int64_t c = 0; c < dkv; c += L) {
-        const vec x0 = vload(k0 + c), x1 = vload(k1 + c), x2 = vload(k2 + c), x3 = vload(k3 + c);
+        const vec x0 = vload_kv(k0 + c), x1 = vload_kv(k1 + c), x2 = vload_kv(k2 + c), x3 = vload_kv(k3 + c);
         UNROLL(4) for (int i = 0; i < R; i++) {
             const vec qv = vload(Qs + i * dkp + c);
             acc[i][0] += qv * x0; acc[i][1] += qv * x1;
@@ -97,8 +97,8 @@ INLINE void rows_scores_rx4(const int R, T *restrict S, int64_t ls, const T *res
         const T *qi = Qs + i * dkp;
         hsum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3], si);
         for (int64_t c = dkv; c < dk; c++) {
-            si[0] += qi[c] * k0[c]; si[1] += qi[c] * k1[c];
-            si[2] += qi[c] * k2[c]; si[3] += qi[c] * k3[c];
+            si[0] += qi[c] * kv_s(k0[c]); si[1] += qi[c] * kv_s(k1[c]);
+            si[2] += qi[c] * kv_s(k2[c]); si[3] += qi[c] * kv_s(k3[c]);
         }
     }
 }
@@ -110,13 +110,13 @@ INLINE void rows_scores_rx4(const int R, T *restrict S, int64_t ls, const T *res
  * per key).  Rows j < npf of K exist and may be prefetched (far: into L2, see
  * prefetch_row); xpf's rows (NULL: none) are prefetched in step with the keys. */
 static void rows_scores(T *restrict S, int64_t ls, const T *restrict Qs, int64_t dkp, int64_t bq,
-                        const T *restrict K, int64_t krs, int64_t dk, int64_t nb, int64_t npf, int far,
+                        const KT *restrict K, int64_t krs, int64_t dk, int64_t nb, int64_t npf, int far,
                         const tile_pf *xpf)
 {
     const int64_t dkv = dk / L * L, pf = prefetch_dist(dk, far);
     int64_t j = 0;
     for (; j + 4 <= nb; j += 4) {
-        const T *k0 = K + j * krs, *k1 = k0 + krs, *k2 = k1 + krs, *k3 = k2 + krs;
+        const KT *k0 = K + j * krs, *k1 = k0 + krs, *k2 = k1 + krs, *k3 = k2 + krs;
         for (int64_t r = j + pf; r < j + pf + 4 && r < npf; r++) prefetch_row(K + r * krs, dk, far, krs != dk);
         if (xpf) tile_prefetch(xpf, j, 4);
         int64_t i = 0;
@@ -133,18 +133,18 @@ static void rows_scores(T *restrict S, int64_t ls, const T *restrict Qs, int64_t
     }
     if (xpf) tile_prefetch(xpf, j, INT64_MAX - j); /* the rest */
     for (; j < nb; j++) {
-        const T *kj = K + j * krs;
+        const KT *kj = K + j * krs;
         for (int64_t i = 0; i < bq; i++) {
             const T *qi = Qs + i * dkp;
             vec a0 = vset1(0), b0 = a0;
             int64_t c = 0;
             for (; c + 2 * L <= dkv; c += 2 * L) {
-                a0 += vload(qi + c) * vload(kj + c);
-                b0 += vload(qi + c + L) * vload(kj + c + L);
+                a0 += vload(qi + c) * vload_kv(kj + c);
+                b0 += vload(qi + c + L) * vload_kv(kj + c + L);
             }
-            for (; c < dkv; c += L) a0 += vload(qi + c) * vload(kj + c);
+            for (; c < dkv; c += L) a0 += vload(qi + c) * vload_kv(kj + c);
             T s = hsum(a0 + b0);
-            for (; c < dk; c++) s += qi[c] * kj[c];
+            for (; c < dk; c++) s += qi[c] * kv_s(kj[c]);
             S[i * ls + j] = s;
         }
     }
@@ -158,18 +158,18 @@ static void rows_scores(T *restrict S, int64_t ls, const T *restrict Qs, int64_t
  * rows ahead (far: into L2; tail: see prefetch_l2); and kp's row j with key j
  * (NULL: none). */
 INLINE void rows_pv_tile(const int R, const int NV, T *restrict A, int64_t lda, const T *restrict S,
-                         int64_t ls, const T *restrict V, int64_t vrs, int64_t nb, int64_t npf, int64_t pf,
+                         int64_t ls, const KT *restrict V, int64_t vrs, int64_t nb, int64_t npf, int64_t pf,
                          int64_t pfn, int far, int tail, const tile_pf *kp)
 {
     vec acc[RP_MAX][8];
     UNROLL(8) for (int i = 0; i < R; i++)
         UNROLL(8) for (int x = 0; x < NV; x++) acc[i][x] = vset1(0);
     for (int64_t j = 0; j < nb; j++) {
-        const T *vj = V + j * vrs;
+        const KT *vj = V + j * vrs;
         if (j + pf < npf) prefetch_row(vj + pf * vrs, pfn, far, tail);
         if (kp) tile_prefetch(kp, j, 1);
         vec vv[8];
-        UNROLL(8) for (int x = 0; x < NV; x++) vv[x] = vload(vj + x * L);
+        UNROLL(8) for (int x = 0; x < NV; x++) vv[x] = vload_kv(vj + x * L);
         UNROLL(8) for (int i = 0; i < R; i++) {
             const T p = S[i * ls + j]; /* scalar x vector: a broadcast (vset1 would add 0 first) */
             UNROLL(8) for (int x = 0; x < NV; x++) acc[i][x] += p * vv[x];
@@ -188,7 +188,7 @@ INLINE void rows_pv_tile(const int R, const int NV, T *restrict A, int64_t lda, 
 #define PV_TILE(NV) rows_pv_tile(R, NV, A + c, lda, S, ls, V + c, vrs, nb, (R == 1 || c == 0) ? npf : 0, pf, R == 1 ? NV * L : dv, far, vrs != dv, \
                                  (xpf && xpf->per_key && c == 0) ? xpf : NULL)
 INLINE void rows_pv_r(const int R, T *restrict A, int64_t lda, const T *restrict S, int64_t ls,
-                      const T *restrict V, int64_t vrs, int64_t dv, int64_t nb, int64_t npf, int far,
+                      const KT *restrict V, int64_t vrs, int64_t dv, int64_t nb, int64_t npf, int far,
                       const tile_pf *xpf)
 {
     const int NVM = PV_ACC / R > 8 ? 8 : PV_ACC / R;
@@ -212,7 +212,7 @@ INLINE void rows_pv_r(const int R, T *restrict A, int64_t lda, const T *restrict
     for (int i = 0; i < R; i++)
         for (c = nvec * L; c < dv; c++) {
             T s = 0;
-            for (int64_t j = 0; j < nb; j++) s += S[i * ls + j] * V[j * vrs + c];
+            for (int64_t j = 0; j < nb; j++) s += S[i * ls + j] * kv_s(V[j * vrs + c]);
             A[i * lda + c] += s;
         }
 }
@@ -222,7 +222,7 @@ INLINE void rows_pv_r(const int R, T *restrict A, int64_t lda, const T *restrict
  * RP_MAX at a time.  Rows j < npf of V may be prefetched (0: none; far: into
  * L2), and xpf's rows (NULL: none); only the first group of rows prefetches
  * (the others find V in cache). */
-static void rows_pv(T *restrict A, const T *restrict S, int64_t ls, int64_t bq, const T *restrict V,
+static void rows_pv(T *restrict A, const T *restrict S, int64_t ls, int64_t bq, const KT *restrict V,
                     int64_t vrs, int64_t dv, int64_t nb, int64_t npf, int far, const tile_pf *xpf)
 {
     int64_t i = 0;
@@ -248,7 +248,7 @@ static void rows_pv(T *restrict A, const T *restrict S, int64_t ls, int64_t bq, 
  * rows_pv's; off the common path (noinline: inlined, it slowed item_rows,
  * mask or not: docs/tuning.md, rows_pv_runs) */
 static __attribute__((noinline)) void rows_pv_runs(const key_runs *kr, T *restrict A, const T *restrict S,
-                                                   int64_t ls, int64_t bq, const T *restrict V, int64_t vrs,
+                                                   int64_t ls, int64_t bq, const KT *restrict V, int64_t vrs,
                                                    int64_t dv, int64_t nb, int64_t npf, int far,
                                                    const tile_pf *xpf)
 {
@@ -266,12 +266,12 @@ static __attribute__((noinline)) void rows_pv_runs(const key_runs *kr, T *restri
 /* P . V for the rows that redo_nonfinite_rows recomputes, where the weight
  * of a key the query does not see is -0 (item_rows, careful): such a value
  * row adds nothing even when it holds inf or NaN.  A (dv) += S (nb) . V (nb, dv). */
-static void rows_pv_careful(T *restrict A, const T *restrict S, const T *restrict V, int64_t vrs,
+static void rows_pv_careful(T *restrict A, const T *restrict S, const KT *restrict V, int64_t vrs,
                             int64_t dv, int64_t nb)
 {
     for (int64_t j = 0; j < nb; j++) {
         const T p = S[j];
-        const T *vj = V + j * vrs;
+        const KT *vj = V + j * vrs;
         if (p == 0) {
             /* -0: a hidden key, which adds nothing.  +0: a key the row sees
              * whose weight underflowed; its true weight is positive, so its
@@ -279,10 +279,10 @@ static void rows_pv_careful(T *restrict A, const T *restrict S, const T *restric
              * ones add nothing. */
             if (!signbit(p))
                 for (int64_t c = 0; c < dv; c++)
-                    if (!isfinite(vj[c])) A[c] += vj[c];
+                    if (!isfinite(kv_s(vj[c]))) A[c] += kv_s(vj[c]);
             continue;
         }
-        for (int64_t c = 0; c < dv; c++) A[c] += p * vj[c];
+        for (int64_t c = 0; c < dv; c++) A[c] += p * kv_s(vj[c]);
     }
 }
 
@@ -386,17 +386,18 @@ static void rows_softmax(const fa_attention_args *a, const fa_item *it, const ba
 /* One row's A (dv) += p0 v0 + p1 v1 + p2 v2 + p3 v3 for four V rows v0..v3 (dv),
  * dvv = dv rounded down to whole vectors (decode_step, group_step); the four
  * keys' sum formed fresh, then added (FOLD_KEYS). */
-INLINE void pv_1x4(T *restrict A, T p0, T p1, T p2, T p3, const T *restrict v0, const T *restrict v1,
-                   const T *restrict v2, const T *restrict v3, int64_t dv, int64_t dvv)
+INLINE void pv_1x4(T *restrict A, T p0, T p1, T p2, T p3, const KT *restrict v0, const KT *restrict v1,
+                   const KT *restrict v2, const KT *restrict v3, int64_t dv, int64_t dvv)
 {
     for (int64_t c = 0; c < dvv; c += L) {
-        vec acc = p0 * vload(v0 + c);
-        acc += p1 * vload(v1 + c);
-        acc += p2 * vload(v2 + c);
-        acc += p3 * vload(v3 + c);
+        vec acc = p0 * vload_kv(v0 + c);
+        acc += p1 * vload_kv(v1 + c);
+        acc += p2 * vload_kv(v2 + c);
+        acc += p3 * vload_kv(v3 + c);
         vstore(A + c, vload(A + c) + acc);
     }
-    for (int64_t c = dvv; c < dv; c++) A[c] += (p0 * v0[c] + p1 * v1[c]) + (p2 * v2[c] + p3 * v3[c]);
+    for (int64_t c = dvv; c < dv; c++)
+        A[c] += (p0 * kv_s(v0[c]) + p1 * kv_s(v1[c])) + (p2 * kv_s(v2[c]) + p3 * kv_s(v3[c]));
 }
 
 /* One decode step, K and V read side by side: the scores of the next key
@@ -410,8 +411,8 @@ INLINE void pv_1x4(T *restrict A, T p0, T p1, T p2, T p3, const T *restrict v0, 
  *   V  (nv, dv)    row stride vrs; rows j < npv exist
  *   A  (dv)        accumulator
  * far: K and V come from memory (prefetch_row). */
-static void decode_step(T *restrict Sn, const T *restrict Qs, const T *restrict K, int64_t krs, int64_t dk,
-                        int64_t nk, int64_t npk, T *restrict A, const T *restrict P, const T *restrict V,
+static void decode_step(T *restrict Sn, const T *restrict Qs, const KT *restrict K, int64_t krs, int64_t dk,
+                        int64_t nk, int64_t npk, T *restrict A, const T *restrict P, const KT *restrict V,
                         int64_t vrs, int64_t dv, int64_t nv, int64_t npv, int far)
 {
     const int64_t dkv = dk / L * L, dvv = dv / L * L, ahead = far ? FAR_PF_BYTES : DECODE_PF_BYTES;
@@ -419,14 +420,14 @@ static void decode_step(T *restrict Sn, const T *restrict Qs, const T *restrict 
     const int64_t n = nk > nv ? nk : nv;
     for (int64_t j = 0; j < n; j += 4) {
         if (j + 4 <= nk) {
-            const T *k0 = K + j * krs;
+            const KT *k0 = K + j * krs;
             for (int64_t r = j + pfk; r < j + pfk + 4 && r < npk; r++) prefetch_row(K + r * krs, dk, far, krs != dk);
             rows_scores_1x4(Sn + j, Qs, k0, k0 + krs, k0 + 2 * krs, k0 + 3 * krs, dk, dkv);
         } else if (j < nk) { /* the last 1-3 keys: rows_scores' one-key loop */
             rows_scores(Sn + j, 0, Qs, 0, 1, K + j * krs, krs, dk, nk - j, 0, 0, NULL);
         }
         if (j + 4 <= nv) {
-            const T *v0 = V + j * vrs, *v1 = v0 + vrs, *v2 = v1 + vrs, *v3 = v2 + vrs;
+            const KT *v0 = V + j * vrs, *v1 = v0 + vrs, *v2 = v1 + vrs, *v3 = v2 + vrs;
             for (int64_t r = j + pfv; r < j + pfv + 4 && r < npv; r++) prefetch_row(V + r * vrs, dv, far, vrs != dv);
             pv_1x4(A, P[j], P[j + 1], P[j + 2], P[j + 3], v0, v1, v2, v3, dv, dvv);
         } else if (j < nv) { /* the last 1-3 keys */
@@ -439,8 +440,8 @@ static void decode_step(T *restrict Sn, const T *restrict Qs, const T *restrict 
  * row: the next tile's scores, then P . V over kr's ranges (rows_pv_runs).
  * Pointers as decode_step's; Sn and P have row stride bk. */
 static __attribute__((noinline)) void decode_step_runs(const key_runs *kr, T *Sn, const T *Qs, int64_t dkp,
-                                                       const T *K, int64_t krs, int64_t dk, int64_t nk,
-                                                       int64_t npk, T *A, const T *P, int64_t bk, const T *V,
+                                                       const KT *K, int64_t krs, int64_t dk, int64_t nk,
+                                                       int64_t npk, T *A, const T *P, int64_t bk, const KT *V,
                                                        int64_t vrs, int64_t dv, int64_t nv, int64_t npv, int far)
 {
     rows_scores(Sn, bk, Qs, dkp, 1, K, krs, dk, nk, npk, far, NULL);
@@ -486,7 +487,7 @@ static void item_rows(const fa_attention_args *a, const fa_tiles *tl, const fa_i
 {
     const int64_t bq = it->bq, bk = tl->bk, dk = a->dk, dv = a->dv;
     const int64_t dkp = (dk + L - 1) / L * L;
-    const T *k = it->k, *v = it->v;
+    const KT *k = it->k, *v = it->v;
     T *Qs = scratch, *S = Qs + bq * dkp, *A = S + bq * bk, *m = A + 3 * bq * dv, *l = m + bq;
     const int far = tl->far; /* K and V from memory: prefetch into L2, further ahead */
     band_t b = rows_begin(a, it, Qs, dkp, A, m, l);

@@ -58,6 +58,74 @@ const int FN(fa_lanes) = L;
 INLINE vec vload(const T *p) { return *(const vec_u *)p; }
 INLINE void vstore(T *p, vec x) { *(vec_u *)p = x; }
 typedef IT ivec_u __attribute__((vector_size(FA_VB), aligned(sizeof(IT)), may_alias));
+/* K and V as stored: KT, T itself, or with FA_KV (float32 kernels only) 16-bit
+ * floats widened to T as they are loaded: 1 IEEE binary16 (float16), 2
+ * bfloat16.  vload_kv(p) is L elements from p as a vec; kv_s(x) one of them. */
+#ifndef FA_KV
+#define FA_KV 0
+#endif
+#if FA_KV == 0
+typedef T KT;
+INLINE vec vload_kv(const KT *p) { return vload(p); }
+INLINE T kv_s(KT x) { return x; }
+#else
+_Static_assert(sizeof(T) == 4, "16-bit K and V: float32 kernels only");
+typedef uint16_t KT;
+typedef uint16_t hvec_u __attribute__((vector_size(FA_VB / 2), aligned(2), may_alias));
+/* L 16-bit words from p, each widened to a 32-bit lane. */
+INLINE uvec vload_u16(const KT *p) { return __builtin_convertvector(*(const hvec_u *)p, uvec); }
+#if FA_KV == 1
+/* binary16 -> binary32, exactly, in integers (a flush-to-zero mode cannot
+ * touch a subnormal): the exponent rebased by 127 - 15 = 112, a subnormal
+ * renormalised, inf and NaN (exponent 31) with their mantissa.  The portable
+ * path's; F16C and AVX-512 convert 8 or 16 at a time (vload_kv). */
+INLINE T kv_s(KT h)
+{
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu;
+    uint32_t m = h & 0x3ffu;
+    uint32_t x;
+    if (e == 0x1f) {
+        x = sign | 0x7f800000u | (m << 13);
+    } else if (e != 0) {
+        x = sign | ((e + 112) << 23) | (m << 13);
+    } else if (m == 0) {
+        x = sign;
+    } else { /* subnormal m 2^-24: shift the leading 1 into the implicit bit */
+        int sh = 0;
+        while (!(m & 0x400u)) {
+            m <<= 1;
+            sh++;
+        }
+        x = sign | ((uint32_t)(113 - sh) << 23) | ((m & 0x3ffu) << 13);
+    }
+    T f;
+    memcpy(&f, &x, sizeof f);
+    return f;
+}
+INLINE vec vload_kv(const KT *p)
+{
+#if (defined(__x86_64__) || defined(_M_X64)) && FA_VB == 64
+    return (vec)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#elif (defined(__x86_64__) || defined(_M_X64)) && FA_VB == 32
+    return (vec)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); /* F16C (the AVX2 file's target) */
+#else
+    T b[L];
+    for (int r = 0; r < L; r++) b[r] = kv_s(p[r]);
+    return vload(b);
+#endif
+}
+#else /* FA_KV == 2: bfloat16 is the upper half of a binary32 */
+INLINE T kv_s(KT h)
+{
+    const uint32_t x = (uint32_t)h << 16;
+    T f;
+    memcpy(&f, &x, sizeof f);
+    return f;
+}
+INLINE vec vload_kv(const KT *p) { return (vec)(vload_u16(p) << 16); }
+#endif
+#endif
+
 INLINE ivec vload_i(const IT *p) { return *(const ivec_u *)p; }
 INLINE vec vset1(T x) { vec z = {0}; return z + x; }
 INLINE vec vsel(ivec m, vec a, vec b) { return (vec)(((ivec)a & m) | ((ivec)b & ~m)); }

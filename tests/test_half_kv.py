@@ -1,0 +1,206 @@
+"""16-bit K and V (float16 and ml_dtypes' bfloat16), read as they are stored.
+
+The row and group kernels widen them to float32 as they load them (src_c/kernel/simd.h,
+vload_kv); the tiled and weights kernels read float32 copies that the call widens once
+(src_c/attention.c, widen_kv).  Every path, on every SIMD path, against the float64
+reference on the same (rounded) values, within float32's tolerance: 16-bit inputs
+compute in and give float32.
+"""
+
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import assert_close, rand, reference64
+from helpers import F32, F64, check, check_varlen, heads_last, packed, run_script, team_check
+
+import fastattn
+from fastattn import _core
+from fastattn import reference as ref
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+HALF = [np.dtype(np.float16), BF16]
+HALF_IDS = ["float16", "bfloat16"]
+
+
+def half(rng, shape, dtype, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
+def test_widen_every_value(isa, dtype):
+    """The path's widening (F16C, AVX-512 or the portable integer one) gives every one
+    of the 65,536 16-bit values exactly: subnormals, infinities and NaN included."""
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    x = bits.view(dtype)
+    got = _core.kv_widen(x)
+    want = x.astype(F32)
+    nan = np.isnan(want)
+    assert np.isnan(got[nan]).all()
+    np.testing.assert_array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
+    for n in (1, 7, 17, 33):   # the tails past whole vectors
+        np.testing.assert_array_equal(_core.kv_widen(x[1000:1000 + n]), want[1000:1000 + n])
+
+
+# (n_q, n_k): decoding, a few rows (the row kernel), the tiled kernel with its tail,
+# and split keys (forced: partials of 512 keys, merged)
+_SHAPES = {"decode": (1, 700), "rows": (3, 300), "tiled": (70, 200), "split": (2, 2100)}
+_OPTIONS = {
+    "plain": {},
+    "causal": {"causal": True},
+    "bool_mask": "bool",
+    "float_mask": "float",
+    "lengths": "kv_lengths",
+    "window_softcap_alibi": {"window": (150, 0), "softcap": 4.0, "alibi_slopes": np.array([0.02, 0.05])},
+}
+
+
+def _options(rng, name, nq, nk):
+    o = _OPTIONS[name]
+    if o == "bool":
+        return {"mask": rng.random((2, 1, nq, nk)) < 0.8}
+    if o == "float":
+        m = np.where(rng.random((1, 2, nq, nk)) < 0.8, rng.standard_normal((1, 2, nq, nk)), -np.inf)
+        return {"mask": m.astype(F32)}
+    if o == "kv_lengths":
+        return {"kv_lengths": np.array([[nk // 3], [nk]])}
+    return dict(o)
+
+
+@pytest.mark.parametrize("opt", list(_OPTIONS))
+@pytest.mark.parametrize("path", list(_SHAPES))
+@pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
+def test_paths(isa, rng, force, dtype, path, opt):
+    """float32 q with a 16-bit K and V on each kernel, with the options: the float32
+    result of the rounded values; the row kernels read K and V in place (no copy),
+    the tiled kernel reads a widened copy."""
+    nq, nk = _SHAPES[path]
+    d, dv = 72, 40   # not whole vectors: the scalar tails convert too
+    q = rand(rng, (2, 2, nq, d))
+    k, v = half(rng, (2, 2, nk, d), dtype), half(rng, (2, 2, nk, dv), dtype)
+    kw = _options(rng, opt, nq, nk)
+    if path == "split":
+        force.set(split_keys=512)   # partials of at most 512 keys, merged
+    force.reset_counts()
+    out, _ = check(q, k, v, F32, num_threads=(1, 2), **kw)
+    assert out.dtype == F32
+    rows_path = fastattn._attention._plan(q, k, v, **kw)["kernel"] == "rows"
+    assert (force.kv_widened == 0) == rows_path, (force.kv_widened, rows_path)
+    assert rows_path == (path != "tiled")
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
+@pytest.mark.parametrize("nq", [1, 4, 40])
+def test_gqa_and_blhd_cache(isa, rng, force, dtype, nq):
+    """GQA (the fold: a group's heads as one item's rows) and a (B, n, H, d) cache (the
+    group kernel, items interleaved), decoding and a few rows, from 16-bit caches."""
+    B, H, Hkv, nk, d = 2, 8, 2, 600, 64
+    q = rand(rng, (B, H, nq, d))
+    k, v = half(rng, (B, Hkv, nk, d), dtype), half(rng, (B, Hkv, nk, d), dtype)
+    check(q, k, v, F32, num_threads=(1, 2), enable_gqa=True, causal=True)
+    check(q, k, v, F32, enable_gqa=True, kv_lengths=np.array([[nk // 2], [nk]]))
+    qb, kb, vb = heads_last(q), heads_last(half(rng, (B, H, nk, d), dtype)), heads_last(half(rng, (B, H, nk, d), dtype))
+    force.set(group=1).reset_counts()
+    got = fastattn.attention(qb, kb, vb, layout="blhd")
+    want = reference64(q, np.swapaxes(kb, 1, 2), np.swapaxes(vb, 1, 2))[0]
+    assert_close(got, heads_last(want), F32)
+    if nq == 1:
+        assert force.group_runs > 0 and force.kv_widened == 0
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
+def test_weights_varlen_and_strided(rng, force, dtype):
+    """attention_weights (the weights kernel: a widened copy), packed sequences
+    (decoding reads K and V in place; longer queries widen the rows the sequences
+    reach), and K and V as strided views of a larger cache (read in place)."""
+    q, k = rand(rng, (2, 3, 20, 16)), half(rng, (2, 3, 50, 16), dtype)
+    w = fastattn.attention_weights(q, k, causal=True)
+    assert w.dtype == F32
+    assert_close(w, ref.attention_weights(q.astype(F64), k.astype(F64), causal=True), F32)
+
+    for lq in ([1, 1, 1], [5, 30, 2]):
+        qv, kv_, vv, cq, ck = packed(rng, lq, [40, 90, 7], 4, 2, F32)
+        kv_, vv = kv_.astype(dtype), vv.astype(dtype)
+        check_varlen(qv, kv_, vv, cq, ck, F32, num_threads=(1, 2), causal=True)
+
+    cache = half(rng, (2, 2, 300, 2, 32), dtype)   # a K and V cache side by side: strided views
+    k_view, v_view = cache[:, :, :250, 0], cache[:, :, :250, 1]
+    q = rand(rng, (2, 2, 1, 32))
+    force.reset_counts()
+    check(q, k_view, v_view, F32, kv_lengths=np.array([[200], [250]]))
+    assert force.kv_widened == 0
+    check(rand(rng, (2, 2, 60, 32)), k_view, v_view, F32, causal=True)
+
+
+def test_nonfinite_values(isa, rng):
+    """inf and NaN in 16-bit V and K propagate as in the reference (the row kernel's
+    careful redo reads the 16-bit values too); a value beyond float16's range is inf
+    there, as NumPy's cast makes it."""
+    q = rand(rng, (1, 2, 2, 16))
+    k, v = half(rng, (1, 2, 300, 16), np.float16), half(rng, (1, 2, 300, 16), np.float16)
+    v[0, 0, 10, 3] = np.inf
+    with np.errstate(over="ignore"):
+        v[0, 1, 20, 5] = np.float16(70000.0)   # inf in float16
+    k[0, 1, 250, 0] = np.nan
+    check(q, k, v, F32)
+    check(q, k, v, F32, mask=np.arange(300) != 250)   # a hidden NaN key adds nothing
+
+
+def test_mixed_and_refused_dtypes(rng, force):
+    """16-bit q with 16-bit K and V computes in float32; K and V of different 16-bit
+    kinds, or with float64 q, are converted to the compute dtype first; bfloat16 is
+    recognised by its dtype, so another 2-byte void dtype is refused."""
+    q, k, v = rand(rng, (2, 3, 16)), half(rng, (2, 40, 16), np.float16), half(rng, (2, 40, 16), BF16)
+    for qq, kk, vv, res in ((q.astype(np.float16), k, k, F32), (q.astype(BF16), v, v, F32), (q, k, v, F32),
+                            (q.astype(F64), k, k, F64), (q, k.astype(F64), v, F64)):
+        check(qq, kk, vv, res)
+    out16 = np.empty((2, 3, 16), np.float16)
+    assert fastattn.attention(q, k, k, out=out16) is out16
+    np.testing.assert_array_equal(out16, fastattn.attention(q, k, k).astype(np.float16))
+    for bad in (np.dtype("V2"), np.dtype([("x", np.uint16)])):
+        with pytest.raises(TypeError, match="dtype"):
+            fastattn.attention(q, np.zeros((2, 40, 16), bad), k)
+    before = k.copy()
+    fastattn.attention(rand(rng, (2, 70, 16)), k, k)   # the widened copy, not k, is written
+    np.testing.assert_array_equal(k.view(np.uint16), before.view(np.uint16))
+
+
+def test_backward_of_half_inputs(rng):
+    """The backward pass takes 16-bit inputs (widened in Python): float32 gradients."""
+    q, k, v = rand(rng, (1, 2, 5, 8)), half(rng, (1, 2, 30, 8), BF16), half(rng, (1, 2, 30, 8), BF16)
+    out, lse = fastattn.attention(q, k, v, return_lse=True, causal=True)
+    do = rand(rng, out.shape)
+    got = fastattn.attention_backward(do, q, k, v, out, lse, causal=True)
+    q64, k64, v64 = (a.astype(F64) for a in (q, k, v))
+    want = ref.attention_backward(do.astype(F64), q64, k64, v64, ref.attention(q64, k64, v64, causal=True),
+                                  causal=True)
+    for g, w in zip(got, want):
+        assert g.dtype == F32
+        assert_close(g, w, F32)
+
+
+def test_threads_and_layout_bits(rng):
+    """The result of a 16-bit cache is the same on 1 and 2 threads and in both layouts."""
+    q, k, v = rand(rng, (1, 4, 1, 64)), half(rng, (1, 4, 5000, 64), np.float16), half(rng, (1, 4, 5000, 64),
+                                                                                          np.float16)
+    with team_check(1):
+        one = fastattn.attention(q, k, v, num_threads=1)
+    two = fastattn.attention(q, k, v, num_threads=2)
+    assert_close(one, two, F32)
+    blhd = fastattn.attention(heads_last(q), heads_last(k), heads_last(v), layout="blhd")
+    assert_close(blhd, heads_last(one), F32)
+
+
+def test_no_ml_dtypes_import(tmp_path):
+    """fastattn never imports ml_dtypes (bfloat16 arrays exist only once it is imported):
+    float16 K and V work without it."""
+    proc = run_script(tmp_path, """
+        import sys
+        import numpy as np
+        import fastattn
+        q = np.ones((2, 1, 8), np.float32)
+        k = np.ones((2, 9, 8), np.float16)
+        assert fastattn.attention(q, k, k).dtype == np.float32
+        assert "ml_dtypes" not in sys.modules
+        print("ok")
+    """)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
