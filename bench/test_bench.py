@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from fastattn import _core
-from fastattn.bench import WORKLOADS, has_reference, has_torch, make_inputs, peer_calls
+from fastattn.bench import WORKLOADS, available, has_reference, has_torch, make_inputs, peer_calls, stored_dtype
 
 try:
     import torch
@@ -29,11 +29,13 @@ def _peers(w):
         peers.append("reference")
     if torch is not None and has_torch(w):
         peers.append("torch")
+    if stored_dtype(w) is not None:   # the 16-bit rows: fastattn on float32 copies beside them
+        peers.append("float32")
     return peers
 
 
 CASES = [pytest.param(w, peer, id=f"{w['name'].strip(' .')}-{peer}")
-         for w in WORKLOADS for peer in _peers(w)]
+         for w in WORKLOADS if available(w) for peer in _peers(w)]
 
 
 @pytest.mark.parametrize("w, peer", CASES)

@@ -2,7 +2,8 @@
 ``com.microsoft`` MultiHeadAttention op and OpenVINO's scaled_dot_product_attention
 op, each built once per workload as a one-node model on the workload's arrays,
 on the same threads, in float32 (OpenVINO pinned to f32: its default can be
-lower on CPUs with bf16 units).
+lower on CPUs with bf16 units); and llama.cpp's ggml_flash_attn_ext (ggml-python),
+the peer of the 16-bit K and V rows (and of the plain float32 rows it can run).
 
 Grouped-query attention goes to ONNX Runtime's GroupQueryAttention op, as a
 decoder runs it: the keys but the last n_q as its KV cache (past_key and
@@ -15,22 +16,26 @@ Each maker returns a zero-argument call that returns the output as
 workload as fastattn does: float64, GQA (OpenVINO; ONNX Runtime without a
 causal mask or one row), windows, softcap, ALiBi, lengths, packed sequences,
 causal with n_q != n_k (their causal masks align top-left; GQA excepted), NaN
-in K or V.  The inputs go in each peer's own layout, converted before timing,
-as a user of that peer would hold them.
+in K or V, 16-bit K and V (but ggml); ggml runs no mask and no causal rows
+here.  The inputs go in each peer's own layout, converted before timing, as a
+user of that peer would hold them.
 """
 
 import functools
 import importlib
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import numpy as np
 
-PEERS = ("torch", "onnxruntime", "openvino")
-_UNSUPPORTED = ("window", "softcap", "alibi", "kv_lengths", "q_lengths", "packed")
+PEERS = ("torch", "onnxruntime", "openvino", "ggml")
+_UNSUPPORTED = ("window", "softcap", "alibi", "kv_lengths", "q_lengths", "packed", "kv", "qkv")
 
 
 def _supported(w: dict, name: str) -> bool:
     B, H, nq, nk, d = w["shape"]
+    if name == "ggml":   # ggml_flash_attn_ext: no mask, no causal here; K and V float32 or 16-bit
+        extra = set(k for k, x in w["options"].items() if x) - {"gqa", "kv"}
+        return w["dtype"] == "float32" and not extra and w["mask"] is None and not w["causal"]
     if w["dtype"] != "float32" or any(w["options"].get(o) for o in _UNSUPPORTED) or w["mask"] == "pad":
         return False
     if w["options"].get("gqa"):   # ONNX Runtime's GroupQueryAttention: no mask, causal bottom-right
@@ -151,9 +156,52 @@ def _openvino(w: dict, inputs: Any, threads: int, ov: Any, ops: Any) -> Callable
     return call
 
 
+def _ggml(w: dict, inputs: Any, threads: int, ggml: Any) -> Callable[[], np.ndarray]:
+    """llama.cpp's ggml_flash_attn_ext through ggml-python, on the CPU, as llama.cpp
+    runs it: float32 q, K and V as stored (float32, float16 or bfloat16; with 16-bit
+    K and V it rounds q to 16 bits too), GQA by broadcasting K and V's heads.  The
+    arrays are copied into a ggml context once; a call computes the one-node graph."""
+    import ctypes
+    import weakref
+    q, k, v, _, _ = inputs
+    B, H, nq, d = q.shape
+    Hkv, nk, dv = k.shape[1], k.shape[2], v.shape[-1]
+    types = {"float32": ggml.GGML_TYPE_F32, "float16": ggml.GGML_TYPE_F16, "bfloat16": ggml.GGML_TYPE_BF16}
+    kt = types[str(k.dtype)]
+    mem = (q.nbytes + k.nbytes + v.nbytes + 4 * B * H * nq * dv + 8 * ggml.ggml_tensor_overhead()
+           + ggml.ggml_graph_overhead() + (1 << 20))   # the tensors, their headers, the graph
+    ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=mem, mem_buffer=None, no_alloc=False))
+    tq = ggml.ggml_new_tensor_4d(ctx, ggml.GGML_TYPE_F32, d, nq, H, B)   # ggml's dims: fastest first
+    tk = ggml.ggml_new_tensor_4d(ctx, kt, d, nk, Hkv, B)
+    tv = ggml.ggml_new_tensor_4d(ctx, kt, dv, nk, Hkv, B)
+    for t, a in ((tq, q), (tk, k), (tv, v)):
+        ctypes.memmove(ggml.ggml_get_data(t), np.ascontiguousarray(a).ctypes.data, a.nbytes)
+    node = ggml.ggml_flash_attn_ext(ctx, tq, tk, tv, None, 1 / np.sqrt(d), 0.0, 0.0)
+    graph = ggml.ggml_new_graph(ctx)
+    ggml.ggml_build_forward_expand(graph, node)
+    res = np.ctypeslib.as_array(ctypes.cast(ggml.ggml_get_data(node), ctypes.POINTER(ctypes.c_float)),
+                                shape=(B, nq, H, dv))
+
+    plan = ggml.ggml.ggml_graph_plan(graph, threads, None)   # its work buffer, once (not one a call)
+    work = np.empty(max(int(plan.work_size), 1), np.uint8)
+    plan.work_data = work.ctypes.data_as(ctypes.POINTER(ctypes.c_ubyte))
+
+    def call():
+        ggml.ggml_graph_compute(graph, ctypes.byref(plan))
+        return res.transpose(0, 2, 1, 3)
+    call.keep = work   # type: ignore[attr-defined]
+    weakref.finalize(call, ggml.ggml_free, ctx)
+    return call
+
+
 # each peer: its builder and the modules it needs
-_PEERS = {"onnxruntime": (_onnxruntime, ("onnxruntime", "onnx")),
-          "openvino": (_openvino, ("openvino", "openvino.opset13"))}
+_PEERS: Dict[str, Tuple[Callable[..., Callable[[], np.ndarray]], Tuple[str, ...]]] = {
+    "onnxruntime": (_onnxruntime, ("onnxruntime", "onnx")),
+    "openvino": (_openvino, ("openvino", "openvino.opset13")),
+    "ggml": (_ggml, ("ggml",))}
+# how closely each peer's output must agree with fastattn's (max |difference| over max(1,
+# max |output|)) to be timed: ggml rounds q to 16 bits beside 16-bit K and V
+TOLERANCE = {"ggml": 1e-2}
 
 
 def make_call(name: str, w: dict, inputs: Any, threads: int) -> Optional[Callable[[], np.ndarray]]:

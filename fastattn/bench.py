@@ -101,6 +101,14 @@ WORKLOADS = [
     _w("  ...(B, n, H_kv, d) layout", (1, 32, 1, 16384, 128), gqa=8, layout="blhd"),
     # ... verifying 8 speculative tokens there (causal: bottom-right, as KV-cache decoding)
     _w("8 rows GQA 32/8 Nk16k causal", (1, 32, 8, 16384, 128), causal=True, gqa=8),
+    # 16-bit K and V, float32 q (a float16 KV cache as llama.cpp's, bfloat16 as JAX's through
+    # ml_dtypes), read as stored; fastattn on float32 copies of the same values beside it
+    _w("decode H32 Nk4096 d128 f16 KV", (1, 32, 1, 4096, 128), kv="float16", quick=True),
+    _w("decode H32 Nk4096 d128 bf16 KV", (1, 32, 1, 4096, 128), kv="bfloat16"),
+    _w("decode GQA 32/8 Nk16k f16 KV", (1, 32, 1, 16384, 128), gqa=8, kv="float16"),
+    _w("decode GQA 32/8 Nk16k bf16 KV", (1, 32, 1, 16384, 128), gqa=8, kv="bfloat16"),
+    # ... and q, k, v all float16 (computed in float32, as PyTorch's CPU kernel does)
+    _w("B1 H8 N2048 d64 float16", (1, 8, 2048, 2048, 64), qkv="float16"),
 ]
 QUICK = [w for w in WORKLOADS if w["quick"]]
 
@@ -169,6 +177,24 @@ def _torch():
     return torch
 
 
+def stored_dtype(w):
+    """The 16-bit dtype that workload w stores K and V (kv) or q, k and v (qkv) in, or
+    None; bfloat16 needs ml_dtypes (without it: None, and `available` is False)."""
+    name = w["options"].get("kv") or w["options"].get("qkv")
+    if name == "bfloat16":
+        try:
+            import ml_dtypes
+        except ImportError:
+            return None
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name) if name else None
+
+
+def available(w):
+    """Whether workload w can run here (a bfloat16 row needs ml_dtypes)."""
+    return not (w["options"].get("kv") or w["options"].get("qkv")) or stored_dtype(w) is not None
+
+
 def make_inputs(w, seed=0):
     """Inputs of workload `w` (an entry of WORKLOADS): q, k, v, mask (or None), and
     fastattn's keyword options for it."""
@@ -195,6 +221,10 @@ def make_inputs(w, seed=0):
         mask[:, nk - nk // 16:] = False
         k[..., nk - nk // 16:, :] = np.nan
         v[..., nk - nk // 16:, :] = np.nan
+    store = stored_dtype(w)
+    if store is not None:   # the 16-bit rows: K and V (and with qkv q) stored so
+        k, v = k.astype(store), v.astype(store)
+        q = q.astype(store) if opts.get("qkv") else q
     kw = {}
     if opts.get("layout") == "blhd":   # the same values, (B, n, H, d) in memory
         q, k, v = (np.ascontiguousarray(a.swapaxes(1, 2)) for a in (q, k, v))
@@ -260,10 +290,10 @@ def has_torch(w):
     """Whether PyTorch's SDPA computes workload `w`: it has no sliding window (only a
     dense N x N mask, another computation), NaN under a bool mask reaches its output, and
     its causal rule is aligned top-left (bottom-right here: as a mask where n_q != n_k, so
-    not beside another mask)."""
+    not beside another mask), and q, k and v must share their dtype."""
     _, _, nq, nk, _ = w["shape"]
     causal_mask = w["causal"] and nq != nk
-    return ("window" not in w["options"] and w["mask"] != "pad"
+    return ("window" not in w["options"] and w["mask"] != "pad" and not w["options"].get("kv")
             and not (causal_mask and (w["mask"] or "kv_lengths" in w["options"])))
 
 
@@ -276,7 +306,8 @@ def has_reference(w):
 def peer_calls(w, inputs, threads=None, torch=None):
     """Zero-argument calls that run workload `w` on `inputs` (from `make_inputs`), by peer:
     "fastattn", "reference" (when `has_reference`), "torch" (when `torch` is given and
-    PyTorch has the computation). One definition for the table and for `bench/`."""
+    PyTorch has the computation), "float32" (the 16-bit rows: fastattn on float32 copies).
+    One definition for the table and for `bench/`."""
     q, k, v, mask, kw = inputs
     nk = w["shape"][3]
     calls = {
@@ -286,6 +317,10 @@ def peer_calls(w, inputs, threads=None, torch=None):
         pq, pk, pv = (np.concatenate([a[b, :, :m].transpose(1, 0, 2) for b, m in enumerate(n)]) for a in (q, k, v))
         cu = np.cumsum(np.r_[0, n])
         calls["fastattn"] = lambda: attention_varlen(pq, pk, pv, cu, cu, causal=w["causal"], num_threads=threads)
+    if stored_dtype(w) is not None:   # fastattn on float32 copies of the same values
+        q32, k32, v32 = (a.astype(np.float32) for a in (q, k, v))
+        calls["float32"] = lambda: attention(q32, k32, v32, mask=mask, causal=w["causal"], num_threads=threads,
+                                             **kw)
     if has_reference(w):
         calls["reference"] = lambda: reference.attention(q, k, v, mask=mask, causal=w["causal"], **kw)
     if torch is not None and has_torch(w):
@@ -329,7 +364,7 @@ def _extra_peers(w, inputs, threads, peers, calls):
                 want = np.swapaxes(want, 1, 2)
         got = np.asarray(call(), np.float64)
         err = float(np.max(np.abs(got - want))) / max(1.0, float(np.max(np.abs(want))))
-        if got.shape == want.shape and err <= 1e-3:
+        if got.shape == want.shape and err <= _peers.TOLERANCE.get(name, 1e-3):
             out[name] = call
         else:
             bad[name] = err
@@ -366,6 +401,10 @@ def _measure(w, threads, torch, repeats, with_reference, peers=()):
     if "torch" in times:
         row["torch_ms"] = times["torch"] * 1e3
         row["x_torch"] = times["torch"] / t
+    if "float32" in times:
+        row["stored"] = str(stored_dtype(w))
+        row["float32_ms"] = times["float32"] * 1e3
+        row["of_float32"] = t / times["float32"]
     for name in extra:
         row[f"{name}_ms"] = times[name] * 1e3
         row[f"x_{name}"] = times[name] / t
@@ -395,6 +434,7 @@ def run(workloads, repeats=5, threads=None, with_reference=True, with_torch=True
     """Measure `workloads` (and the optional `peers`, fastattn._peers.MAKERS' names);
     returns a dict with the rows and the ceilings."""
     threads = threads or _core.max_threads()
+    workloads = [w for w in workloads if available(w)]
     torch = _torch() if with_torch else None
     if torch is not None:
         torch.set_num_threads(threads)
@@ -554,8 +594,8 @@ def main(argv: "list[str] | None" = None) -> int:
     p.add_argument("--no-reference", action="store_true", help="skip the slow NumPy reference")
     p.add_argument("--no-torch", action="store_true", help="do not time PyTorch even if installed")
     p.add_argument("--peers", default="", metavar="LIST",
-                   help="more peers, comma-separated: onnxruntime (MultiHeadAttention), openvino (SDPA op, f32); "
-                        "'all' for both (each where installed)")
+                   help="more peers, comma-separated: onnxruntime (MultiHeadAttention), openvino (SDPA op, f32), "
+                        "ggml (ggml-python's flash_attn_ext); 'all' for all three (each where installed)")
     p.add_argument("--tune", action="store_true",
                    help="measure the plan's thresholds on this machine (20-30 s; fastattn.tune) and keep "
                         "them for the next import")
@@ -592,11 +632,11 @@ def main(argv: "list[str] | None" = None) -> int:
 
     print(f"measuring {len(workloads)} workloads (progress here, the "
           f"{'JSON' if args.json else 'table'} when done)", file=sys.stderr, flush=True)
-    peers = tuple(n for n in ("onnxruntime", "openvino")
+    peers = tuple(n for n in ("onnxruntime", "openvino", "ggml")
                   if args.peers == "all" or n in args.peers.split(","))
-    unknown = set(filter(None, args.peers.split(","))) - {"all", "onnxruntime", "openvino"}
+    unknown = set(filter(None, args.peers.split(","))) - {"all", "onnxruntime", "openvino", "ggml"}
     if unknown:
-        p.error(f"--peers: unknown peer {sorted(unknown)[0]!r} (onnxruntime, openvino, all)")
+        p.error(f"--peers: unknown peer {sorted(unknown)[0]!r} (onnxruntime, openvino, ggml, all)")
     result = run(workloads, repeats, args.threads, not args.no_reference, not args.no_torch, log, peers)
     if args.json:
         print(json.dumps(result, indent=2))
@@ -615,7 +655,9 @@ def main(argv: "list[str] | None" = None) -> int:
                   f"OpenVINO's scaled_dot_product_attention op (f32), one-node models on the same arrays and "
                   f"threads, each checked against fastattn's output first ('differs': it did not agree to 1e-3; "
                   f"'-': it cannot run that row, e.g. float64, windows, lengths, GQA but ONNX Runtime's "
-                  f"GroupQueryAttention for decoding and causal rows)")
+                  f"GroupQueryAttention for decoding and causal rows); x ggml: over llama.cpp's "
+                  f"ggml_flash_attn_ext (float32 q, K and V as stored; agreeing to 1e-2, since it rounds q to "
+                  f"16 bits beside 16-bit K and V), rows without a mask or causal")
         mm = ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in result["matmul_gflops"].items())
         print(f"NumPy matrix product (2048^2) in this run: {mm} (the better of its start and end); "
               f"PyTorch: {result['torch'] or 'not installed'}")
@@ -624,6 +666,10 @@ def main(argv: "list[str] | None" = None) -> int:
         if full and win:
             print(f"Sliding window (256, 0) at N8192: {win['ms']:.1f} ms, "
                   f"{100 * win['ms'] / full['ms']:.1f} % of plain causal ({full['ms']:.1f} ms)")
+        for r in result["rows"]:
+            if "of_float32" in r:
+                print(f"16-bit, {r['name'].strip()}: {r['stored']} {r['ms']:.2f} ms, {r['of_float32']:.2f}x "
+                      f"the time of fastattn on float32 copies of the same values ({r['float32_ms']:.2f} ms)")
         for r in result["rows"]:
             if "read_gbs" in r:
                 print(f"Memory, {r['name'].strip()}: fastattn reads K and V at {r['read_gbs']:.1f} GB/s; "
