@@ -41,7 +41,7 @@ cdef extern from "fastattn.h" nogil:
         int64_t split_keys, parts_bytes
 
     ctypedef struct fa_stats:
-        int64_t group_runs, tail_rows, redo_rows, kv_widened
+        int64_t group_runs, tail_rows, redo_rows
 
     ctypedef struct fa_attention_args:
         int n_lead
@@ -610,8 +610,7 @@ cdef class Forcing:
       parts_bytes  the split partials of one wave (0: 256 MiB)
     The counts, over the calls of the block: group_runs (item groups the group
     kernel ran), tail_rows (query rows the row kernel ran as the tiled kernel's
-    tails), redo_rows (rows recomputed carefully after a non-finite result),
-    kv_widened (calls whose 16-bit K and V were widened into float32 copies)."""
+    tails), redo_rows (rows recomputed carefully after a non-finite result)."""
     cdef fa_overrides ov
     cdef fa_stats st
 
@@ -619,7 +618,7 @@ cdef class Forcing:
         self.ov.bq = self.ov.bk = self.ov.rows_max = 0
         self.ov.fuse = self.ov.stream = self.ov.far = self.ov.group = self.ov.mask_pack = -1
         self.ov.split_keys = self.ov.parts_bytes = 0
-        self.st.group_runs = self.st.tail_rows = self.st.redo_rows = self.st.kv_widened = 0
+        self.st.group_runs = self.st.tail_rows = self.st.redo_rows = 0
 
     def set(self, **overrides):
         """Change some overrides (names as above); returns self."""
@@ -668,12 +667,8 @@ cdef class Forcing:
     def redo_rows(self):
         return self.st.redo_rows
 
-    @property
-    def kv_widened(self):
-        return self.st.kv_widened
-
     def reset_counts(self):
-        self.st.group_runs = self.st.tail_rows = self.st.redo_rows = self.st.kv_widened = 0
+        self.st.group_runs = self.st.tail_rows = self.st.redo_rows = 0
 
     def __enter__(self):
         global _n_forcing

@@ -233,6 +233,8 @@ static void run_team(void *arg)
         for (int64_t x = 0; x < p->mp->n_slices * p->mp->rows; x++)
             pack_mask_row(a, p->mp, x / p->mp->rows, x % p->mp->rows);
     }
+    if (scratch && p->tiles->kv_off) /* no rows of widened K and V yet (tiled.h, kv_rows_widened) */
+        memset((char *)scratch + p->tiles->kv_off * (int64_t)p->esz, 0, FA_KV_HEAD * p->esz);
     int64_t u = scratch ? fa_thread_num() : n_units;
     while (u < n_units && !fa_stopped(a->stop)) {
         const int64_t un = claim_unit(p, team);
@@ -283,115 +285,6 @@ static void run_team(void *arg)
     free(raw);
 }
 
-/* ---------------------------------------------------------------------------
- * 16-bit K and V (kv_dtype) for a plan whose kernels read float32 (the tiled
- * and weights kernels, and the row kernel as their tail): K and V widened once
- * into float32 copies, which the call then reads.  The copies hold one slab
- * (nk, d) per leading index that K or V does not broadcast over; the row and
- * group kernels read 16-bit K and V in place instead.
- *   w->k  (K's slabs, rows, dk) contiguous   w->v  (V's slabs, rows, dv) contiguous
- * rows = nk, or with packed sequences (kv_start) the most rows a sequence
- * reaches, max(kv_start + kv) over the leading indices.
- * ------------------------------------------------------------------------- */
-typedef struct {
-    const fa_attention_args *a;
-    fa_kv_widen_fn widen;
-    const void *src[2];   /* a->k, a->v */
-    float *dst[2];        /* the copies */
-    int64_t rows;         /* rows of a slab */
-    int64_t slabs[2], width[2], rs[2];
-    const int64_t *lead[2]; /* a->k_lead, a->v_lead */
-} widen_state;
-
-/* The source offset (in elements) of slab s of operand x: s row-major over the
- * leading dims that x does not broadcast over. */
-static int64_t slab_offset(const widen_state *ws, int x, int64_t s)
-{
-    const fa_attention_args *a = ws->a;
-    int64_t off = 0;
-    for (int d = a->n_lead - 1; d >= 0; d--)
-        if (ws->lead[x][d] != 0) {
-            off += s % a->lead_shape[d] * ws->lead[x][d];
-            s /= a->lead_shape[d];
-        }
-    return off;
-}
-
-static void widen_team(void *arg)
-{
-    const widen_state *ws = arg;
-    const int64_t nk = ws->rows;
-    for (int x = 0; x < 2; x++) {
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < ws->slabs[x] * nk; r++) {
-            const int64_t s = r / nk, j = r % nk;
-            const char *src = (const char *)ws->src[x] + (slab_offset(ws, x, s) + j * ws->rs[x]) * 2;
-            ws->widen(src, ws->dst[x] + r * ws->width[x], ws->width[x]);
-        }
-    }
-}
-
-/* w <- a with K and V widened into one new buffer (*buf, the caller frees it). */
-static int widen_kv(const fa_attention_args *a, const fa_isa_table *isa, int threads, fa_attention_args *w,
-                    float **buf)
-{
-    *w = *a;
-    int64_t rows = a->nk;
-    if (a->kv_start) { /* the rows the sequences reach */
-        int64_t n_lead = 1;
-        for (int d = 0; d < a->n_lead; d++) n_lead *= a->lead_shape[d];
-        rows = 0;
-        for (int64_t l = 0; l < n_lead; l++) {
-            int64_t rest = l, oks = 0, okl = 0;
-            for (int d = a->n_lead - 1; d >= 0; d--) {
-                oks += rest % a->lead_shape[d] * a->kst_lead[d];
-                okl += rest % a->lead_shape[d] * a->kvl_lead[d];
-                rest /= a->lead_shape[d];
-            }
-            int64_t kv = a->kv_len ? a->kv_len[okl] : a->nk;
-            kv = kv < 0 ? 0 : kv > a->nk ? a->nk : kv;
-            rows = a->kv_start[oks] + kv > rows ? a->kv_start[oks] + kv : rows;
-        }
-    }
-    widen_state ws = {.a = a, .rows = rows, .widen = isa->kv_widen[a->kv_dtype - 1], .src = {a->k, a->v},
-                      .width = {a->dk, a->dv}, .rs = {a->k_rs, a->v_rs}, .lead = {a->k_lead, a->v_lead}};
-    int64_t *wl[2] = {w->k_lead, w->v_lead};
-    for (int x = 0; x < 2; x++) {
-        ws.slabs[x] = 1;
-        for (int d = a->n_lead - 1; d >= 0; d--) { /* contiguous slabs, row-major */
-            wl[x][d] = ws.lead[x][d] != 0 ? ws.slabs[x] * rows * ws.width[x] : 0;
-            if (ws.lead[x][d] != 0) ws.slabs[x] *= a->lead_shape[d];
-        }
-    }
-    const int64_t nk_el = ws.slabs[0] * rows * a->dk, nv_el = ws.slabs[1] * rows * a->dv;
-    *buf = malloc((size_t)(nk_el + nv_el > 0 ? nk_el + nv_el : 1) * sizeof(float));
-    if (!*buf) return FA_ENOMEM;
-    ws.dst[0] = *buf;
-    ws.dst[1] = *buf + nk_el;
-    fa_run_parallel(widen_team, &ws, threads);
-    w->k = ws.dst[0];
-    w->v = ws.dst[1];
-    w->k_rs = a->dk;
-    w->v_rs = a->dv;
-    w->kv_dtype = FA_KV_SAME;
-    return FA_OK;
-}
-
-static int run(const fa_attention_args *a, int weights);
-
-/* A call with 16-bit K and V whose plan is not the row (or group) kernel alone:
- * K and V widened (widen_kv), then the call on the copies. */
-static int run_widened(const fa_attention_args *a, const fa_plan *pl, int weights)
-{
-    fa_attention_args w;
-    float *buf;
-    int status = widen_kv(a, fa_isa_current(), pl->threads, &w, &buf);
-    if (status == FA_OK && a->stats) __atomic_fetch_add(&a->stats->kv_widened, 1, __ATOMIC_RELAXED);
-    if (status == FA_OK) status = run(&w, weights);
-    free(buf);
-    return status;
-}
-
 /* Attention (weights = 0) or its weights (weights = 1: out is (lead, nq, nk),
  * zero-filled; always the tiled kernel, never split): the plan carried out. */
 static int run(const fa_attention_args *a, int weights)
@@ -400,10 +293,8 @@ static int run(const fa_attention_args *a, int weights)
     fa_plan pl;
     const int status = fa_attention_plan(a, weights, &pl);
     if (status != FA_OK || pl.n_items == 0) return status;
-    const int kv16 = a->kv_dtype != FA_KV_SAME;
-    if (kv16 && (pl.kernel != FA_KERNEL_ROWS || pl.tail || pl.few)) return run_widened(a, &pl, weights);
     const fa_isa_table *isa = fa_isa_current();
-    const int dt = a->dtype;
+    const int dt = a->dtype, kv = a->kv_dtype - 1; /* kv >= 0: the kernels over 16-bit K and V */
     const size_t esz = dt == FA_F32 ? sizeof(float) : sizeof(double);
     int64_t *live = NULL; /* packed sequences: the live items (plan.c counted them) */
     if (a->q_start) {
@@ -434,14 +325,15 @@ static int run(const fa_attention_args *a, int weights)
         mpk.bits = malloc((size_t)(mpk.n_slices * mpk.rows * mpk.nw) * sizeof(uint32_t));
         if (mpk.bits) mp = &mpk;
     }
-    const fa_attn_item_fn item_fn = pl.kernel == FA_KERNEL_WEIGHTS ? isa->weights_item[dt]
-                                    : pl.kernel == FA_KERNEL_ROWS  ? isa->attn_item_rows[dt]
-                                                                   : isa->attn_item[dt];
-    const fa_attn_item_fn rows_fn = kv16 ? isa->attn_item_rows_kv[a->kv_dtype - 1] : isa->attn_item_rows[dt];
-    run_state st = {.a = a, .tiles = &pl.tiles, .item_fn = kv16 ? rows_fn : item_fn, .rows_fn = rows_fn,
+    const fa_attn_item_fn rows_fn = kv >= 0 ? isa->attn_item_rows_kv[kv] : isa->attn_item_rows[dt];
+    const fa_attn_item_fn item_fn = pl.kernel == FA_KERNEL_ROWS ? rows_fn
+                                    : pl.kernel == FA_KERNEL_WEIGHTS
+                                        ? (kv >= 0 ? isa->weights_item_kv[kv] : isa->weights_item[dt])
+                                        : (kv >= 0 ? isa->attn_item_kv[kv] : isa->attn_item[dt]);
+    run_state st = {.a = a, .tiles = &pl.tiles, .item_fn = item_fn, .rows_fn = rows_fn,
                     .few = pl.few, .few_max = pl.rows_max, .full_lo = pl.full_lo, .full_hi = pl.full_hi,
                     .merge_fn = isa->attn_merge[dt],
-                    .group_fn = kv16 ? isa->attn_group_rows_kv[a->kv_dtype - 1] : isa->attn_group_rows[dt],
+                    .group_fn = kv >= 0 ? isa->attn_group_rows_kv[kv] : isa->attn_group_rows[dt],
                     .group = pl.group, .n_groups = pl.n_groups,
                     .esz = esz, .msz = a->mask_kind == FA_MASK_BOOL ? 1 : esz,
                     .scratch_bytes = (size_t)pl.scratch_elems * esz,

@@ -22,6 +22,8 @@
     .attn_item = {fa_attn_item_f32_##isa, fa_attn_item_f64_##isa},                          \
     .attn_item_rows = {fa_attn_item_rows_f32_##isa, fa_attn_item_rows_f64_##isa},           \
     .attn_group_rows = {fa_attn_group_rows_f32_##isa, fa_attn_group_rows_f64_##isa},        \
+    .attn_item_kv = {fa_attn_item_h16_##isa, fa_attn_item_b16_##isa},                      \
+    .weights_item_kv = {fa_weights_item_h16_##isa, fa_weights_item_b16_##isa},             \
     .attn_item_rows_kv = {fa_attn_item_rows_h16_##isa, fa_attn_item_rows_b16_##isa},        \
     .attn_group_rows_kv = {fa_attn_group_rows_h16_##isa, fa_attn_group_rows_b16_##isa},     \
     .kv_widen = {fa_kv_widen_h16_##isa, fa_kv_widen_b16_##isa},                              \

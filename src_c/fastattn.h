@@ -82,7 +82,6 @@ typedef struct {
     int64_t group_runs;  /* item groups the group kernel ran */
     int64_t tail_rows;   /* query rows the row kernel ran as the tiled kernel's tails */
     int64_t redo_rows;   /* rows recomputed carefully (a result came out non-finite) */
-    int64_t kv_widened;  /* calls whose 16-bit K and V were widened to float32 copies */
 } fa_stats;
 
 /* Arguments of fa_attention.

@@ -64,6 +64,10 @@ typedef struct {
                    * tile's K during its P.V (rows.h, item_rows) */
     int far;      /* K and V exceed the tuning's kv_far_bytes: the row kernel prefetches the
                    * K and V rows it reads into L2, further ahead (prefetch_row) */
+    int64_t kv_off, kv_rows; /* 16-bit K and V under the tiled or weights kernel: their
+                   * float32 rows in each thread's scratch from element kv_off on (0:
+                   * none), kv_rows of them (tiled.h, kv_rows_widened; attention.c
+                   * clears its header first) */
 } fa_tiles;
 
 /* One work item: query rows [i0, i0 + bq) of one leading index, against the
@@ -140,7 +144,7 @@ typedef void (*fa_softmax_row_fn)(const void *x, int64_t xs, void *o, int64_t os
                                   int64_t n, void *scratch);
 
 /* dst[0..n) = src[0..n), 16-bit floats (FA_KV_F16 or FA_KV_BF16) widened to
- * float32: K and V for the kernels that read them in float32 (attention.c). */
+ * float32 (fa_kv_widen: the Python layer's conversions and the tests). */
 typedef void (*fa_kv_widen_fn)(const void *src, float *dst, int64_t n);
 /* Bytes of one stored K or V element. */
 static inline int64_t fa_kv_esz(const fa_attention_args *a)
@@ -214,9 +218,10 @@ typedef struct {
     fa_attn_item_fn attn_item[2];      /* tiled: many query rows */
     fa_attn_item_fn attn_item_rows[2]; /* few query rows (decode) */
     fa_attn_group_fn attn_group_rows[2]; /* ... over interleaved items (a (B, n, H, d) cache) */
-    fa_attn_item_fn attn_item_rows_kv[2]; /* the row and group kernels over K and V */
-    fa_attn_group_fn attn_group_rows_kv[2]; /* stored as FA_KV_F16, FA_KV_BF16 (index - 1) */
-    fa_kv_widen_fn kv_widen[2];        /* ... and those to float32 (fa_kv_widen) */
+    /* the float32 kernels over K and V stored as FA_KV_F16, FA_KV_BF16 (index kv_dtype - 1) */
+    fa_attn_item_fn attn_item_kv[2], attn_item_rows_kv[2], weights_item_kv[2];
+    fa_attn_group_fn attn_group_rows_kv[2];
+    fa_kv_widen_fn kv_widen[2];        /* ... and their widening to float32 */
     fa_attn_merge_fn attn_merge[2];
     fa_bwd_unit_fn bwd_unit[2];        /* the backward kernel (kernel/backward.h) */
     fa_attn_item_fn weights_item[2];   /* probabilities (attention_weights) */
@@ -233,6 +238,16 @@ const fa_isa_table *fa_isa_current(void);
 static inline int64_t fa_attn_scratch_elems(const fa_tiles *t, int64_t dk, int64_t dv)
 {
     return t->ld * (dk + t->bk + 3 * dv + 4 + (t->bk + 31) / 32);
+}
+/* ... and after it (from kv_off), with 16-bit K and V, a header of FA_KV_HEAD
+ * elements and kv_rows rows of K and V widened (tiled.h, kv_rows_widened): all
+ * of an item's keys where K and V of FA_KV_CACHE_BYTES hold them, so that the
+ * items of one leading index widen its keys once, else a key tile. */
+#define FA_KV_HEAD 16
+#define FA_KV_CACHE_BYTES (INT64_C(32) << 20)
+static inline int64_t fa_kv_cache_elems(const fa_tiles *t, int64_t dk, int64_t dv)
+{
+    return FA_KV_HEAD + t->kv_rows * (dk + dv);
 }
 /* The row kernel takes n_q <= rows_max query rows (the tuning's rows_max,
  * rows_max_big when the call's K and V exceed the tuning's kv_mem_bytes, else
@@ -304,6 +319,10 @@ static inline int64_t fa_softmax_scratch_elems(int64_t n)
     FA_DECLARE_KV(b16, isa)
 /* The 16-bit K and V kernels (kernels_h16_*.c, kernels_b16_*.c). */
 #define FA_DECLARE_KV(kv, isa)                                                        \
+    void fa_attn_item_##kv##_##isa(const fa_attention_args *, const fa_tiles *,       \
+                                   const fa_item *, void *);                          \
+    void fa_weights_item_##kv##_##isa(const fa_attention_args *, const fa_tiles *,    \
+                                      const fa_item *, void *);                       \
     void fa_attn_item_rows_##kv##_##isa(const fa_attention_args *, const fa_tiles *,  \
                                         const fa_item *, void *);                     \
     void fa_attn_group_rows_##kv##_##isa(const fa_attention_args *, const fa_tiles *, \

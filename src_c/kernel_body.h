@@ -9,8 +9,9 @@
  *   FA_VB    vector bytes: 16 (SSE2/NEON), 32 (AVX2) or 64 (AVX-512)
  *   FA_IS_F64  0 or 1
  *   FA_KV    (optional) K and V stored as 1 float16 or 2 bfloat16, widened
- *            as they are loaded (simd.h: KT, vload_kv): the row and group
- *            kernels only, float32 (kernels_f32kv_<isa>.c)
+ *            as they are loaded (simd.h: KT, vload_kv; the tiled kernel a key
+ *            tile at a time: tile_kv), float32 only (kernels_h16_<isa>.c,
+ *            kernels_b16_<isa>.c); not the softmax or the backward pass
  *
  * The AVX2 file sets `#pragma GCC target("avx2,fma")` first, so the same code
  * becomes 256-bit AVX2 with FMA there; the AVX-512 files make it 512-bit code
@@ -47,14 +48,9 @@
 #include "kernel/vmath.h"
 #include "kernel/online_softmax.h"
 #include "kernel/prefetch.h"
-#if FA_KV /* the row and group kernels only: the tiled kernel's helpers go unused */
-#pragma GCC diagnostic ignored "-Wunused-function"
-#endif
 #include "kernel/masks.h"
 #include "kernel/epilogue.h"
-#if !FA_KV
 #include "kernel/tiled.h"
-#endif
 #include "kernel/rows.h"
 #include "kernel/group.h"
 #if !FA_KV
@@ -63,14 +59,8 @@
 #endif
 
 #if FA_KV
-/* fa_kv_widen_fn: 16-bit K or V rows to float32 (attention.c, widen_kv) */
-void FN(fa_kv_widen)(const void *src, float *dst, int64_t n)
-{
-    const KT *s = src;
-    int64_t i = 0;
-    for (; i + L <= n; i += L) vstore(dst + i, vload_kv(s + i));
-    for (; i < n; i++) dst[i] = kv_s(s[i]);
-}
+/* fa_kv_widen_fn: 16-bit floats to float32 (the Python layer's conversions) */
+void FN(fa_kv_widen)(const void *src, float *dst, int64_t n) { widen_row(dst, src, n); }
 #endif
 
 #if defined(FA_TARGET) && defined(__clang__)

@@ -1,8 +1,8 @@
 """16-bit K and V (float16 and ml_dtypes' bfloat16), read as they are stored.
 
 The row and group kernels widen them to float32 as they load them (src_c/kernel/simd.h,
-vload_kv); the tiled and weights kernels read float32 copies that the call widens once
-(src_c/attention.c, widen_kv).  Every path, on every SIMD path, against the float64
+vload_kv); the tiled and weights kernels widen each key tile once into their scratch
+(src_c/kernel/tiled.h, tile_kv).  Every path, on every SIMD path, against the float64
 reference on the same (rounded) values, within float32's tolerance: 16-bit inputs
 compute in and give float32.
 """
@@ -70,9 +70,8 @@ def _options(rng, name, nq, nk):
 @pytest.mark.parametrize("path", list(_SHAPES))
 @pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
 def test_paths(isa, rng, force, dtype, path, opt):
-    """float32 q with a 16-bit K and V on each kernel, with the options: the float32
-    result of the rounded values; the row kernels read K and V in place (no copy),
-    the tiled kernel reads a widened copy."""
+    """float32 q with a 16-bit K and V on each kernel (the plan's: rows or tiled), with
+    the options: the float32 result of the rounded values, on 1 and 2 threads."""
     nq, nk = _SHAPES[path]
     d, dv = 72, 40   # not whole vectors: the scalar tails convert too
     q = rand(rng, (2, 2, nq, d))
@@ -80,12 +79,11 @@ def test_paths(isa, rng, force, dtype, path, opt):
     kw = _options(rng, opt, nq, nk)
     if path == "split":
         force.set(split_keys=512)   # partials of at most 512 keys, merged
-    force.reset_counts()
+    plan = fastattn._attention._plan(q, k, v, num_threads=2, **kw)
+    assert plan["kernel"] == ("tiled" if path == "tiled" else "rows")
+    assert plan["n_splits"] > 1 if path == "split" else True
     out, _ = check(q, k, v, F32, num_threads=(1, 2), **kw)
     assert out.dtype == F32
-    rows_path = fastattn._attention._plan(q, k, v, **kw)["kernel"] == "rows"
-    assert (force.kv_widened == 0) == rows_path, (force.kv_widened, rows_path)
-    assert rows_path == (path != "tiled")
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
@@ -104,14 +102,13 @@ def test_gqa_and_blhd_cache(isa, rng, force, dtype, nq):
     want = reference64(q, np.swapaxes(kb, 1, 2), np.swapaxes(vb, 1, 2))[0]
     assert_close(got, heads_last(want), F32)
     if nq == 1:
-        assert force.group_runs > 0 and force.kv_widened == 0
+        assert force.group_runs > 0
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
 def test_weights_varlen_and_strided(rng, force, dtype):
-    """attention_weights (the weights kernel: a widened copy), packed sequences
-    (decoding reads K and V in place; longer queries widen the rows the sequences
-    reach), and K and V as strided views of a larger cache (read in place)."""
+    """attention_weights (the weights kernel), packed sequences (decoding, and longer
+    queries on the tiled kernel), and K and V as strided views of a larger cache."""
     q, k = rand(rng, (2, 3, 20, 16)), half(rng, (2, 3, 50, 16), dtype)
     w = fastattn.attention_weights(q, k, causal=True)
     assert w.dtype == F32
@@ -125,9 +122,7 @@ def test_weights_varlen_and_strided(rng, force, dtype):
     cache = half(rng, (2, 2, 300, 2, 32), dtype)   # a K and V cache side by side: strided views
     k_view, v_view = cache[:, :, :250, 0], cache[:, :, :250, 1]
     q = rand(rng, (2, 2, 1, 32))
-    force.reset_counts()
     check(q, k_view, v_view, F32, kv_lengths=np.array([[200], [250]]))
-    assert force.kv_widened == 0
     check(rand(rng, (2, 2, 60, 32)), k_view, v_view, F32, causal=True)
 
 
@@ -160,7 +155,7 @@ def test_mixed_and_refused_dtypes(rng, force):
         with pytest.raises(TypeError, match="dtype"):
             fastattn.attention(q, np.zeros((2, 40, 16), bad), k)
     before = k.copy()
-    fastattn.attention(rand(rng, (2, 70, 16)), k, k)   # the widened copy, not k, is written
+    fastattn.attention(rand(rng, (2, 70, 16)), k, k)   # the tiled kernel widens tiles of k: k stays
     np.testing.assert_array_equal(k.view(np.uint16), before.view(np.uint16))
 
 
@@ -204,3 +199,25 @@ def test_no_ml_dtypes_import(tmp_path):
         print("ok")
     """)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
+def test_tiled_widened_rows(isa, rng, force, dtype):
+    """The tiled kernel keeps a leading index's widened keys for its next query block
+    (causal: each block widens only the keys past the last one's; a window starts
+    again), widens a key tile at a time where K and V exceed FA_KV_CACHE_BYTES, and
+    never reuses the rows of an earlier call, even for the same K array changed in place."""
+    force.set(bq=32)   # many query blocks a leading index
+    q = rand(rng, (2, 2, 200, 24))
+    k, v = half(rng, (2, 2, 260, 24), dtype), half(rng, (2, 2, 260, 24), dtype)
+    for kw in ({}, {"causal": True}, {"window": (50, 10)}, {"kv_lengths": np.array([[100], [260]])}):
+        check(q, k, v, F32, num_threads=(1, 2), **kw)
+    w = fastattn.attention_weights(q, k, causal=True)
+    assert_close(w, ref.attention_weights(q.astype(F64), k.astype(F64), causal=True), F32)
+    k[:, :, 100:] = half(rng, (2, 2, 160, 24), dtype)   # the same array, new values
+    check(q, k, v, F32, num_threads=(1, 2), causal=True)
+    force.set(bq=0)
+    big_q = rand(rng, (1, 1, 40, 512))   # 9,000 keys x (512 + 512) float32: beyond 32 MiB
+    big_k, big_v = half(rng, (1, 1, 9000, 512), dtype, 0.05), half(rng, (1, 1, 9000, 512), dtype)
+    assert fastattn._attention._plan(big_q, big_k, big_v)["kernel"] == "tiled"
+    check(big_q, big_k, big_v, F32, num_threads=2, causal=True)

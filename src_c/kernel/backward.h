@@ -131,7 +131,8 @@ void FN(fa_bwd_unit)(const fa_attention_args *a, const fa_tiles *tl, const fa_it
         pack_queries(a, it, Qt, ld, bqp);
         T qmax = -1;
         key_runs kr;
-        const int bits = tile_scores(a, it, &b, St, Qt, &qmax, W, ld, bqp, jl, n, NULL, NULL, &kr);
+        const int bits = tile_scores(a, it, &b, St, Qt, &qmax, W, ld, bqp, jl, n, (const T *)it->k + jl * a->k_rs,
+                                     a->k_rs, NULL, NULL, &kr);
         if (bits < 0) continue;
         if (bits) apply_bits(St, W, ld, bqp, n);
         /* dO of the block, D = rowsum(dO * out) and lse */

@@ -125,6 +125,13 @@ INLINE T kv_s(KT h)
 INLINE vec vload_kv(const KT *p) { return (vec)(vload_u16(p) << 16); }
 #endif
 #endif
+/* dst[0..n) = src[0..n) widened (a K or V row into a float32 tile, or fa_kv_widen) */
+INLINE void widen_row(T *restrict dst, const KT *restrict src, int64_t n)
+{
+    int64_t i = 0;
+    for (; i + L <= n; i += L) vstore(dst + i, vload_kv(src + i));
+    for (; i < n; i++) dst[i] = kv_s(src[i]);
+}
 
 INLINE ivec vload_i(const IT *p) { return *(const ivec_u *)p; }
 INLINE vec vset1(T x) { vec z = {0}; return z + x; }

@@ -269,7 +269,7 @@ static void pack_queries(const fa_attention_args *a, const fa_item *it, T *Qt, i
  * is. */
 static int tile_scores(const fa_attention_args *a, const fa_item *it, const band_t *b, T *St,
                        const T *Qt, T *qmax, IT *W, int64_t ld, int64_t bqp, int64_t j0, int64_t nb,
-                       const tile_pf *pf, fuse_t *f, key_runs *kr)
+                       const T *K, int64_t krs, const tile_pf *pf, fuse_t *f, key_runs *kr)
 {
     const int64_t bq = it->bq;
     int bits = 0;
@@ -281,7 +281,7 @@ static int tile_scores(const fa_attention_args *a, const fa_item *it, const band
     }
     if (a->mask_kind == FA_MASK_ADD &&
         mask_tile_hidden((const T *)it->mask + j0 * a->m_cs, a->m_rs, a->m_cs, bq, nb) &&
-        hidden_tile_skips((const T *)it->k + j0 * a->k_rs, a->k_rs, a->dk, nb, Qt, ld, bqp, qmax))
+        hidden_tile_skips(K, krs, a->dk, nb, Qt, ld, bqp, qmax))
         return -1;
     /* band: key j hides the rows before the first at position j - right, and
      * those from the first at position j + left + 1 on (band_first_row) */
@@ -290,10 +290,10 @@ static int tile_scores(const fa_attention_args *a, const fa_item *it, const band
     if (f && !bits && !cut_right && !cut_left && !(a->softcap > 0) && it->slope == 0) {
         f->mask = a->mask_kind == FA_MASK_ADD;
         if (f->mask) mask_tile(St, ld, (const T *)it->mask + j0 * a->m_cs, a->m_rs, a->m_cs, bq, bqp, nb, 1, kr);
-        qk_block(St, (const T *)it->k + j0 * a->k_rs, a->k_rs, Qt, ld, bqp, a->dk, nb, pf, f);
+        qk_block(St, K, krs, Qt, ld, bqp, a->dk, nb, pf, f);
         return 2;
     }
-    qk_block(St, (const T *)it->k + j0 * a->k_rs, a->k_rs, Qt, ld, bqp, a->dk, nb, pf, NULL);
+    qk_block(St, K, krs, Qt, ld, bqp, a->dk, nb, pf, NULL);
     if (a->softcap > 0) {
         const T c = (T)a->softcap, ic = 1 / c;
         for (int64_t j = 0; j < nb; j++)
@@ -390,6 +390,85 @@ INLINE void tile_softmax(const int NV, T *St, const IT *W, int bits, int64_t ld,
     }
 }
 
+/* 16-bit K and V (FA_KV) as the tiled and weights kernels read them: float32
+ * rows in the thread's scratch, from tl->kv_off on: a header (kv_head), then
+ * tl->kv_rows rows of K (Kc) and of V (Vc).  The header says whose rows they are
+ * (an item's K and V pointers: its leading index) and which keys, [lo, hi); the
+ * next item of the same leading index (its next query block) reuses them and
+ * widens only the keys past hi, so that a leading index's keys are widened
+ * about once a thread, not once a query block (which cost 2-3 % of a prefill:
+ * docs/tuning.md, kv_rows_widened).  Where an item's keys exceed kv_rows (K and
+ * V beyond FA_KV_CACHE_BYTES), each key tile is widened as it comes instead.
+ * attention.c zeroes the header before a thread's first item. */
+typedef struct {
+    const void *k, *v; /* the item's K and V (v NULL: K only, the weights kernel) */
+    int64_t lo, hi;    /* the keys widened: key j is row j - lo of Kc and Vc */
+} kv_head;
+_Static_assert(sizeof(kv_head) <= FA_KV_HEAD * sizeof(float), "kv_head fits FA_KV_HEAD elements");
+
+/* Make the keys [lo, hi) of the item widened in place of a key tile at a time
+ * (returns 1), or 0 where they exceed kv_rows (or K and V are stored as T). */
+static int kv_rows_widened(const fa_attention_args *a, const fa_tiles *tl, const fa_item *it, void *scratch,
+                           int64_t lo, int64_t hi, int with_v)
+{
+#if FA_KV
+    kv_head *h = (kv_head *)((T *)scratch + tl->kv_off);
+    T *Kc = (T *)scratch + tl->kv_off + FA_KV_HEAD, *Vc = Kc + tl->kv_rows * a->dk;
+    const KT *k = it->k, *v = with_v ? it->v : NULL;
+    if (hi - lo > tl->kv_rows) {
+        h->k = NULL; /* a key tile at a time: Kc's rows are the tile's */
+        return 0;
+    }
+    if (h->k != it->k || h->v != (const void *)v || lo < h->lo || lo > h->hi || hi - h->lo > tl->kv_rows) {
+        h->k = it->k; /* another leading index, or keys that do not follow on: start again */
+        h->v = v;
+        h->lo = h->hi = lo;
+    }
+    for (int64_t j = h->hi; j < hi; j++) {
+        widen_row(Kc + (j - h->lo) * a->dk, k + j * a->k_rs, a->dk);
+        if (v) widen_row(Vc + (j - h->lo) * a->dv, v + j * a->v_rs, a->dv);
+    }
+    if (hi > h->hi) h->hi = hi;
+    return 1;
+#else
+    (void)a, (void)tl, (void)it, (void)scratch, (void)lo, (void)hi, (void)with_v;
+    return 0;
+#endif
+}
+
+/* The K (and with V, V) rows of key tile [j0, j0 + nb) as the products read
+ * them: in place; with 16-bit K and V, the widened rows (cached: those of
+ * kv_rows_widened), or this tile's rows widened now.  Returns K; *krs, and with V
+ * *V and *vrs, are set. */
+INLINE const T *tile_kv(const fa_attention_args *a, const fa_tiles *tl, const fa_item *it, void *scratch,
+                        int cached, int64_t j0, int64_t nb, int64_t *krs, const T **V, int64_t *vrs)
+{
+#if FA_KV
+    const kv_head *h = (const kv_head *)((T *)scratch + tl->kv_off);
+    T *Kc = (T *)scratch + tl->kv_off + FA_KV_HEAD, *Vc = Kc + tl->kv_rows * a->dk;
+    const int64_t r = cached ? j0 - h->lo : 0;
+    if (!cached)
+        for (int64_t j = 0; j < nb; j++) {
+            widen_row(Kc + j * a->dk, (const KT *)it->k + (j0 + j) * a->k_rs, a->dk);
+            if (V) widen_row(Vc + j * a->dv, (const KT *)it->v + (j0 + j) * a->v_rs, a->dv);
+        }
+    *krs = a->dk;
+    if (V) {
+        *V = Vc + r * a->dv;
+        *vrs = a->dv;
+    }
+    return Kc + r * a->dk;
+#else
+    (void)tl, (void)scratch, (void)cached, (void)nb;
+    *krs = a->k_rs;
+    if (V) {
+        *V = (const T *)it->v + j0 * a->v_rs;
+        *vrs = a->v_rs;
+    }
+    return (const T *)it->k + j0 * a->k_rs;
+#endif
+}
+
 /* ---------------------------------------------------------------------------
  * One attention work item (see fa_item in internal.h for q, k, v, mask, out,
  * lse and part).  Scratch, in elements of T; every row is ld >= bqp long
@@ -427,6 +506,7 @@ void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_i
 
     /* Key tiles outside every row's band (causal, window, kv length) are never visited. */
     const band_t b = item_band(a, it);
+    const int cached = kv_rows_widened(a, tl, it, scratch, b.j_lo, b.j_hi, 1);
     int64_t block = 0; /* keys in Ot's block (FOLD_KEYS) */
     for (int64_t j0 = b.j_lo; j0 < b.j_hi && !fa_stopped(a->stop); j0 += bk) {
         const int64_t nb = (b.j_hi - j0 < bk) ? b.j_hi - j0 : bk;
@@ -441,10 +521,10 @@ void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_i
          * while this tile's V rows are prefetched (pf_v; tile_pf). */
         const int64_t nb_next = b.j_hi - (j0 + nb) < bk ? b.j_hi - (j0 + nb) : bk;
         const int last = nb_next <= 0;
-        const tile_pf pf_v = {.v = (const T *)it->v + j0 * a->v_rs, .nv = nb, .vrs = a->v_rs, .dv = dv};
+        const tile_pf pf_v = {.v = (const KT *)it->v + j0 * a->v_rs, .nv = nb, .vrs = a->v_rs, .dv = dv};
         /* the next tile's K rows (in the last tile: the first K rows and the
          * queries of the thread's next item), prefetched during pass 5 */
-        const tile_pf pf_k = {.k = last ? it->next_k : (const T *)it->k + (j0 + nb) * a->k_rs,
+        const tile_pf pf_k = {.k = last ? it->next_k : (const KT *)it->k + (j0 + nb) * a->k_rs,
                               .q = it->next_q,
                               .nk = last ? it->next_nk : nb_next,
                               .nq = last ? it->next_bq : 0,
@@ -452,7 +532,10 @@ void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_i
         /* the fused exp, until its rescaling costs more than it saves (FUSE_LAG) */
         fuse_t *f = tl->fuse && fz.regrows <= 2 * (bqp / L) ? &fz : NULL;
         key_runs kr = {.n = -1}; /* the keys P.V needs: all, or those a mask leaves some row */
-        const int bits = tile_scores(a, it, &b, St, Qt, &qmax, W, ld, bqp, j0, nb, &pf_v, f, &kr);
+        int64_t krs, vrs;
+        const T *vt;
+        const T *kt = tile_kv(a, tl, it, scratch, cached, j0, nb, &krs, &vt, &vrs);
+        const int bits = tile_scores(a, it, &b, St, Qt, &qmax, W, ld, bqp, j0, nb, kt, krs, &pf_v, f, &kr);
         if (bits < 0) continue;
 
         /* Pass 4 (when the exp is not fused): online softmax, two vectors of
@@ -471,12 +554,11 @@ void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_i
         /* Pass 5: Ot += P . V_tile, while pf_k's rows are prefetched; under a
          * mask, over the keys that some row sees (visible_runs; a float
          * mask's from mask_tile) */
-        const T *vt = (const T *)it->v + j0 * a->v_rs;
         if (bits == 1) visible_runs(&kr, W, ld, it->bq, nb);
         if (runs_whole(&kr, nb))
-            pv_block(Ot, St, vt, a->v_rs, ld, bqp, dv, nb, &pf_k);
+            pv_block(Ot, St, vt, vrs, ld, bqp, dv, nb, &pf_k);
         else
-            pv_block_runs(&kr, Ot, St, vt, a->v_rs, ld, bqp, dv, &pf_k);
+            pv_block_runs(&kr, Ot, St, vt, vrs, ld, bqp, dv, &pf_k);
     }
 
     /* Pass 6: write out (acc element (i, c) is Ot[c * ld + i]), the
@@ -507,11 +589,14 @@ void FN(fa_weights_item)(const fa_attention_args *a, const fa_tiles *tl, const f
         l[i] = lc[i] = 0;
     }
     const band_t b = item_band(a, it);
+    const int cached = kv_rows_widened(a, tl, it, scratch, b.j_lo, b.j_hi, 0);
     for (int pass = 0; pass < 2; pass++) {
         for (int64_t j0 = b.j_lo; j0 < b.j_hi && !fa_stopped(a->stop); j0 += bk) {
             const int64_t nb = (b.j_hi - j0 < bk) ? b.j_hi - j0 : bk;
             key_runs kr;
-            const int bits = tile_scores(a, it, &b, St, Qt, &qmax, W, ld, bqp, j0, nb, NULL, NULL, &kr);
+            int64_t krs;
+            const T *kt = tile_kv(a, tl, it, scratch, cached, j0, nb, &krs, NULL, NULL);
+            const int bits = tile_scores(a, it, &b, St, Qt, &qmax, W, ld, bqp, j0, nb, kt, krs, NULL, NULL, &kr);
             if (bits < 0) continue;
             if (bits) apply_bits(St, W, ld, bqp, nb);
             for (int64_t i = 0; i < bqp; i += L) {
