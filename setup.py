@@ -60,7 +60,7 @@ def _has_openmp(compiler):
 def _parallel_compile(compiler, jobs):
     """Make compiler.compile build its sources in `jobs` threads, one source per call.
 
-    The six kernel files (src_c/kernels_*.c) take seconds each at -O3 (minutes under the
+    The twelve kernel files (src_c/kernels_*.c) take seconds each at -O3 (minutes under the
     sanitizers); setuptools compiles the sources of one extension one after the other.
     """
     serial = compiler.compile

@@ -180,7 +180,9 @@ attention.__doc__ = """Exact scaled dot-product attention, softmax(q k^T * scale
     q : array_like, shape (..., n_q, d_k) or (d_k,)
         Queries.  A 1-D q is one query and drops the n_q axis of the result.
     k : array_like, shape (..., n_k, d_k)
-        Keys.
+        Keys.  float16 or bfloat16 (ml_dtypes) K and V of one dtype are read
+        as stored in a float32 computation (no copy; see the guide, 16-bit
+        K and V).
     v : array_like, shape (..., n_k, d_v) or (n_k,)
         Values.  A 1-D v drops the d_v axis of the result.
     mask : array_like of bool or float, optional
@@ -224,8 +226,8 @@ attention.__doc__ = """Exact scaled dot-product attention, softmax(q k^T * scale
     out : ndarray, shape (..., n_q, d_v)
         The leading dims are those of q, k, v and mask broadcast together.
         dtype is np.result_type(q, k, v): float32 and float64 compute in their
-        own precision, float16 computes in float32, integers and bool give
-        float64.
+        own precision, 16-bit floats (float16, bfloat16) compute in and give
+        float32, integers and bool give float64.
     lse : ndarray, shape (..., n_q)
         Only with return_lse=True.
 
@@ -304,7 +306,8 @@ attention_weights.__doc__ = """The attention weights softmax(q k^T * scale + mas
     Returns
     -------
     ndarray, shape (..., n_q, n_k) (a 1-D q gives (..., n_k))
-        dtype np.result_type(q, k) (integers and bool give float64).
+        dtype np.result_type(q, k) (16-bit floats give float32, integers and
+        bool float64).
 
     Examples
     --------

@@ -56,8 +56,8 @@ def attention_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike, 
     Returns
     -------
     (dq, dk, dv) : tuple of ndarray
-        Each of its input's shape, in the forward's result dtype (float16 inputs
-        computed in float32). An input broadcast along leading dims gets its
+        Each of its input's shape, in the forward's result dtype (16-bit inputs
+        compute in and give float32). An input broadcast along leading dims gets its
         gradient summed over them; with `enable_gqa`, dk and dv are summed over
         each group's query heads. Padding query rows (`q_lengths`), keys beyond
         `kv_lengths` and rows that see no key get zeros.

@@ -204,8 +204,8 @@ attention_varlen.__doc__ = """Attention over packed sequences of different lengt
     Returns
     -------
     out : ndarray, shape (total_q, H, d_v)
-        dtype np.result_type(q, k, v) (float16 computes in float32, integers
-        and bool give float64).  A query that sees no key (an empty key
+        dtype np.result_type(q, k, v) (16-bit floats compute in and give
+        float32, integers and bool float64; 16-bit K and V are read as stored).  A query that sees no key (an empty key
         sequence, an empty window) gives zeros, lse -inf.
     lse : ndarray, shape (H, total_q)
         Only with return_lse=True.

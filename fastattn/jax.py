@@ -56,7 +56,8 @@ def attention(q: Any, k: Any, v: Any, **options: Any) -> Any:
     Parameters
     ----------
     q, k, v : jax.Array
-        Shapes and dtypes as for `fastattn.attention` (float16, float32, float64).
+        Shapes and dtypes as for `fastattn.attention` (float16, bfloat16, float32,
+        float64; the gradients come back in the inputs' dtypes).
     **options
         The keywords of `fastattn.attention` but `return_lse` and `out`.
 

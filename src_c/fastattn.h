@@ -26,7 +26,7 @@
  *   attention.c       drivers: work split, OpenMP, per-thread scratch
  *   dispatch.c        run-time choice of the SIMD path (CPUID, FASTATTN_ISA)
  *   kernel_body.h     the kernels, written once with GCC vector extensions
- *   kernels_*.c       kernel_body.h compiled per dtype and per ISA
+ *   kernels_*.c       kernel_body.h compiled per dtype (and 16-bit K and V) and per ISA
  */
 #ifndef FASTATTN_H
 #define FASTATTN_H
