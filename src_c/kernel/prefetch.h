@@ -30,19 +30,23 @@ typedef struct {
  * rows H*d apart) it was a demand miss from memory on every row.  The callers
  * ask for the tail only where rows do not abut: there it pays, for abutting
  * rows it costs a little (docs/tuning.md, prefetch_l2). */
-INLINE void prefetch_l2_bytes(const char *p, int64_t bytes, int64_t esz, int tail)
+INLINE void prefetch_l2(const KT *p, int64_t n, int tail)
 {
-    for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(p + c, 0, 2);
-    if (tail && bytes > 0) __builtin_prefetch(p + bytes - esz, 0, 2);
+    for (int64_t c = 0; c < n; c += 64 / (int64_t)sizeof(KT)) __builtin_prefetch(p + c, 0, 2);
+    if (tail && n > 0) __builtin_prefetch(p + n - 1, 0, 2);
 }
-/* p: a T, KT or other row of n elements */
-#define prefetch_l2(p, n, tail) prefetch_l2_bytes((const char *)(p), (n) * (int64_t)sizeof(*(p)), sizeof(*(p)), tail)
+/* ... a row of queries (the next item's) */
+INLINE void prefetch_l2_q(const T *p, int64_t n, int tail)
+{
+    for (int64_t c = 0; c < n; c += 64 / (int64_t)sizeof(T)) __builtin_prefetch(p + c, 0, 2);
+    if (tail && n > 0) __builtin_prefetch(p + n - 1, 0, 2);
+}
 
 INLINE void tile_prefetch(const tile_pf *pf, int64_t j, int64_t r)
 {
     for (int64_t x = j; x < j + r && x < pf->nv; x++) prefetch_l2(pf->v + x * pf->vrs, pf->dv, pf->vrs != pf->dv);
     for (int64_t x = j; x < j + r && x < pf->nk; x++) prefetch_l2(pf->k + x * pf->krs, pf->dk, pf->krs != pf->dk);
-    for (int64_t x = j; x < j + r && x < pf->nq; x++) prefetch_l2(pf->q + x * pf->qrs, pf->dk, pf->qrs != pf->dk);
+    for (int64_t x = j; x < j + r && x < pf->nq; x++) prefetch_l2_q(pf->q + x * pf->qrs, pf->dk, pf->qrs != pf->dk);
 }
 
 /* Prefetch pf's K and query rows in step with a P.V pass over the columns of
