@@ -67,4 +67,26 @@ for dtype, tol in ((np.float32, 1e-5), (np.float64, 1e-12)):
     xs = np.linspace(-700 if dtype is np.float64 else -87, 0, 1001).astype(dtype)  # normal results
     assert np.allclose(_core.vexp(xs), np.exp(xs.astype(np.float64)), rtol=4 * np.finfo(dtype).eps, atol=0)
     checks += 2
+# 16-bit K and V (float16; bfloat16 where ml_dtypes is installed), read as stored: the
+# portable path widens them in integer code (no F16C), the AVX2 path by F16C
+halves = [np.dtype(np.float16)]
+try:
+    import ml_dtypes
+    halves.append(np.dtype(ml_dtypes.bfloat16))
+except ImportError:
+    pass
+for half in halves:
+    bits = np.arange(1 << 16, dtype=np.uint16).view(half)
+    want = bits.astype(np.float32)
+    got = _core.kv_widen(bits)
+    nan = np.isnan(want)
+    assert np.isnan(got[nan]).all() and np.array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32)), half
+    for nq in (1, 3, 70):
+        q = rng.standard_normal((2, 4, nq, 40)).astype(np.float32)
+        k, v = (rng.standard_normal((2, 2, 900, 40)).astype(half) for _ in range(2))
+        out = fastattn.attention(q, k, v, causal=True, enable_gqa=True)
+        ref = reference.attention(*(a.astype(np.float64) for a in (q, k, v)), causal=True, enable_gqa=True)
+        assert out.dtype == np.float32 and np.max(np.abs(out - ref)) <= 1e-5 * max(1.0, float(np.abs(ref).max())), half
+        checks += 1
+    checks += 1
 print(f"portable-path smoke test: {checks} checks passed on the {isa} path")
