@@ -317,12 +317,13 @@ def peer_calls(w, inputs, threads=None, torch=None):
         pq, pk, pv = (np.concatenate([a[b, :, :m].transpose(1, 0, 2) for b, m in enumerate(n)]) for a in (q, k, v))
         cu = np.cumsum(np.r_[0, n])
         calls["fastattn"] = lambda: attention_varlen(pq, pk, pv, cu, cu, causal=w["causal"], num_threads=threads)
+    rq, rk, rv = q, k, v   # the reference's inputs
     if stored_dtype(w) is not None:   # fastattn on float32 copies of the same values
-        q32, k32, v32 = (a.astype(np.float32) for a in (q, k, v))
+        q32, k32, v32 = rq, rk, rv = tuple(a.astype(np.float32) for a in (q, k, v))
         calls["float32"] = lambda: attention(q32, k32, v32, mask=mask, causal=w["causal"], num_threads=threads,
                                              **kw)
-    if has_reference(w):
-        calls["reference"] = lambda: reference.attention(q, k, v, mask=mask, causal=w["causal"], **kw)
+    if has_reference(w):   # (16-bit rows: on the float32 copies, as NumPy has no fast 16-bit product)
+        calls["reference"] = lambda: reference.attention(rq, rk, rv, mask=mask, causal=w["causal"], **kw)
     if torch is not None and has_torch(w):
         tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
         blhd = kw.get("layout") == "blhd"
@@ -502,7 +503,7 @@ fastattn ms: median time of a call; GFLOP/s: 4 n_q n_k d (causal: the keys each 
 over that time.  % mm: that rate as a share of NumPy's own 2048x2048 matrix product in this
 run, in the same dtype (the compute ceiling; decoding rows are bound by memory instead: see
 the Memory lines).  x NumPy: fastattn's speed over fastattn.reference, the plain NumPy
-formula, run in the inputs' own dtype.  x torch: over PyTorch's scaled_dot_product_attention
+formula, run in the inputs' own dtype (16-bit rows: float32 copies).  x torch: over PyTorch's scaled_dot_product_attention
 on the same arrays and threads.  Peers are timed interleaved with fastattn, in this process."""
 
 
