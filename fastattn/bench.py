@@ -503,8 +503,9 @@ fastattn ms: median time of a call; GFLOP/s: 4 n_q n_k d (causal: the keys each 
 over that time.  % mm: that rate as a share of NumPy's own 2048x2048 matrix product in this
 run, in the same dtype (the compute ceiling; decoding rows are bound by memory instead: see
 the Memory lines).  x NumPy: fastattn's speed over fastattn.reference, the plain NumPy
-formula, run in the inputs' own dtype (16-bit rows: float32 copies).  x torch: over PyTorch's scaled_dot_product_attention
-on the same arrays and threads.  Peers are timed interleaved with fastattn, in this process."""
+formula, run in the inputs' own dtype (16-bit rows: float32 copies).  x torch: over
+PyTorch's scaled_dot_product_attention on the same arrays and threads.  Peers are timed
+interleaved with fastattn, in this process."""
 
 
 def _ms(x, width=9):

@@ -126,3 +126,26 @@ def test_gradients_page_framework_examples():
     assert ns["q"].grad.shape == (1, 8, 512, 64)
     exec(compile(blocks[2], str(page), "exec"), ns)
     assert [g.shape for g in ns["grads"]] == [(1, 8, 512, 64)] * 3
+
+
+def test_jax_half_kv():
+    """A bfloat16 KV cache from JAX: read as stored, float32 output, gradients in the
+    inputs' dtypes; jit gives the same."""
+    import jax
+    import jax.numpy as jnp
+
+    from fastattn.jax import attention
+    rng = np.random.default_rng(3)
+    q = jnp.asarray(rng.standard_normal((2, 4, 3, 16)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((2, 4, 20, 16)), jnp.bfloat16) for _ in range(2))
+    out = attention(q, k, v, causal=True)
+    s = np.asarray(q, np.float64) @ np.swapaxes(np.asarray(k, np.float64), -1, -2) / 4.0
+    s = np.where(np.arange(20) <= np.arange(3)[:, None] + 17, s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    want = (p / p.sum(-1, keepdims=True)) @ np.asarray(v, np.float64)
+    assert out.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-6)
+    grads = jax.grad(lambda q, k, v: attention(q, k, v, causal=True).sum(), argnums=(0, 1, 2))(q, k, v)
+    assert [g.dtype for g in grads] == [jnp.float32, jnp.bfloat16, jnp.bfloat16]
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda q, k, v: attention(q, k, v, causal=True))(q, k, v)),
+                                  np.asarray(out))
