@@ -221,3 +221,19 @@ def test_tiled_widened_rows(isa, rng, force, dtype):
     big_k, big_v = half(rng, (1, 1, 9000, 512), dtype, 0.05), half(rng, (1, 1, 9000, 512), dtype)
     assert fastattn._attention._plan(big_q, big_k, big_v)["kernel"] == "tiled"
     check(big_q, big_k, big_v, F32, num_threads=2, causal=True)
+
+
+def test_dask_chunks_of_a_half_cache(rng):
+    """fastattn.dask over a bfloat16 cache chunked by keys: the tasks read their chunks as
+    stored and the merged result is float32, as the single-process call's."""
+    import dask.array as da
+
+    import fastattn.dask as fdask
+    q = rand(rng, (2, 4, 64, 16))
+    k, v = half(rng, (2, 4, 96, 16), BF16), half(rng, (2, 4, 96, 16), BF16)
+    lazy = fdask.attention(da.from_array(q, chunks=(1, 2, 32, 16)), da.from_array(k, chunks=(1, 2, 48, 16)),
+                           da.from_array(v, chunks=(1, 2, 48, 16)), causal=True)
+    assert lazy.dtype == F32
+    got = lazy.compute(scheduler="threads")
+    assert_close(got, fastattn.attention(q, k, v, causal=True), F32)
+    assert_close(got, reference64(q, k, v, causal=True)[0], F32)
