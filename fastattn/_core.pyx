@@ -64,6 +64,7 @@ cdef extern from "fastattn.h" nogil:
         void *lse
         int dtype
         int kv_dtype
+        int q_kv
         int mask_kind
         int causal
         int top_left
@@ -213,16 +214,20 @@ def bfloat16_dtype():
     return np.dtype(mld.bfloat16) if mld is not None else None
 
 
+cdef bint _is_bf16(object dt):
+    """Is dt ml_dtypes' bfloat16 (by dtype; never `dt == None`, which NumPy reads as float64)?"""
+    bf = bfloat16_dtype()
+    return bf is not None and dt == bf
+
+
 cdef int _kv_code(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, bint weights) except -1:
     """How k and v are stored (fastattn.h, FA_KV_*): q's dtype, or 16-bit floats
-    (both the same kind) for float32 q."""
-    if k.dtype == q.dtype and (weights or v.dtype == q.dtype):
+    (both of one kind) with float32 q or q of their kind (q_kv)."""
+    cdef int code = FA_KV_F16 if k.dtype.num == cnp.NPY_FLOAT16 else FA_KV_BF16 if _is_bf16(k.dtype) else 0
+    if code != 0 and (weights or v.dtype == k.dtype) and (q.dtype.num == cnp.NPY_FLOAT32 or q.dtype == k.dtype):
+        return code
+    if code == 0 and k.dtype == q.dtype and (weights or v.dtype == q.dtype):
         return FA_KV_SAME
-    if q.dtype.num == cnp.NPY_FLOAT32 and (weights or v.dtype == k.dtype):
-        if k.dtype.num == cnp.NPY_FLOAT16:
-            return FA_KV_F16
-        if k.dtype == bfloat16_dtype():
-            return FA_KV_BF16
     raise TypeError(f"internal: k and v of {k.dtype} and {v.dtype} with q of {q.dtype}")
 
 
@@ -376,8 +381,9 @@ def attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask
     a.k = cnp.PyArray_DATA(k)
     a.v = cnp.PyArray_DATA(v)
     a.out = cnp.PyArray_DATA(out)
-    a.dtype = _dtype_code(q)
     a.kv_dtype = _kv_code(q, k, v, weights)
+    a.q_kv = a.kv_dtype != FA_KV_SAME and q.dtype == k.dtype   # 16-bit q, read as stored
+    a.dtype = FA_F32 if a.q_kv else _dtype_code(q)
     a.mask_kind = mask_kind
     a.mask = NULL
     a.m_rs = 0
@@ -562,7 +568,7 @@ def kv_widen(cnp.ndarray x):
     the tests).  x: 1-D contiguous float16 or bfloat16."""
     if x.ndim != 1 or not cnp.PyArray_IS_C_CONTIGUOUS(x):
         raise ValueError("kv_widen: a 1-D contiguous array")
-    cdef int code = FA_KV_F16 if x.dtype.num == cnp.NPY_FLOAT16 else FA_KV_BF16 if x.dtype == bfloat16_dtype() else 0
+    cdef int code = FA_KV_F16 if x.dtype.num == cnp.NPY_FLOAT16 else FA_KV_BF16 if _is_bf16(x.dtype) else 0
     if code == 0:
         raise TypeError(f"kv_widen: float16 or bfloat16, not {x.dtype}")
     cdef cnp.ndarray y = cnp.PyArray_EMPTY(1, x.shape, cnp.NPY_FLOAT32, 0)

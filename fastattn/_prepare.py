@@ -54,7 +54,8 @@ class _Prepared:
     """Validated, converted arguments of one attention or attention_weights call.
 
     q, v and slopes are in the compute dtype (k and v may instead stay 16-bit floats,
-    float16 or bfloat16 alike, for float32: the C core reads them so), the mask in it too or a bool mask
+    float16 or bfloat16 alike, for float32, and q with them: the C core reads them so),
+    the mask in it too or a bool mask
     as uint8, the lengths int64: each readable by the C core as it is, with leading
     dims that broadcast to `lead`.  Under GQA the head axis is split: lead is
     (..., H_kv, g), g = H // H_kv query heads a group (K and V of size 1 there).
@@ -219,7 +220,8 @@ def _prepare(q, k, v, mask, causal, scale, enable_gqa, window, softcap, alibi_sl
     softcap_ = _softcap(softcap)
     # mask, pad and fold are set below: _mask_as_bool and _fold_rows read p
     kv_store = k.dtype if half_kv and comp == np.float32 and k.dtype == vv.dtype and _is_half(k.dtype) else comp
-    p = _Prepared(q=_as_compute(qq, comp), k=_as_compute(k, kv_store), v=_as_compute(vv, kv_store), mask=None,
+    q_store = kv_store if qq.dtype == kv_store else comp   # 16-bit q of K's dtype: read as stored too
+    p = _Prepared(q=_as_compute(qq, q_store), k=_as_compute(k, kv_store), v=_as_compute(vv, kv_store), mask=None,
                   mask_kind=mask_kind, pad=None, slopes=slopes, kvl=kvl, qln=qln, lead=lead, n_q=n_q, n_k=n_k,
                   d_v=d_v, q1=q1, v1=v1, gqa=gqa, fold=False, res=res, comp=comp, scale=scale_, softcap=softcap_,
                   causal=causal_, top_left=top_left, win_left=win_left, win_right=win_right, nthreads=nthreads,

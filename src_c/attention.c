@@ -100,7 +100,7 @@ void fa_fill_item(const fa_attention_args *a, const fa_tiles *t, const void *mas
     it->bq -= it->pad;
     it->j_lo = 0;
     it->j_hi = it->kv;
-    it->q = (const char *)a->q + (oq + i0 * a->q_rs) * e;
+    it->q = (const char *)a->q + (oq + i0 * a->q_rs) * fa_q_esz(a);
     it->k = (const char *)a->k + ok * fa_kv_esz(a);
     it->v = (const char *)a->v + ov * fa_kv_esz(a);
     it->mask = a->mask ? (const char *)a->mask + (om + i0 * a->m_rs) * (int64_t)msz : NULL;

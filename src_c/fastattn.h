@@ -85,7 +85,7 @@ typedef struct {
 } fa_stats;
 
 /* Arguments of fa_attention.
- *   q     (lead, nq, dk)    compute dtype
+ *   q     (lead, nq, dk)    compute dtype, or as k (q_kv)
  *   k     (lead, nk, dk)    compute dtype, or 16-bit floats (kv_dtype)
  *   v     (lead, nk, dv)    as k
  *   mask  (lead, nq, nk)    uint8 or compute dtype, any strides, or NULL
@@ -130,6 +130,7 @@ typedef struct {
     int dtype;                          /* FA_F32 or FA_F64 */
     int kv_dtype;                       /* FA_KV_*: how k and v are stored (16-bit:
                                          * FA_F32 only; not the backward pass) */
+    int q_kv;                           /* q stored as k and v (16-bit kv_dtype only) */
     int mask_kind;                      /* FA_MASK_* */
     int causal;                         /* key j visible to query i iff j <= p (above) */
     int top_left;                       /* positions aligned top-left: p = i / G (above) */

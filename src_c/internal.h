@@ -68,6 +68,8 @@ typedef struct {
                    * float32 rows in each thread's scratch from element kv_off on (0:
                    * none), kv_rows of them (tiled.h, kv_rows_widened; attention.c
                    * clears its header first) */
+    int64_t q_off; /* ... and 16-bit q (q_kv): an item's rows widened, (bq, dk) from
+                   * element q_off on (tiled.h, pack_queries) */
 } fa_tiles;
 
 /* One work item: query rows [i0, i0 + bq) of one leading index, against the
@@ -146,10 +148,14 @@ typedef void (*fa_softmax_row_fn)(const void *x, int64_t xs, void *o, int64_t os
 /* dst[0..n) = src[0..n), 16-bit floats (FA_KV_F16 or FA_KV_BF16) widened to
  * float32 (fa_kv_widen: the Python layer's conversions and the tests). */
 typedef void (*fa_kv_widen_fn)(const void *src, float *dst, int64_t n);
-/* Bytes of one stored K or V element. */
+/* Bytes of one stored K or V element, and of one q element. */
 static inline int64_t fa_kv_esz(const fa_attention_args *a)
 {
     return a->kv_dtype != FA_KV_SAME ? 2 : a->dtype == FA_F32 ? 4 : 8;
+}
+static inline int64_t fa_q_esz(const fa_attention_args *a)
+{
+    return a->q_kv ? fa_kv_esz(a) : a->dtype == FA_F32 ? 4 : 8;
 }
 
 /* Scalar exp of the same polynomial as the vector kernels (for tests). */

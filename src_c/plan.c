@@ -154,6 +154,7 @@ static int64_t plan_scratch(const fa_attention_args *a, const fa_plan *p)
     int64_t n = p->kernel == FA_KERNEL_ROWS ? fa_rows_scratch_elems(t, a->dk, a->dv)
                                            : fa_attn_scratch_elems(t, a->dk, weights ? 0 : a->dv);
     if (t->kv_off) n = t->kv_off + fa_kv_cache_elems(t, a->dk, weights ? 0 : a->dv); /* widened K and V */
+    if (t->q_off) n = t->q_off + t->bq * a->dk;                                    /* ... and q */
     if ((p->few || p->tail) && n < fa_rows_scratch_elems(t, a->dk, a->dv)) n = fa_rows_scratch_elems(t, a->dk, a->dv);
     if (p->group && n < fa_group_scratch_elems(t, a->dk, a->dv, p->group))
         n = fa_group_scratch_elems(t, a->dk, a->dv, p->group);
@@ -236,13 +237,14 @@ int fa_attention_plan(const fa_attention_args *a, int weights, fa_plan *p)
     }
     plan_group(a, f, tu, p);
     plan_splits(a, f, want, p);
-    p->tiles.kv_off = p->tiles.kv_rows = 0;
+    p->tiles.kv_off = p->tiles.kv_rows = p->tiles.q_off = 0;
     if (a->kv_dtype != FA_KV_SAME && p->kernel != FA_KERNEL_ROWS) { /* after the tiled kernel's scratch */
         /* past what the tiled kernel and the row kernel (its tails, few rows and careful redo) use */
         const int64_t w = a->dk + (weights ? 0 : a->dv), at = fa_attn_scratch_elems(&p->tiles, a->dk, w - a->dk);
         const int64_t rw = fa_rows_scratch_elems(&p->tiles, a->dk, a->dv), end = at > rw ? at : rw;
         p->tiles.kv_off = (end + FA_KV_HEAD - 1) / FA_KV_HEAD * FA_KV_HEAD;   /* 64-byte aligned */
         p->tiles.kv_rows = a->nk * w * 4 <= FA_KV_CACHE_BYTES ? a->nk : p->tiles.bk;
+        if (a->q_kv) p->tiles.q_off = p->tiles.kv_off + fa_kv_cache_elems(&p->tiles, a->dk, w - a->dk);
     }
     p->scratch_elems = plan_scratch(a, p);
 

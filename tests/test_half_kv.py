@@ -68,13 +68,15 @@ def _options(rng, name, nq, nk):
 
 @pytest.mark.parametrize("opt", list(_OPTIONS))
 @pytest.mark.parametrize("path", list(_SHAPES))
+@pytest.mark.parametrize("q16", [False, True], ids=["q32", "q16"])
 @pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
-def test_paths(isa, rng, force, dtype, path, opt):
-    """float32 q with a 16-bit K and V on each kernel (the plan's: rows or tiled), with
-    the options: the float32 result of the rounded values, on 1 and 2 threads."""
+def test_paths(isa, rng, force, dtype, q16, path, opt):
+    """float32 q, or q of K's 16-bit dtype (read as stored too), with a 16-bit K and V
+    on each kernel (the plan's: rows or tiled), with the options: the float32 result of
+    the rounded values, on 1 and 2 threads."""
     nq, nk = _SHAPES[path]
     d, dv = 72, 40   # not whole vectors: the scalar tails convert too
-    q = rand(rng, (2, 2, nq, d))
+    q = half(rng, (2, 2, nq, d), dtype) if q16 else rand(rng, (2, 2, nq, d))
     k, v = half(rng, (2, 2, nk, d), dtype), half(rng, (2, 2, nk, dv), dtype)
     kw = _options(rng, opt, nq, nk)
     if path == "split":
@@ -95,11 +97,14 @@ def test_gqa_and_blhd_cache(isa, rng, force, dtype, nq):
     q = rand(rng, (B, H, nq, d))
     k, v = half(rng, (B, Hkv, nk, d), dtype), half(rng, (B, Hkv, nk, d), dtype)
     check(q, k, v, F32, num_threads=(1, 2), enable_gqa=True, causal=True)
-    check(q, k, v, F32, enable_gqa=True, kv_lengths=np.array([[nk // 2], [nk]]))
+    check(q.astype(dtype), k, v, F32, enable_gqa=True, kv_lengths=np.array([[nk // 2], [nk]]))
     qb, kb, vb = heads_last(q), heads_last(half(rng, (B, H, nk, d), dtype)), heads_last(half(rng, (B, H, nk, d), dtype))
     force.set(group=1).reset_counts()
     got = fastattn.attention(qb, kb, vb, layout="blhd")
     want = reference64(q, np.swapaxes(kb, 1, 2), np.swapaxes(vb, 1, 2))[0]
+    assert_close(got, heads_last(want), F32)
+    got = fastattn.attention(qb.astype(dtype), kb, vb, layout="blhd")   # 16-bit q too
+    want = reference64(q.astype(dtype), np.swapaxes(kb, 1, 2), np.swapaxes(vb, 1, 2))[0]
     assert_close(got, heads_last(want), F32)
     if nq == 1:
         assert force.group_runs > 0
@@ -110,9 +115,10 @@ def test_weights_varlen_and_strided(rng, force, dtype):
     """attention_weights (the weights kernel), packed sequences (decoding, and longer
     queries on the tiled kernel), and K and V as strided views of a larger cache."""
     q, k = rand(rng, (2, 3, 20, 16)), half(rng, (2, 3, 50, 16), dtype)
-    w = fastattn.attention_weights(q, k, causal=True)
-    assert w.dtype == F32
-    assert_close(w, ref.attention_weights(q.astype(F64), k.astype(F64), causal=True), F32)
+    for qq in (q, q.astype(dtype)):
+        w = fastattn.attention_weights(qq, k, causal=True)
+        assert w.dtype == F32
+        assert_close(w, ref.attention_weights(qq.astype(F64), k.astype(F64), causal=True), F32)
 
     for lq in ([1, 1, 1], [5, 30, 2]):
         qv, kv_, vv, cq, ck = packed(rng, lq, [40, 90, 7], 4, 2, F32)
@@ -138,6 +144,8 @@ def test_nonfinite_values(isa, rng):
     k[0, 1, 250, 0] = np.nan
     check(q, k, v, F32)
     check(q, k, v, F32, mask=np.arange(300) != 250)   # a hidden NaN key adds nothing
+    check(q.astype(np.float16), k, v, F32)   # the careful redo reads a 16-bit q too
+    check(rand(rng, (1, 2, 40, 16)).astype(np.float16), k, v, F32)   # ... and the tiled kernel's
 
 
 def test_mixed_and_refused_dtypes(rng, force):
@@ -187,7 +195,7 @@ def test_threads_and_layout_bits(rng):
 
 def test_no_ml_dtypes_import(tmp_path):
     """fastattn never imports ml_dtypes (bfloat16 arrays exist only once it is imported):
-    float16 K and V work without it."""
+    float16 K and V work without it, and float64 is not taken for bfloat16 then."""
     proc = run_script(tmp_path, """
         import sys
         import numpy as np
@@ -195,6 +203,8 @@ def test_no_ml_dtypes_import(tmp_path):
         q = np.ones((2, 1, 8), np.float32)
         k = np.ones((2, 9, 8), np.float16)
         assert fastattn.attention(q, k, k).dtype == np.float32
+        q64, k64 = q.astype(np.float64), k.astype(np.float64)   # (no dtype compared with None: float64 to NumPy)
+        assert np.allclose(fastattn.attention(q64, k64, k64), fastattn.reference.attention(q64, k64, k64))
         assert "ml_dtypes" not in sys.modules
         print("ok")
     """)

@@ -128,7 +128,7 @@ void FN(fa_bwd_unit)(const fa_attention_args *a, const fa_tiles *tl, const fa_it
         const int64_t jl = b.j_lo > j0 ? b.j_lo : j0, jh = b.j_hi < j0 + nb ? b.j_hi : j0 + nb;
         if (jl >= jh) continue;
         const int64_t bq = it->bq, bqp = (bq + L - 1) / L * L, o = jl - j0, n = jh - jl;
-        pack_queries(a, it, Qt, ld, bqp);
+        pack_queries(a, tl, it, scratch, Qt, ld, bqp);
         T qmax = -1;
         key_runs kr;
         const int bits = tile_scores(a, it, &b, St, Qt, &qmax, W, ld, bqp, jl, n, (const T *)it->k + jl * a->k_rs,

@@ -151,7 +151,7 @@ static void redo_nonfinite_rows(const fa_attention_args *a, const fa_tiles *tl, 
         fa_item row = *it;
         row.bq = 1;
         row.i0 = it->i0 + i;
-        row.q = (const T *)it->q + i * a->q_rs;
+        row.q = (const char *)it->q + i * a->q_rs * fa_q_esz(a);
         row.mask = it->mask ? (const char *)it->mask + i * a->m_rs * (int64_t)msz : NULL;
         row.mbits = it->mbits ? it->mbits + i * it->mb_rs : NULL; /* (the row kernel reads the bytes) */
         row.out = (T *)it->out + i * a->o_rs;

@@ -464,7 +464,13 @@ static band_t rows_begin(const fa_attention_args *a, const fa_item *it, T *restr
     const int64_t bq = it->bq, dk = a->dk;
     const T *q = it->q, scale = (T)a->scale;
     for (int64_t i = 0; i < bq; i++) {
-        for (int64_t c = 0; c < dk; c++) Qs[i * dkp + c] = q[i * a->q_rs + c] * scale;
+#if FA_KV
+        if (a->q_kv) { /* 16-bit q: widened, then scaled */
+            widen_row(Qs + i * dkp, (const KT *)it->q + i * a->q_rs, dk);
+            for (int64_t c = 0; c < dk; c++) Qs[i * dkp + c] *= scale;
+        } else
+#endif
+            for (int64_t c = 0; c < dk; c++) Qs[i * dkp + c] = q[i * a->q_rs + c] * scale;
         for (int64_t c = dk; c < dkp; c++) Qs[i * dkp + c] = 0;
         m[i] = -INFINITY;
         l[i] = l[bq + i] = 0;

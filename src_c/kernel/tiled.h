@@ -234,22 +234,34 @@ static void pv_block(T *restrict Ot, const T *restrict Pt, const T *restrict V, 
  *   Qt (dk, bqp) row stride ld <- q (bq, dk) row stride q_rs
  * L x L blocks in registers (bqp is a whole number of vectors; rows past bq
  * are zeros), then the columns past the last whole vector one by one. */
-static void pack_queries(const fa_attention_args *a, const fa_item *it, T *Qt, int64_t ld, int64_t bqp)
+static void pack_queries(const fa_attention_args *a, const fa_tiles *tl, const fa_item *it, void *scratch, T *Qt,
+                         int64_t ld, int64_t bqp)
 {
     const T *q = it->q;
+    int64_t q_rs = a->q_rs;
     const T scale = (T)a->scale;
     const int64_t bq = it->bq, dk = a->dk;
+#if FA_KV
+    if (a->q_kv) { /* 16-bit q: its rows widened first (tl->q_off), then packed as float32 */
+        T *qw = (T *)scratch + tl->q_off;
+        for (int64_t i = 0; i < bq; i++) widen_row(qw + i * dk, (const KT *)it->q + i * a->q_rs, dk);
+        q = qw;
+        q_rs = dk;
+    }
+#else
+    (void)tl, (void)scratch;
+#endif
     int64_t c0 = 0;
     for (; c0 + L <= dk; c0 += L)
         for (int64_t i0 = 0; i0 < bqp; i0 += L) {
             vec r[L];
             UNROLL(16) for (int x = 0; x < L; x++)
-                r[x] = i0 + x < bq ? vload(q + (i0 + x) * a->q_rs + c0) * scale : vset1(0);
+                r[x] = i0 + x < bq ? vload(q + (i0 + x) * q_rs + c0) * scale : vset1(0);
             transpose_block(r);
             UNROLL(16) for (int x = 0; x < L; x++) vstore(Qt + (c0 + x) * ld + i0, r[x]);
         }
     for (int64_t c = c0; c < dk; c++) {
-        for (int64_t i = 0; i < bq; i++) Qt[c * ld + i] = q[i * a->q_rs + c] * scale;
+        for (int64_t i = 0; i < bq; i++) Qt[c * ld + i] = q[i * q_rs + c] * scale;
         for (int64_t i = bq; i < bqp; i++) Qt[c * ld + i] = 0;
     }
 }
@@ -496,7 +508,7 @@ void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_i
     fuse_t fz = {.m = m, .l = ts, .lr = l, .Ot = Ot, .St = St, .ld = ld, .arows = dv, .regrows = 0, .mask = 0};
 
     /* Pass 1: pack the queries. */
-    pack_queries(a, it, Qt, ld, bqp);
+    pack_queries(a, tl, it, scratch, Qt, ld, bqp);
     T qmax = -1; /* max |Qt|, when hidden_tile_skips first needs it */
     memset(Ot, 0, (size_t)(dv * ld) * sizeof(T)); /* (the total: at the first flush) */
     for (int64_t i = 0; i < bqp; i++) {
@@ -525,9 +537,9 @@ void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_i
         /* the next tile's K rows (in the last tile: the first K rows and the
          * queries of the thread's next item), prefetched during pass 5 */
         const tile_pf pf_k = {.k = last ? it->next_k : (const KT *)it->k + (j0 + nb) * a->k_rs,
-                              .q = it->next_q,
+                              .q = a->q_kv ? NULL : it->next_q, /* (16-bit q: not prefetched) */
                               .nk = last ? it->next_nk : nb_next,
-                              .nq = last ? it->next_bq : 0,
+                              .nq = last && !a->q_kv ? it->next_bq : 0,
                               .krs = a->k_rs, .qrs = a->q_rs, .dk = dk};
         /* the fused exp, until its rescaling costs more than it saves (FUSE_LAG) */
         fuse_t *f = tl->fuse && fz.regrows <= 2 * (bqp / L) ? &fz : NULL;
@@ -582,7 +594,7 @@ void FN(fa_weights_item)(const fa_attention_args *a, const fa_tiles *tl, const f
     T *Qt = scratch, *St = Qt + dk * ld, *m = St + bk * ld, *l = m + ld, *lc = l + ld;
     IT *W = (IT *)(l + 3 * ld);
     T *out = it->out;
-    pack_queries(a, it, Qt, ld, bqp);
+    pack_queries(a, tl, it, scratch, Qt, ld, bqp);
     T qmax = -1; /* max |Qt|, when hidden_tile_skips first needs it */
     for (int64_t i = 0; i < bqp; i++) {
         m[i] = -INFINITY;
