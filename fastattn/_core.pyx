@@ -41,7 +41,7 @@ cdef extern from "fastattn.h" nogil:
         int64_t split_keys, parts_bytes
 
     ctypedef struct fa_stats:
-        int64_t group_runs, tail_rows, redo_rows
+        int64_t group_runs, tail_rows, redo_rows, kv_widened
 
     ctypedef struct fa_attention_args:
         int n_lead
@@ -223,7 +223,9 @@ cdef bint _is_bf16(object dt):
 cdef int _kv_code(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, bint weights) except -1:
     """How k and v are stored (fastattn.h, FA_KV_*): q's dtype, or 16-bit floats
     (both of one kind) with float32 q or q of their kind (q_kv)."""
-    cdef int code = FA_KV_F16 if k.dtype.num == cnp.NPY_FLOAT16 else FA_KV_BF16 if _is_bf16(k.dtype) else 0
+    cdef int code = 0
+    if k.dtype.isnative:   # (another byte order: the Python layer converts it)
+        code = FA_KV_F16 if k.dtype.num == cnp.NPY_FLOAT16 else FA_KV_BF16 if _is_bf16(k.dtype) else 0
     if code != 0 and (weights or v.dtype == k.dtype) and (q.dtype.num == cnp.NPY_FLOAT32 or q.dtype == k.dtype):
         return code
     if code == 0 and k.dtype == q.dtype and (weights or v.dtype == q.dtype):
@@ -568,7 +570,9 @@ def kv_widen(cnp.ndarray x):
     the tests).  x: 1-D contiguous float16 or bfloat16."""
     if x.ndim != 1 or not cnp.PyArray_IS_C_CONTIGUOUS(x):
         raise ValueError("kv_widen: a 1-D contiguous array")
-    cdef int code = FA_KV_F16 if x.dtype.num == cnp.NPY_FLOAT16 else FA_KV_BF16 if _is_bf16(x.dtype) else 0
+    cdef int code = 0
+    if x.dtype.isnative:
+        code = FA_KV_F16 if x.dtype.num == cnp.NPY_FLOAT16 else FA_KV_BF16 if _is_bf16(x.dtype) else 0
     if code == 0:
         raise TypeError(f"kv_widen: float16 or bfloat16, not {x.dtype}")
     cdef cnp.ndarray y = cnp.PyArray_EMPTY(1, x.shape, cnp.NPY_FLOAT32, 0)
@@ -616,7 +620,8 @@ cdef class Forcing:
       parts_bytes  the split partials of one wave (0: 256 MiB)
     The counts, over the calls of the block: group_runs (item groups the group
     kernel ran), tail_rows (query rows the row kernel ran as the tiled kernel's
-    tails), redo_rows (rows recomputed carefully after a non-finite result)."""
+    tails), redo_rows (rows recomputed carefully after a non-finite result),
+    kv_widened (16-bit key rows the tiled and weights kernels widened)."""
     cdef fa_overrides ov
     cdef fa_stats st
 
@@ -624,7 +629,7 @@ cdef class Forcing:
         self.ov.bq = self.ov.bk = self.ov.rows_max = 0
         self.ov.fuse = self.ov.stream = self.ov.far = self.ov.group = self.ov.mask_pack = -1
         self.ov.split_keys = self.ov.parts_bytes = 0
-        self.st.group_runs = self.st.tail_rows = self.st.redo_rows = 0
+        self.st.group_runs = self.st.tail_rows = self.st.redo_rows = self.st.kv_widened = 0
 
     def set(self, **overrides):
         """Change some overrides (names as above); returns self."""
@@ -673,8 +678,12 @@ cdef class Forcing:
     def redo_rows(self):
         return self.st.redo_rows
 
+    @property
+    def kv_widened(self):
+        return self.st.kv_widened
+
     def reset_counts(self):
-        self.st.group_runs = self.st.tail_rows = self.st.redo_rows = 0
+        self.st.group_runs = self.st.tail_rows = self.st.redo_rows = self.st.kv_widened = 0
 
     def __enter__(self):
         global _n_forcing

@@ -25,8 +25,8 @@ from ._validate import (
     _broadcast_shapes,
     _causal,
     _dtypes,
-    _is_half,
     _lengths,
+    _native_half,
     _num_threads,
     _scale,
     _slopes,
@@ -219,7 +219,7 @@ def _prepare(q, k, v, mask, causal, scale, enable_gqa, window, softcap, alibi_sl
     win_left, win_right = _window(window, n_q + n_k)
     softcap_ = _softcap(softcap)
     # mask, pad and fold are set below: _mask_as_bool and _fold_rows read p
-    kv_store = k.dtype if half_kv and comp == np.float32 and k.dtype == vv.dtype and _is_half(k.dtype) else comp
+    kv_store = k.dtype if half_kv and comp == np.float32 and k.dtype == vv.dtype and _native_half(k.dtype) else comp
     q_store = kv_store if qq.dtype == kv_store else comp   # 16-bit q of K's dtype: read as stored too
     p = _Prepared(q=_as_compute(qq, q_store), k=_as_compute(k, kv_store), v=_as_compute(vv, kv_store), mask=None,
                   mask_kind=mask_kind, pad=None, slopes=slopes, kvl=kvl, qln=qln, lead=lead, n_q=n_q, n_k=n_k,

@@ -24,7 +24,7 @@ from ._validate import (
     _direct_out,
     _dtypes,
     _int_or_none,
-    _is_half,
+    _native_half,
     _num_threads,
     _overlaps,
     _scale,
@@ -117,7 +117,7 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
 
     # The C core's view: leading dims (B, H_kv, G), a sequence's rows from its start
     # (q_start, kv_start), max_q and max_k rows at most (q_len, kv_len cut them).
-    kv_store = k.dtype if comp == np.float32 and k.dtype == v.dtype and _is_half(k.dtype) else comp  # read as stored
+    kv_store = k.dtype if comp == np.float32 and k.dtype == v.dtype and _native_half(k.dtype) else comp  # as stored
     qc, kc, vc = _as_compute(q, comp), _as_compute(k, kv_store), _as_compute(v, kv_store)
     direct = out is not None and _direct_out(out, comp) and not _overlaps(out, q, k, v, slopes)
     target: np.ndarray = out if direct and out is not None else np.empty((T_q, H, d_v), comp)

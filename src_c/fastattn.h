@@ -82,6 +82,7 @@ typedef struct {
     int64_t group_runs;  /* item groups the group kernel ran */
     int64_t tail_rows;   /* query rows the row kernel ran as the tiled kernel's tails */
     int64_t redo_rows;   /* rows recomputed carefully (a result came out non-finite) */
+    int64_t kv_widened;  /* 16-bit key rows the tiled and weights kernels widened */
 } fa_stats;
 
 /* Arguments of fa_attention.

@@ -247,10 +247,11 @@ static inline int64_t fa_attn_scratch_elems(const fa_tiles *t, int64_t dk, int64
 }
 /* ... and after it (from kv_off), with 16-bit K and V, a header of FA_KV_HEAD
  * elements and kv_rows rows of K and V widened (tiled.h, kv_rows_widened): all
- * of an item's keys where K and V of FA_KV_CACHE_BYTES hold them, so that the
- * items of one leading index widen its keys once, else a key tile. */
+ * of an item's keys (its window's span, with one) where FA_KV_CACHE_BYTES hold
+ * them as float32 (8 MiB a thread: 8,192 keys at d128, 16,384 at d64), so that
+ * the items of one leading index widen its keys once, else a key tile. */
 #define FA_KV_HEAD 16
-#define FA_KV_CACHE_BYTES (INT64_C(32) << 20)
+#define FA_KV_CACHE_BYTES (INT64_C(8) << 20)
 static inline int64_t fa_kv_cache_elems(const fa_tiles *t, int64_t dk, int64_t dv)
 {
     return FA_KV_HEAD + t->kv_rows * (dk + dv);

@@ -9,9 +9,10 @@
  *   FA_VB    vector bytes: 16 (SSE2/NEON), 32 (AVX2) or 64 (AVX-512)
  *   FA_IS_F64  0 or 1
  *   FA_KV    (optional) K and V stored as 1 float16 or 2 bfloat16, widened
- *            as they are loaded (simd.h: KT, vload_kv; the tiled kernel a key
- *            tile at a time: tile_kv), float32 only (kernels_h16_<isa>.c,
- *            kernels_b16_<isa>.c); not the softmax or the backward pass
+ *            as they are loaded (simd.h: KT, vload_kv; the tiled kernel into
+ *            rows kept in its scratch: kv_rows_widened), float32 only
+ *            (kernels_h16_<isa>.c, kernels_b16_<isa>.c); not the softmax or
+ *            the backward pass
  *
  * The AVX2 file sets `#pragma GCC target("avx2,fma")` first, so the same code
  * becomes 256-bit AVX2 with FMA there; the AVX-512 files make it 512-bit code

@@ -1,5 +1,5 @@
-/* kernel_body.h for float with K and V stored as bfloat16 (FA_KV 2: the row
- * and group kernels only) with AVX-512 (F, DQ, BW, VL), 64-byte vectors.  Only
+/* kernel_body.h for float with K and V stored as bfloat16 (FA_KV 2: every
+ * kernel but the softmax and the backward pass) with AVX-512 (F, DQ, BW, VL), 64-byte vectors.  Only
  * the functions of this file are compiled for AVX-512 (the build has no -march
  * flag); dispatch.c calls them only after CPUID reports those four extensions
  * and the OS saves the ZMM and mask registers.  No static initialisers here:

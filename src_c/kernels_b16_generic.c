@@ -1,5 +1,5 @@
-/* kernel_body.h for float with K and V stored as bfloat16 (FA_KV 2: the row
- * and group kernels only) on the portable path: baseline ISA only (SSE2 on
+/* kernel_body.h for float with K and V stored as bfloat16 (FA_KV 2: every
+ * kernel but the softmax and the backward pass) on the portable path: baseline ISA only (SSE2 on
  * x86-64, NEON on aarch64), 16-byte vectors.  Chosen when the CPU lacks AVX2
  * or FMA, or when FASTATTN_ISA=generic. */
 #define FA_T float

@@ -1,5 +1,5 @@
-/* kernel_body.h for float with K and V stored as float16 (IEEE binary16) (FA_KV 1: the row
- * and group kernels only) with AVX2 and FMA, 32-byte vectors.  Only the
+/* kernel_body.h for float with K and V stored as float16 (IEEE binary16) (FA_KV 1: every
+ * kernel but the softmax and the backward pass) with AVX2 and FMA, 32-byte vectors.  Only the
  * functions of this file are compiled for AVX2 (the build has no -march flag);
  * dispatch.c calls them only after CPUID reports AVX2, FMA and F16C.  No static
  * initialisers here: they would run at load time on any CPU. */

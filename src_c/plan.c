@@ -168,6 +168,9 @@ static int64_t plan_scratch(const fa_attention_args *a, const fa_plan *p)
 int fa_attention_plan(const fa_attention_args *a, int weights, fa_plan *p)
 {
     if (a->dtype != FA_F32 && a->dtype != FA_F64) return FA_EINVAL;
+    if (a->kv_dtype != FA_KV_SAME && (a->dtype != FA_F32 || (a->kv_dtype != FA_KV_F16 && a->kv_dtype != FA_KV_BF16)))
+        return FA_EINVAL; /* 16-bit K and V: float32 calls only */
+    if (a->q_kv && a->kv_dtype == FA_KV_SAME) return FA_EINVAL;
     if (a->n_lead < 0 || a->n_lead > FA_MAX_DIMS) return FA_EINVAL;
     if (a->row_group < 1 || a->nq % a->row_group) return FA_EINVAL;
     if ((a->q_start || a->kv_start) && a->mask_kind != FA_MASK_NONE) return FA_EINVAL;
@@ -243,7 +246,14 @@ int fa_attention_plan(const fa_attention_args *a, int weights, fa_plan *p)
         const int64_t w = a->dk + (weights ? 0 : a->dv), at = fa_attn_scratch_elems(&p->tiles, a->dk, w - a->dk);
         const int64_t rw = fa_rows_scratch_elems(&p->tiles, a->dk, a->dv), end = at > rw ? at : rw;
         p->tiles.kv_off = (end + FA_KV_HEAD - 1) / FA_KV_HEAD * FA_KV_HEAD;   /* 64-byte aligned */
-        p->tiles.kv_rows = a->nk * w * 4 <= FA_KV_CACHE_BYTES ? a->nk : p->tiles.bk;
+        /* an item's keys: all of them, or with a window on both sides its rows' span */
+        int64_t span = a->nk;
+        if (a->win_left >= 0 && (a->win_right >= 0 || a->causal)) {
+            const int64_t right = a->causal || a->win_right < 0 ? 0 : a->win_right;
+            span = p->tiles.bq + 1 + a->win_left + right + p->tiles.bk;
+            span = span < a->nk ? span : a->nk;
+        }
+        p->tiles.kv_rows = span * w * 4 <= FA_KV_CACHE_BYTES ? span : p->tiles.bk;
         if (a->q_kv) p->tiles.q_off = p->tiles.kv_off + fa_kv_cache_elems(&p->tiles, a->dk, w - a->dk);
     }
     p->scratch_elems = plan_scratch(a, p);

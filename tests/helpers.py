@@ -110,8 +110,8 @@ def check(q, k, v, dtype=None, *, num_threads=None, out=None, want=None, what="o
 
     - the output and the lse within the tolerance of `dtype` (assert_close; by
       default the result's dtype, float64 for integer inputs);
-    - the result's dtype (NumPy's result_type of q, k, v, float64 for integers)
-      and the lse's (the compute dtype);
+    - the result's dtype (NumPy's result_type of q, k, v, float32 for 16-bit
+      floats, float64 for integers) and the lse's (the compute dtype);
     - num_threads: None, a count, or a sequence of counts, each run and compared,
       each with the team it ran on (team_check);
     - out: an array the result is written into (it must be the one returned, and

@@ -1,10 +1,10 @@
 """16-bit K and V (float16 and ml_dtypes' bfloat16), read as they are stored.
 
 The row and group kernels widen them to float32 as they load them (src_c/kernel/simd.h,
-vload_kv); the tiled and weights kernels widen each key tile once into their scratch
-(src_c/kernel/tiled.h, tile_kv).  Every path, on every SIMD path, against the float64
-reference on the same (rounded) values, within float32's tolerance: 16-bit inputs
-compute in and give float32.
+vload_kv); the tiled and weights kernels widen a leading index's keys into their scratch
+once a thread (src_c/kernel/tiled.h, kv_rows_widened), or a key tile at a time.  Every
+path, on every SIMD path, against the float64 reference on the same (rounded) values,
+within float32's tolerance: 16-bit inputs compute in and give float32.
 """
 
 import ml_dtypes
@@ -42,8 +42,8 @@ def test_widen_every_value(isa, dtype):
 
 
 # (n_q, n_k): decoding, a few rows (the row kernel), the tiled kernel with its tail,
-# and split keys (forced: partials of 512 keys, merged)
-_SHAPES = {"decode": (1, 700), "rows": (3, 300), "tiled": (70, 200), "split": (2, 2100)}
+# and split keys on either (forced: partials of 512 keys, merged)
+_SHAPES = {"decode": (1, 700), "rows": (3, 300), "tiled": (70, 200), "split": (2, 2100), "tiled_split": (70, 2100)}
 _OPTIONS = {
     "plain": {},
     "causal": {"causal": True},
@@ -79,11 +79,11 @@ def test_paths(isa, rng, force, dtype, q16, path, opt):
     q = half(rng, (2, 2, nq, d), dtype) if q16 else rand(rng, (2, 2, nq, d))
     k, v = half(rng, (2, 2, nk, d), dtype), half(rng, (2, 2, nk, dv), dtype)
     kw = _options(rng, opt, nq, nk)
-    if path == "split":
+    if path.endswith("split"):
         force.set(split_keys=512)   # partials of at most 512 keys, merged
     plan = fastattn._attention._plan(q, k, v, num_threads=2, **kw)
-    assert plan["kernel"] == ("tiled" if path == "tiled" else "rows")
-    assert plan["n_splits"] > 1 if path == "split" else True
+    assert plan["kernel"] == ("tiled" if path.startswith("tiled") else "rows")
+    assert plan["n_splits"] > 1 if path.endswith("split") and opt != "lengths" else True
     out, _ = check(q, k, v, F32, num_threads=(1, 2), **kw)
     assert out.dtype == F32
 
@@ -181,8 +181,8 @@ def test_backward_of_half_inputs(rng):
         assert_close(g, w, F32)
 
 
-def test_threads_and_layout_bits(rng):
-    """The result of a 16-bit cache is the same on 1 and 2 threads and in both layouts."""
+def test_threads_and_layouts(rng):
+    """The result of a 16-bit cache agrees on 1 and 2 threads and in both layouts."""
     q, k, v = rand(rng, (1, 4, 1, 64)), half(rng, (1, 4, 5000, 64), np.float16), half(rng, (1, 4, 5000, 64),
                                                                                           np.float16)
     with team_check(1):
@@ -214,23 +214,52 @@ def test_no_ml_dtypes_import(tmp_path):
 @pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
 def test_tiled_widened_rows(isa, rng, force, dtype):
     """The tiled kernel keeps a leading index's widened keys for its next query block
-    (causal: each block widens only the keys past the last one's; a window starts
-    again), widens a key tile at a time where K and V exceed FA_KV_CACHE_BYTES, and
-    never reuses the rows of an earlier call, even for the same K array changed in place."""
+    (causal: each block widens only the keys past the last one's, so each key is widened
+    once a thread), starts again where a window moves past the rows it keeps, widens a
+    key tile at a time where K and V exceed FA_KV_CACHE_BYTES, and never reuses the rows
+    of an earlier call, even for the same K array changed in place."""
     force.set(bq=32)   # many query blocks a leading index
     q = rand(rng, (2, 2, 200, 24))
     k, v = half(rng, (2, 2, 260, 24), dtype), half(rng, (2, 2, 260, 24), dtype)
-    for kw in ({}, {"causal": True}, {"window": (50, 10)}, {"kv_lengths": np.array([[100], [260]])}):
+    force.reset_counts()
+    check(q, k, v, F32, num_threads=1, causal=True)
+    assert force.kv_widened == 4 * 260   # each head's keys once (one thread)
+    for kw in ({}, {"window": (20, 0)}, {"window": (50, 10)}, {"kv_lengths": np.array([[100], [260]])}):
+        force.reset_counts()
         check(q, k, v, F32, num_threads=(1, 2), **kw)
+        assert 0 < force.kv_widened
     w = fastattn.attention_weights(q, k, causal=True)
     assert_close(w, ref.attention_weights(q.astype(F64), k.astype(F64), causal=True), F32)
-    k[:, :, 100:] = half(rng, (2, 2, 160, 24), dtype)   # the same array, new values
-    check(q, k, v, F32, num_threads=(1, 2), causal=True)
+    # One head, two calls of the binding on one thread: nothing allocates between them, so
+    # the thread's scratch comes back at the same address with the first call's kept rows,
+    # which match the second call's K and V pointers (without the header cleared: an error
+    # of 0.4)
+    q1, k1, v1 = q[:1, :1], k[:1, :1].copy(), v[:1, :1].copy()
+    out = np.empty(q1.shape, F32)
+    _core.attention(q1, k1, v1, None, _core.MASK_NONE, out, None, (1, 1), False, 0.2, 1)
+    k1[..., 100:, :] = half(rng, (1, 1, 160, 24), dtype)   # K changed in place
+    _core.attention(q1, k1, v1, None, _core.MASK_NONE, out, None, (1, 1), False, 0.2, 1)
+    assert_close(out, reference64(q1, k1, v1, scale=0.2)[0], F32)
     force.set(bq=0)
-    big_q = rand(rng, (1, 1, 40, 512))   # 9,000 keys x (512 + 512) float32: beyond 32 MiB
-    big_k, big_v = half(rng, (1, 1, 9000, 512), dtype, 0.05), half(rng, (1, 1, 9000, 512), dtype)
-    assert fastattn._attention._plan(big_q, big_k, big_v)["kernel"] == "tiled"
+    big_q = rand(rng, (1, 1, 40, 256))   # 5,000 keys x (256 + 256) float32: beyond 8 MiB
+    big_k, big_v = half(rng, (1, 1, 5000, 256), dtype, 0.05), half(rng, (1, 1, 5000, 256), dtype)
+    plan = fastattn._attention._plan(big_q, big_k, big_v, num_threads=1)
+    assert plan["kernel"] == "tiled"
+    force.reset_counts()
+    check(big_q, big_k, big_v, F32, num_threads=1)
+    blocks = plan["n_qb"] - plan["tail"]   # (a tail runs on the row kernel)
+    assert force.kv_widened == blocks * 5000   # a key tile at a time: every block widens every key
     check(big_q, big_k, big_v, F32, num_threads=2, causal=True)
+
+
+def test_byte_swapped_float16(rng):
+    """float16 of the other byte order is a 16-bit float too (computed in float32), but
+    converted first: the C core reads only native 16-bit K and V as stored."""
+    q, k = rand(rng, (2, 5, 16)), half(rng, (2, 40, 16), np.float16)
+    kb = k.astype(k.dtype.newbyteorder())
+    out = fastattn.attention(q.astype(kb.dtype), kb, kb)
+    assert out.dtype == F32
+    assert_close(out, reference64(q.astype(np.float16), k, k)[0], F32)
 
 
 def test_dask_chunks_of_a_half_cache(rng):

@@ -410,7 +410,8 @@ INLINE void tile_softmax(const int NV, T *St, const IT *W, int bits, int64_t ld,
  * widens only the keys past hi, so that a leading index's keys are widened
  * about once a thread, not once a query block (which cost 2-3 % of a prefill:
  * docs/tuning.md, kv_rows_widened).  Where an item's keys exceed kv_rows (K and
- * V beyond FA_KV_CACHE_BYTES), each key tile is widened as it comes instead.
+ * V beyond FA_KV_CACHE_BYTES), each key tile is widened as it comes instead;
+ * where keys move on past kv_rows (a window), the rows start again.
  * attention.c zeroes the header before a thread's first item. */
 typedef struct {
     const void *k, *v; /* the item's K and V (v NULL: K only, the weights kernel) */
@@ -440,6 +441,7 @@ static int kv_rows_widened(const fa_attention_args *a, const fa_tiles *tl, const
         widen_row(Kc + (j - h->lo) * a->dk, k + j * a->k_rs, a->dk);
         if (v) widen_row(Vc + (j - h->lo) * a->dv, v + j * a->v_rs, a->dv);
     }
+    if (a->stats && hi > h->hi) __atomic_fetch_add(&a->stats->kv_widened, hi - h->hi, __ATOMIC_RELAXED);
     if (hi > h->hi) h->hi = hi;
     return 1;
 #else
@@ -459,11 +461,13 @@ INLINE const T *tile_kv(const fa_attention_args *a, const fa_tiles *tl, const fa
     const kv_head *h = (const kv_head *)((T *)scratch + tl->kv_off);
     T *Kc = (T *)scratch + tl->kv_off + FA_KV_HEAD, *Vc = Kc + tl->kv_rows * a->dk;
     const int64_t r = cached ? j0 - h->lo : 0;
-    if (!cached)
+    if (!cached) {
         for (int64_t j = 0; j < nb; j++) {
             widen_row(Kc + j * a->dk, (const KT *)it->k + (j0 + j) * a->k_rs, a->dk);
             if (V) widen_row(Vc + j * a->dv, (const KT *)it->v + (j0 + j) * a->v_rs, a->dv);
         }
+        if (a->stats) __atomic_fetch_add(&a->stats->kv_widened, nb, __ATOMIC_RELAXED);
+    }
     *krs = a->dk;
     if (V) {
         *V = Vc + r * a->dv;
