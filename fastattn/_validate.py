@@ -138,8 +138,8 @@ def _as_compute(a: np.ndarray, dtype: Any, unit_last: bool = True) -> np.ndarray
 
 def _widen_or_cast(a: np.ndarray, dtype: Any) -> np.ndarray:
     """a.astype(dtype, copy=False), but a C-contiguous float16 or bfloat16 `a` to float32
-    by the C core's widening (SIMD; NumPy's own cast of float16 took 1.25 ms for 2^20
-    values where this takes 0.05, AMD Zen 5)."""
+    by the C core's SIMD widening, which NumPy's float16 cast is many times slower than
+    (docs/tuning.md, vload_kv)."""
     if dtype == _F32 and a.size and a.flags.c_contiguous and a.flags.aligned and _native_half(a.dtype):
         return _core.kv_widen(a.reshape(-1)).reshape(a.shape)
     return a.astype(dtype, copy=False)

@@ -9,7 +9,9 @@
 #define FA_T float
 #define FA_IT int32_t
 #define FA_UT uint32_t
+#ifndef FA_SUF /* kernels_h16_*.c, kernels_b16_*.c: f32 over 16-bit K and V */
 #define FA_SUF f32
+#endif
 #define FA_ISA avx512
 #define FA_VB 64
 #define FA_IS_F64 0

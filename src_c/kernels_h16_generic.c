@@ -1,13 +1,5 @@
-/* kernel_body.h for float with K and V stored as float16 (IEEE binary16) (FA_KV 1: every
- * kernel but the softmax and the backward pass) on the portable path: baseline ISA only (SSE2 on
- * x86-64, NEON on aarch64), 16-byte vectors.  Chosen when the CPU lacks AVX2
- * or FMA, or when FASTATTN_ISA=generic. */
-#define FA_T float
-#define FA_IT int32_t
-#define FA_UT uint32_t
-#define FA_SUF h16
+/* kernels_f32_generic.c with K and V stored as float16 (IEEE binary16), widened to float32 as
+ * they are read (FA_KV 1: every kernel but the softmax and the backward pass). */
 #define FA_KV 1
-#define FA_ISA generic
-#define FA_VB 16
-#define FA_IS_F64 0
-#include "kernel_body.h"
+#define FA_SUF h16
+#include "kernels_f32_generic.c"

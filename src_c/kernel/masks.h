@@ -227,19 +227,22 @@ static int mask_tile_hidden(const T *mk, int64_t mrs, int64_t mcs, int64_t bq, i
     return 1;
 }
 
-/* The largest |x| over x (nr, nc) row stride rs; NaN when any is NaN. */
-static T abs_max(const T *x, int64_t rs, int64_t nc, int64_t nr)
+/* The largest |x| over x (nr, nc) row stride rs, elements of T or with kv of KT
+ * (K rows as stored); NaN when any is NaN. */
+static T abs_max_of(const void *x, int kv, int64_t rs, int64_t nc, int64_t nr)
 {
+    const T *xt = x;
+    const KT *xk = x;
     vec mv = vset1(0);
     T ms = 0;
     for (int64_t r = 0; r < nr; r++) {
         int64_t c = 0;
         for (; c + L <= nc; c += L) {
-            const vec y = vload(x + r * rs + c);
+            const vec y = kv ? vload_kv(xk + r * rs + c) : vload(xt + r * rs + c);
             mv = vnanmax(vsel(y < 0, -y, y), mv);
         }
         for (; c < nc; c++) {
-            const T y = x[r * rs + c] < 0 ? -x[r * rs + c] : x[r * rs + c];
+            const T xs = kv ? kv_s(xk[r * rs + c]) : xt[r * rs + c], y = xs < 0 ? -xs : xs;
             if (y > ms || y != y) ms = y;
         }
     }
@@ -249,33 +252,8 @@ static T abs_max(const T *x, int64_t rs, int64_t nc, int64_t nr)
         if (t[i] > ms || t[i] != t[i]) ms = t[i];
     return ms;
 }
-
-#if FA_KV
-/* abs_max of K or V rows, as stored (KT). */
-static T abs_max_kv(const KT *x, int64_t rs, int64_t nc, int64_t nr)
-{
-    vec mv = vset1(0);
-    T ms = 0;
-    for (int64_t r = 0; r < nr; r++) {
-        int64_t c = 0;
-        for (; c + L <= nc; c += L) {
-            const vec y = vload_kv(x + r * rs + c);
-            mv = vnanmax(vsel(y < 0, -y, y), mv);
-        }
-        for (; c < nc; c++) {
-            const T xs = kv_s(x[r * rs + c]), y = xs < 0 ? -xs : xs;
-            if (y > ms || y != y) ms = y;
-        }
-    }
-    T t[L];
-    memcpy(t, &mv, sizeof t);
-    for (int i = 0; i < L; i++)
-        if (t[i] > ms || t[i] != t[i]) ms = t[i];
-    return ms;
-}
-#else
-#define abs_max_kv abs_max
-#endif
+#define abs_max(x, rs, nc, nr) abs_max_of(x, 0, rs, nc, nr)            /* T rows */
+#define abs_max_kv(x, rs, nc, nr) abs_max_of(x, FA_KV != 0, rs, nc, nr) /* K rows as stored */
 
 /* Whether no score of queries with max |q| = qmax (scaled) and keys with
  * max |k| = kmax can be NaN or +inf: every |score| is at most dk * qmax * kmax

@@ -71,9 +71,6 @@ INLINE T kv_s(KT x) { return x; }
 #else
 _Static_assert(sizeof(T) == 4, "16-bit K and V: float32 kernels only");
 typedef uint16_t KT;
-typedef uint16_t hvec_u __attribute__((vector_size(FA_VB / 2), aligned(2), may_alias));
-/* L 16-bit words from p, each widened to a 32-bit lane. */
-INLINE uvec vload_u16(const KT *p) { return __builtin_convertvector(*(const hvec_u *)p, uvec); }
 #if FA_KV == 1
 /* binary16 -> binary32, exactly, in integers (a flush-to-zero mode cannot
  * touch a subnormal): the exponent rebased by 127 - 15 = 112, a subnormal
@@ -115,6 +112,9 @@ INLINE vec vload_kv(const KT *p)
 #endif
 }
 #else /* FA_KV == 2: bfloat16 is the upper half of a binary32 */
+typedef uint16_t hvec_u __attribute__((vector_size(FA_VB / 2), aligned(2), may_alias));
+/* L 16-bit words from p, each widened to a 32-bit lane. */
+INLINE uvec vload_u16(const KT *p) { return __builtin_convertvector(*(const hvec_u *)p, uvec); }
 INLINE T kv_s(KT h)
 {
     const uint32_t x = (uint32_t)h << 16;

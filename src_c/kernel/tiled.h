@@ -408,8 +408,8 @@ INLINE void tile_softmax(const int NV, T *St, const IT *W, int bits, int64_t ld,
  * (an item's K and V pointers: its leading index) and which keys, [lo, hi); the
  * next item of the same leading index (its next query block) reuses them and
  * widens only the keys past hi, so that a leading index's keys are widened
- * about once a thread, not once a query block (which cost 2-3 % of a prefill:
- * docs/tuning.md, kv_rows_widened).  Where an item's keys exceed kv_rows (K and
+ * about once a thread, not once a query block (a measurable share of a
+ * prefill: docs/tuning.md, kv_rows_widened).  Where an item's keys exceed kv_rows (K and
  * V beyond FA_KV_CACHE_BYTES), each key tile is widened as it comes instead;
  * where keys move on past kv_rows (a window), the rows start again.
  * attention.c zeroes the header before a thread's first item. */
