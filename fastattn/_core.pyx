@@ -7,6 +7,7 @@ strides, and calls the C core with the GIL released.  Nothing here checks
 shapes: the Python layer (_validate.py, _prepare.py) does.
 """
 from libc.stdint cimport int64_t, uint64_t
+from libc.stdlib cimport malloc, free
 from cpython.exc cimport PyErr_CheckSignals
 from cpython.pythread cimport PyThread_get_thread_ident
 cimport numpy as cnp
@@ -120,6 +121,8 @@ cdef extern from "fastattn.h" nogil:
     int fa_mask_keep(int dtype, const void *x, int64_t rows, int64_t len, double floor, unsigned char *keep,
                      double pad_floor, unsigned char *pad, int num_threads, int *all_ok)
     int fa_abs_max(int dtype, const void *x, int64_t n, int num_threads, double *out)
+    int fa_merge(int dtype, int n_parts, const void *const *outs, const void *const *lses, int64_t rows,
+                 int64_t d, void *out, void *lse, int num_threads)
     int fa_mask_as_bool(int dtype, const void *q, int64_t nq_el, const void *k, int64_t nk_el, const void *v,
                         int64_t nv_el, double dk_scale, double slope_term, int try_neginf, int allow_finite,
                         double margin, double pad_absorb, int mask_dtype, const void *x, int64_t rows,
@@ -551,6 +554,43 @@ def abs_max(cnp.ndarray x, int num_threads):
         status = fa_abs_max(dt, px, n, num_threads, &out)
     _check(status)
     return out
+
+
+def merge(list outs, list lses, int num_threads):
+    """merge_attention's rule (src_c/merge.c): outs, a list of C-contiguous
+    (rows, d) arrays of one dtype, float32 or float64, and lses, their (rows)
+    lse of that dtype; returns (out (rows, d), lse (rows)) of that dtype."""
+    cdef Py_ssize_t n = len(outs), i
+    if n < 1 or len(lses) != n:
+        raise ValueError("internal: merge takes one or more outs and as many lses")
+    cdef cnp.ndarray o0 = outs[0]
+    if o0.ndim != 2:
+        raise ValueError("internal: merge takes (rows, d) outs")
+    cdef int dt = _dtype_code(o0)
+    cdef int64_t rows = o0.shape[0], d = o0.shape[1]
+    for i in range(n):
+        o, x = outs[i], lses[i]
+        if (not isinstance(o, np.ndarray) or not isinstance(x, np.ndarray) or o.dtype != o0.dtype
+                or x.dtype != o0.dtype or o.shape != (rows, d) or x.shape != (rows,)
+                or not o.flags.c_contiguous or not x.flags.c_contiguous):
+            raise ValueError("internal: merge takes C-contiguous (rows, d) outs and (rows) lses of one dtype")
+    cdef cnp.ndarray out = np.empty((rows, d), dtype=o0.dtype)
+    cdef cnp.ndarray lse = np.empty((rows,), dtype=o0.dtype)
+    cdef const void **po = <const void **>malloc(2 * n * sizeof(void *))
+    if po == NULL:
+        raise MemoryError()
+    cdef const void **pl = po + n
+    for i in range(n):
+        po[i] = cnp.PyArray_DATA(<cnp.ndarray>outs[i])
+        pl[i] = cnp.PyArray_DATA(<cnp.ndarray>lses[i])
+    cdef void *pout = cnp.PyArray_DATA(out)
+    cdef void *plse = cnp.PyArray_DATA(lse)
+    cdef int status, ni = <int>n
+    with nogil:
+        status = fa_merge(dt, ni, po, pl, rows, d, pout, plse, num_threads)
+    free(po)
+    _check(status)
+    return out, lse
 
 
 def vexp(cnp.ndarray x, bint neg=False):

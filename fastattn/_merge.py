@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from ._validate import _F64, Layout, _asarray, _blhd, _check_input_dtype, _heads_first
+from . import _core
+from ._validate import _F64, Layout, _asarray, _blhd, _check_input_dtype, _heads_first, _is_half, _num_threads
 
 __all__ = ["merge_attention"]
 
 
 def merge_attention(outs: Sequence[ArrayLike], lses: Sequence[ArrayLike], *,
-                    layout: Layout = "bhld") -> tuple[NDArray[Any], NDArray[Any]]:
+                    layout: Layout = "bhld", num_threads: Optional[int] = None) -> tuple[NDArray[Any], NDArray[Any]]:
     """Combine attention results over disjoint sets of keys into the result
     over their union, by the logsumexp rule.
 
@@ -27,6 +28,9 @@ def merge_attention(outs: Sequence[ArrayLike], lses: Sequence[ArrayLike], *,
         As for `attention`: with "blhd" the outputs (and the result) are
         (..., n_q, H, d_v) and the lse (..., H, n_q), as `attention` returns
         them in that layout.
+    num_threads : int, optional
+        Threads for the merge, as for `attention` (default: the OpenMP
+        default team size).
 
     Returns
     -------
@@ -75,47 +79,24 @@ def merge_attention(outs: Sequence[ArrayLike], lses: Sequence[ArrayLike], *,
                              f"lse {i} has shape {x.shape}; with layout=\"blhd\" it must be the output's "
                              f"(..., H, n_q), {shape[:-1]}")
     dt = np.result_type(*parts, *part_lses)
-    if dt.kind != "f":
+    if dt.kind != "f" and not _is_half(dt):
         dt = _F64
-    # the sums in float64 whatever the dtype, and compensated (_Sum), so that
-    # merging many parts costs no accuracy; the result is cast back to dt
-    acc = np.promote_types(dt, _F64)
-    L = np.stack([x.astype(acc, copy=False) for x in part_lses])          # (P, ..., n_q)
-    M = np.max(L, axis=0)
-    Ms = np.where(np.isneginf(M), 0, M)
-    with np.errstate(invalid="ignore"):
-        w = np.exp(L - Ms)                                              # 0 for lse = -inf
-    with np.errstate(invalid="ignore", divide="ignore"):
-        s_sum, o_sum = _Sum(w.shape[1:], acc), _Sum(shape, acc)
-        for wp, o, lp in zip(w, parts, L):
-            s_sum.add(wp)
-            # A part that saw no key (lse = -inf) adds nothing, even where it holds NaN;
-            # one whose weight underflowed to 0 adds only its inf and NaN (its true
-            # weight is positive), as attention() does across its own split keys.
-            keep = np.where(np.isfinite(o) | np.isneginf(lp)[..., None], 0, o)
-            o_sum.add(np.where(wp[..., None] > 0, wp[..., None] * o, keep))
-        s, out = s_sum.total(), o_sum.total()
-        out = np.where(s[..., None] == 0, 0, out / np.where(s == 0, 1, s)[..., None])
-        lse = Ms + np.log(s)
-    out = out.astype(dt, copy=False)
+    # merge.c sums in float64 whatever the dtype, compensated, so that merging
+    # many parts costs no accuracy; 16-bit parts go in as float32 (exactly)
+    ct = _F64 if dt == _F64 else np.dtype(np.float32)
+    if blhd:   # rows in the outputs' own (..., n_q, H) order, the lse transposed to it
+        rows_shape = shape[:-3] + (shape[-2], shape[-3])
+        outs_c = [np.ascontiguousarray(np.swapaxes(o, -3, -2), dtype=ct) for o in parts]
+        lses_c = [np.ascontiguousarray(np.swapaxes(x, -1, -2), dtype=ct) for x in part_lses]
+    else:
+        rows_shape = shape[:-1]
+        outs_c = [np.ascontiguousarray(o, dtype=ct) for o in parts]
+        lses_c = [np.ascontiguousarray(x, dtype=ct) for x in part_lses]
+    rows = int(np.prod(rows_shape))
+    out, lse = _core.merge([o.reshape(rows, shape[-1]) for o in outs_c], [x.reshape(rows) for x in lses_c],
+                           _num_threads(num_threads))
+    out = out.reshape(rows_shape + (shape[-1],)).astype(dt, copy=False)
+    lse = lse.reshape(rows_shape)
     if blhd:
-        out = np.ascontiguousarray(np.swapaxes(out, -3, -2))
+        lse = np.swapaxes(lse, -1, -2).copy()
     return out, lse.astype(dt, copy=False)
-
-
-class _Sum:
-    """A compensated running sum (Knuth's TwoSum, as src_c/kernel/online_softmax.h):
-    the sum s and the rounding errors c of its additions, added back at the end
-    where finite (an inf in s makes c NaN, and s is then the answer)."""
-
-    def __init__(self, shape, dtype):
-        self.s, self.c = np.zeros(shape, dtype), np.zeros(shape, dtype)
-
-    def add(self, x):
-        t = self.s + x
-        z = t - self.s
-        self.c += (self.s - (t - z)) + (x - z)
-        self.s = t
-
-    def total(self):
-        return self.s + np.where(np.isfinite(self.c), self.c, 0)

@@ -188,28 +188,12 @@ def _partial(q, k, v, mask, lead_index, i0, i1, j0, j1, pos, kind, opts):
     return out.astype(comp, copy=False), lse.astype(comp, copy=False)
 
 
-def _merge(*parts):
-    """Merge partial (out, lse) pairs by the logsumexp rule: in a few in-place passes
-    where every output is finite (a part that saw no key has lse -inf and zeros), else
-    by merge_attention, whose rule for inf and NaN under a weight that underflows is
-    exact."""
+def _merge(num_threads, *parts):
+    """Merge partial (out, lse) pairs by the logsumexp rule (merge_attention's C
+    kernel, in one pass over the parts) on the task's thread budget."""
     if len(parts) == 1:
         return parts[0]
-    outs, lses = [p[0] for p in parts], [p[1] for p in parts]
-    if not all(np.isfinite(o).all() for o in outs):
-        return merge_attention(outs, lses)
-    m = np.maximum.reduce(lses)
-    m = np.where(np.isneginf(m), 0, m)                      # rows no part saw: weights 0
-    total = np.zeros_like(m)
-    out = np.zeros_like(outs[0])
-    for o, lse in zip(outs, lses):
-        w = np.exp(lse - m)
-        total += w
-        out += w[..., None] * o
-    with np.errstate(divide="ignore"):
-        lse = m + np.log(total)
-    out /= np.where(total == 0, 1, total)[..., None]
-    return out, np.where(total == 0, -np.inf, lse).astype(out.dtype, copy=False)
+    return merge_attention([p[0] for p in parts], [p[1] for p in parts], num_threads=_task_threads(num_threads))
 
 
 def _nothing(out_shape, lse_shape, comp):
@@ -342,7 +326,11 @@ def attention(q: Any, k: Any, v: Any, *, mask: Any = None, causal: Any = False, 
 
     token = tokenize(q, k, v, mask, p.scale, p.softcap, p.causal, p.top_left, p.win_left, p.win_right,
                      kvl, qln, slopes, num_threads, split_every, gqa is not None)
+    # each kind of task under its own key name, so that the scheduler learns the
+    # pair tasks' durations apart from the much shorter merges' (it places and
+    # steals tasks by those)
     core_name = "fastattn-blocks-" + token
+    part_name, merge_name, final_name = ("fastattn-" + kind + "-" + token for kind in ("part", "merge", "final"))
     out_name, lse_name = "fastattn-out-" + token, "fastattn-lse-" + token
     q_off = np.concatenate([[0], np.cumsum(q_chunks)]).astype(int)
     k_off = np.concatenate([[0], np.cumsum(k_chunks)]).astype(int)
@@ -361,7 +349,7 @@ def attention(q: Any, k: Any, v: Any, *, mask: Any = None, causal: Any = False, 
                 kind = pos.kind(lead_index, i0, i1, j0, j1)
                 if kind == "none":
                     continue
-                key = (core_name, "part") + L + (i, j)
+                key = (part_name,) + L + (i, j)
                 m_key = None if mask is None else (mask.name,) + L + (i, j)
                 dsk[key] = (_partial, (q.name,) + L + (i, 0), (k.name,) + L + (j, 0), (v.name,) + L + (j, 0),
                             m_key, lead_index, i0, i1, j0, j1, pos, kind, opts)
@@ -374,12 +362,12 @@ def attention(q: Any, k: Any, v: Any, *, mask: Any = None, causal: Any = False, 
                 while len(parts) > 1:   # a tree of merges, split_every parts at a time
                     nxt = []
                     for b in range(0, len(parts), split_every):
-                        mkey = (core_name, "merge") + L + (i, level, b)
-                        dsk[mkey] = (_merge,) + tuple(parts[b:b + split_every])
+                        mkey = (merge_name,) + L + (i, level, b)
+                        dsk[mkey] = (_merge, num_threads) + tuple(parts[b:b + split_every])
                         nxt.append(mkey)
                     parts, level = nxt, level + 1
                 final = parts[0]
-            fkey = (core_name, "final") + L + (i,)
+            fkey = (final_name,) + L + (i,)
             dsk[fkey] = final
             dsk_out[(out_name,) + L + (i, 0)] = (_finish, fkey, res)
             dsk_lse[(lse_name,) + L + (i,)] = (_lse, fkey)

@@ -225,6 +225,13 @@ int fa_mask_as_bool(int dtype, const void *q, int64_t nq_el, const void *k, int6
  * (<= 0: the default). */
 int fa_abs_max(int dtype, const void *x, int64_t n, int num_threads, double *out);
 
+/* merge_attention's rule over n_parts partial results (merge.c): outs[p]
+ * (rows, d) and lses[p] (rows), float32 or float64 (dtype), contiguous, into
+ * out (rows, d) and lse (rows) of the same dtype; the sums in float64,
+ * compensated; on num_threads threads (<= 0: the default). */
+int fa_merge(int dtype, int n_parts, const void *const *outs, const void *const *lses, int64_t rows, int64_t d,
+             void *out, void *lse, int num_threads);
+
 /* OpenMP: 1 when built with it; the default team size (1 without OpenMP);
  * the team size of the calling thread's last call; the path of the OpenMP
  * runtime library.  fa_build_info: compiler, flags, OpenMP version. */

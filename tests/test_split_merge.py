@@ -8,7 +8,10 @@ from conftest import assert_close, rand, reference64
 from helpers import F32, F64, check, team_check
 
 import fastattn
+from fastattn import _core
 from fastattn import reference as ref
+
+F16 = np.float16
 
 # ---------------------------------------------------------------------------
 # keys split across threads
@@ -223,3 +226,92 @@ def test_merge_errors(rng):
         fastattn.merge_attention([o], [rand(rng, (4,))])
     with pytest.raises(ValueError, match="output 1 has shape"):
         fastattn.merge_attention([o, rand(rng, (3, 5))], [lse, lse])
+
+
+def _merge_rule(outs, lses):
+    """merge_attention's documented rule in float64 NumPy, with its inf and NaN
+    cases (the oracle of src_c/merge.c): M = the largest lse (0 where it is -inf),
+    w = exp(lse - M); a part with lse = -inf adds nothing, one with w = 0 (or NaN)
+    adds only its inf and NaN; out = sum w out / sum w (0 where that is 0)."""
+    L = np.stack([np.asarray(x, F64) for x in lses])
+    P = np.stack([np.asarray(o, F64) for o in outs])
+    M = np.max(L, axis=0)
+    Ms = np.where(np.isneginf(M), 0, M)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        w = np.exp(L - Ms)[..., None]
+        keep = np.where(np.isfinite(P) | np.isneginf(L)[..., None], 0, P)
+        s = w[..., 0].sum(axis=0)
+        out = np.where(w > 0, w * P, keep).sum(axis=0)
+        out = np.where(s[..., None] == 0, 0, out / np.where(s == 0, 1, s)[..., None])
+        return out, Ms + np.log(s)
+
+
+@pytest.mark.parametrize("dtype", [F16, F32, F64])
+@pytest.mark.parametrize("threads", [1, 2, None])
+@pytest.mark.parametrize("n_parts, d", [(1, 8), (2, 1), (5, 33), (9, 64), (3, 0)])
+def test_merge_kernel_against_rule(rng, dtype, threads, n_parts, d):
+    """The C merge over many parts, every thread count and a d of 0, with
+    lse of -inf, NaN and +inf, far-apart lse (weights that underflow) and inf
+    and NaN outputs, against the rule in float64; finite entries to a few ulps,
+    the rest exactly where they are non-finite."""
+    rows = 57
+    lses = [(rng.standard_normal(rows) * 3).astype(dtype) for _ in range(n_parts)]
+    outs = [rng.standard_normal((rows, d)).astype(dtype) for _ in range(n_parts)]
+    lses[0][:4] = -np.inf                      # rows 0-3: part 0 saw nothing
+    lses[-1][2:4] = -np.inf                    # row 2: with fewer than 3 parts, no part saw a key
+    for x in lses:
+        x[3] = -np.inf                         # row 3: no part saw a key
+    lses[0][5] = np.nan
+    lses[-1][6] = np.inf
+    lses[0][7] = 300 if dtype != F16 else 60000  # the other parts' weights underflow
+    if d:
+        outs[0][0, 0] = np.nan                 # in a part that saw no key: ignored
+        outs[-1][7, 0] = np.inf                # underflowed part's inf and NaN are kept (n_parts > 1)
+        outs[-1][7, -1] = np.nan
+        outs[0][8, 0] = -np.inf
+    out, lse = fastattn.merge_attention(outs, lses, num_threads=threads)
+    want, want_lse = _merge_rule(outs, lses)
+    assert out.dtype == dtype and lse.dtype == dtype and out.shape == (rows, d) and lse.shape == (rows,)
+    big = 4 * rows * (d + 1) * n_parts >= _core.TEAM_MIN_WORK
+    want_team = 1 if threads == 1 or not big else min(threads or _core.max_threads(), _core.thread_cap())
+    assert _core.last_threads() == (want_team if _core.openmp_enabled() else 1)
+    for got, ref_ in ((out, want), (lse, want_lse)):
+        ref_ = ref_.astype(dtype).astype(F64)   # the rule in float64, rounded once to the dtype
+        got = got.astype(F64)
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(ref_))
+        fin = np.isfinite(ref_)
+        np.testing.assert_array_equal(got[~fin & ~np.isnan(ref_)], ref_[~fin & ~np.isnan(ref_)])
+        np.testing.assert_allclose(got[fin], ref_[fin], rtol=4 * np.finfo(dtype).eps, atol=16 * np.finfo(dtype).eps)
+    assert np.all(out[3] == 0) and np.isneginf(lse[3])
+    assert np.isneginf(lse[2]) == (n_parts < 3)
+
+
+def test_merge_kernel_many_parts_compensated():
+    """2,000 parts of weight 1 and one of 1e8 in float32: the kernel's float64
+    sums keep every part (float32 sums would lose all the small ones)."""
+    n = 2000
+    outs = [np.ones((1, 2), F32) for _ in range(n)]
+    lses = [np.zeros(1, F32) for _ in range(n)]
+    outs.append(np.full((1, 2), -1, F32))
+    lses.append(np.full(1, np.log(1e8), F32))
+    out, lse = fastattn.merge_attention(outs, lses)
+    want = (n - 1e8) / (n + 1e8)
+    np.testing.assert_allclose(out, want, rtol=2e-7)
+    np.testing.assert_allclose(lse, np.log(n + 1e8), rtol=2e-7)
+
+
+def test_merge_single_row():
+    """Outputs (d,) with 0-d lse merge into (d,) and a 0-d lse."""
+    out, lse = fastattn.merge_attention([np.ones(3), np.zeros(3)], [np.array(0.0), np.array(0.0)])
+    assert out.shape == (3,) and lse.shape == ()
+    np.testing.assert_allclose(out, 0.5)
+    np.testing.assert_allclose(lse, np.log(2))
+
+
+def test_merge_does_not_modify_inputs(rng):
+    outs = [rng.standard_normal((3, 5, 4)) for _ in range(3)]
+    lses = [rng.standard_normal((3, 5)) for _ in range(3)]
+    keep = [o.copy() for o in outs], [x.copy() for x in lses]
+    fastattn.merge_attention(outs, lses, num_threads=2)
+    for a, b in zip(outs + lses, keep[0] + keep[1]):
+        np.testing.assert_array_equal(a, b)
