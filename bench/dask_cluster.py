@@ -51,7 +51,8 @@ def main():
             qd, kd, vd = (client.persist(da.from_array(x, chunks=(B, H, c, D))) for x in (q, k, v))
             distributed.wait([qd, kd, vd])
             out = fdask.attention(qd, kd, vd, causal=True)
-            tasks = sum(1 for key in dict(out.__dask_graph__()) if isinstance(key, tuple) and key[0].startswith("fastattn-part-"))
+            tasks = sum(1 for key in dict(out.__dask_graph__())
+                        if isinstance(key, tuple) and key[0].startswith("fastattn-part-"))
             total = out.sum()   # the result stays on the workers; one number comes back
             t = median_time(lambda total=total: client.compute(total).result(), args.repeats)
             rows.append((f"LocalCluster 2x1, chunks of {c} rows, result kept on the workers", tasks, t))

@@ -38,7 +38,7 @@ cdef extern from "fastattn.h" nogil:
 
     ctypedef struct fa_overrides:
         int64_t bq, bk, rows_max
-        int fuse, stream, far, group, mask_pack
+        int fuse, stream, far, decode_pf, group, mask_pack
         int64_t split_keys, parts_bytes
 
     ctypedef struct fa_stats:
@@ -150,7 +150,7 @@ cdef extern from "runtime.h" nogil:
 
     ctypedef struct fa_tiles:
         int64_t bq, bk, bqp, ld, q_main
-        int fuse, stream, far
+        int fuse, stream, far, decode_pf
 
     ctypedef struct fa_plan:
         int kernel
@@ -169,6 +169,7 @@ cdef extern from "runtime.h" nogil:
         int rows_max_dk[2]
         int rows_full[2]
         int tail_max[2]
+        int decode_pf[2]
         int fuse, stream, bk_tiled, bk_tiled_mem, bk_rows, bk_decode, group_bk_max
         int fold_rows, fold_rows_big
         int64_t group_tile_bytes, fold_big_bytes, kv_mem_bytes, kv_far_bytes
@@ -639,7 +640,8 @@ def _stream_read(cnp.ndarray buf, int num_threads=0):
 
 _forcing_local = threading.local()
 cdef int _n_forcing = 0      # open forcing blocks on any thread: the calls look for theirs only then
-_OVERRIDES = ("bq", "bk", "rows_max", "fuse", "stream", "far", "group", "mask_pack", "split_keys", "parts_bytes")
+_OVERRIDES = ("bq", "bk", "rows_max", "fuse", "stream", "far", "decode_pf", "group", "mask_pack", "split_keys",
+              "parts_bytes")
 
 
 cdef class Forcing:
@@ -653,6 +655,7 @@ cdef class Forcing:
       stream       the row kernel's prefetch across passes (and the far prefetch,
                    unless far is set)
       far          the row kernel's far prefetch into L2
+      decode_pf    decoding's prefetch of the K and V rows it reads (decode_step)
       group        the group kernel over the heads of a (B, n, H, d) cache (1:
                    wherever it can run, 0: never; -1: from memory only)
       mask_pack    a bool mask packed to bits for the tiled kernel
@@ -667,7 +670,7 @@ cdef class Forcing:
 
     def __cinit__(self):
         self.ov.bq = self.ov.bk = self.ov.rows_max = 0
-        self.ov.fuse = self.ov.stream = self.ov.far = self.ov.group = self.ov.mask_pack = -1
+        self.ov.fuse = self.ov.stream = self.ov.far = self.ov.decode_pf = self.ov.group = self.ov.mask_pack = -1
         self.ov.split_keys = self.ov.parts_bytes = 0
         self.st.group_runs = self.st.tail_rows = self.st.redo_rows = self.st.kv_widened = 0
 
@@ -694,6 +697,8 @@ cdef class Forcing:
                 self.ov.stream = switch
             elif name == "far":
                 self.ov.far = switch
+            elif name == "decode_pf":
+                self.ov.decode_pf = switch
             elif name == "group":
                 self.ov.group = switch
             else:
@@ -703,7 +708,8 @@ cdef class Forcing:
     @property
     def overrides(self):
         return {"bq": self.ov.bq, "bk": self.ov.bk, "rows_max": self.ov.rows_max, "fuse": self.ov.fuse,
-                "stream": self.ov.stream, "far": self.ov.far, "group": self.ov.group, "mask_pack": self.ov.mask_pack,
+                "stream": self.ov.stream, "far": self.ov.far, "decode_pf": self.ov.decode_pf, "group": self.ov.group,
+                "mask_pack": self.ov.mask_pack,
                 "split_keys": self.ov.split_keys, "parts_bytes": self.ov.parts_bytes}
 
     @property
@@ -775,7 +781,7 @@ def gqa_fold(int64_t n_q, int64_t kv_bytes):
 
 
 # the fields of a tuning table (src_c/internal.h, fa_tuning): {float32, float64} pairs first
-TUNING_PAIRS = ("rows_max", "rows_max_big", "rows_max_dk", "rows_full", "tail_max")   # two int each
+TUNING_PAIRS = ("rows_max", "rows_max_big", "rows_max_dk", "rows_full", "tail_max", "decode_pf")   # two int each
 # the other fields and the bits of their C types
 _TUNING_BITS = {"fuse": 32, "stream": 32, "bk_tiled": 32, "bk_tiled_mem": 32, "bk_rows": 32, "bk_decode": 32,
                 "group_bk_max": 32, "group_tile_bytes": 64, "fold_rows": 32, "fold_rows_big": 32,
@@ -891,6 +897,7 @@ cdef dict _plan_dict(const fa_plan *p):
         "isa": fa_isa_name().decode(),
         "bq": p.tiles.bq, "bk": p.tiles.bk, "bqp": p.tiles.bqp, "ld": p.tiles.ld,
         "fuse": bool(p.tiles.fuse), "stream": bool(p.tiles.stream), "far": bool(p.tiles.far),
+        "decode_pf": bool(p.tiles.decode_pf),
         "lanes": p.lanes, "rows_max": p.rows_max,
         "rows_full": (p.full_lo, p.full_hi) if p.full_lo <= p.full_hi else None,
         "tail_max": p.tail_max,

@@ -17,6 +17,9 @@ What it measures (the fields of src_c/internal.h's fa_tuning; docs/tuning.md):
   stream, kv_far_bytes
         the row kernel's prefetch across passes and its far prefetch, K and V
         from memory (decoding, 4 and 8 rows);
+  decode_pf
+        decoding's own prefetch of K and V, from memory and in cache, float32
+        and float64;
   bk_tiled, bk_tiled_mem, bk_rows, bk_decode
         the tiled kernel's keys a tile, in cache and (few rows) from memory; the
         row kernel's, for several rows and for one (decoding);
@@ -328,6 +331,28 @@ def _measure_tiles(b: _Bench, chosen: Dict[str, Any]) -> None:
     b.say("  prefetch from memory (stream, far) time, relative: "
           + ", ".join(f"{c}: {cost[c] / 3:.3f}" for c in combos)
           + f" -> stream {bool(chosen['stream'])}, far {chosen['kv_far_bytes'] != never}")
+    _measure_decode_pf(b, chosen, k, v, kc, vc)
+
+
+def _measure_decode_pf(b: "_Bench", chosen: Dict[str, Any], k, v, kc, vc) -> None:
+    """decode_pf: decoding (one row, H32 d128) with and without its software
+    prefetch of K and V, from memory and in cache; float32 on the arrays of
+    _measure_tiles, float64 on the same values (from memory: half the keys, as
+    many bytes)."""
+    for x, dt in enumerate((np.float32, np.float64)):
+        if dt == np.float64:
+            k, v = (np.asarray(a[:, :, :a.shape[2] // 2], dt) for a in (k, v))
+            kc, vc = (a.astype(dt) for a in (kc, vc))
+        calls = [b.call(b.q(kk.shape[1], 1, 128, dt), kk, vv) for kk, vv in ((k, v), (kc, vc))]
+        cost = [0.0, 0.0]
+        for call in calls:
+            r = b.race([_forced(call, decode_pf=0), _forced(call, decode_pf=1)])
+            cost = [cost[0] + r[0] / min(r), cost[1] + r[1] / min(r)]
+        on, now = int(cost[1] < cost[0]), int(b.base["decode_pf"][x])
+        if on != now and cost[on] < cost[now] * (1 - TIE):
+            chosen["decode_pf"] = _set(chosen["decode_pf"], x, on)
+        b.say(f"  decoding's prefetch, {np.dtype(dt).name}: off / on time {cost[0] / cost[1]:.3f} "
+              f"-> {bool(chosen['decode_pf'][x])}")
 
 
 def tune(*, save: bool = True, num_threads: Optional[int] = None, rounds: int = 5,

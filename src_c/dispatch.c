@@ -46,6 +46,8 @@
  *                 below rows_max (0: never), since one vector of rows is its best block;
  *   tail_max      the most rows past the tiled kernel's last whole vector (of at least
  *                 16 rows) that the row kernel takes, after that block;
+ *   decode_pf     decoding's software prefetch of float32 and float64 K and V rows
+ *                 (decode_step), where the hardware's alone falls behind;
  *   fuse          the tiled kernel's fused exp, where 32 vector registers leave it room;
  *   stream        the row kernel's prefetch across passes with K and V from memory;
  *   bk_tiled, bk_tiled_mem  the tiled kernel's keys a tile (from memory, blocks of at
@@ -62,19 +64,21 @@
  * The two sizes of an ISA's default follow this CPU's L3 (builtin_for). */
 #define TUNE_GENERIC(nm)                                                                                   \
     {.name = nm, .rows_max = {10, 10}, .rows_max_big = {10, 10}, .rows_max_dk = {10, 10}, .rows_full = {0, 0}, \
-     .tail_max = {3, 1}, .fuse = 0, .stream = 1, .bk_tiled = 64, .bk_tiled_mem = 32, .bk_rows = 128,        \
-     .bk_decode = 256, .group_bk_max = 64, .group_tile_bytes = 256 << 10, .fold_rows = 8, .fold_rows_big = 8, \
-     .fold_big_bytes = INT64_MAX, .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = (int64_t)16 << 20}
+     .tail_max = {3, 1}, .decode_pf = {1, 1}, .fuse = 0, .stream = 1, .bk_tiled = 64, .bk_tiled_mem = 32,    \
+     .bk_rows = 128, .bk_decode = 256, .group_bk_max = 64, .group_tile_bytes = 256 << 10, .fold_rows = 8,   \
+     .fold_rows_big = 8, .fold_big_bytes = INT64_MAX, .kv_mem_bytes = (int64_t)48 << 20,                    \
+     .kv_far_bytes = (int64_t)16 << 20}
 #define TUNE_AVX2(nm)                                                                                      \
     {.name = nm, .rows_max = {6, 3}, .rows_max_big = {5, 5}, .rows_max_dk = {6, 3}, .rows_full = {0, 0},      \
-     .tail_max = {4, 2}, .fuse = 0, .stream = 1, .bk_tiled = 64, .bk_tiled_mem = 32, .bk_rows = 128,        \
-     .bk_decode = 256, .group_bk_max = 64, .group_tile_bytes = 256 << 10, .fold_rows = 8, .fold_rows_big = 12, \
-     .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = (int64_t)16 << 20}
-#define TUNE_AVX512(nm)                                                                                    \
-    {.name = nm, .rows_max = {12, 12}, .rows_max_big = {24, 20}, .rows_max_dk = {24, 20},                     \
-     .rows_full = {14, 0}, .tail_max = {8, 4}, .fuse = 1, .stream = 1, .bk_tiled = 64, .bk_tiled_mem = 32,   \
+     .tail_max = {4, 2}, .decode_pf = {1, 1}, .fuse = 0, .stream = 1, .bk_tiled = 64, .bk_tiled_mem = 32,    \
      .bk_rows = 128, .bk_decode = 256, .group_bk_max = 64, .group_tile_bytes = 256 << 10, .fold_rows = 8,   \
      .fold_rows_big = 12, .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20,                     \
+     .kv_far_bytes = (int64_t)16 << 20}
+#define TUNE_AVX512(nm)                                                                                    \
+    {.name = nm, .rows_max = {12, 12}, .rows_max_big = {24, 20}, .rows_max_dk = {24, 20},                     \
+     .rows_full = {14, 0}, .tail_max = {8, 4}, .decode_pf = {1, 1}, .fuse = 1, .stream = 1, .bk_tiled = 64,  \
+     .bk_tiled_mem = 32, .bk_rows = 128, .bk_decode = 256, .group_bk_max = 64, .group_tile_bytes = 256 << 10, \
+     .fold_rows = 8, .fold_rows_big = 12, .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20,     \
      .kv_far_bytes = (int64_t)16 << 20}
 
 static fa_isa_table table_generic = {.name = "generic", .tune = TUNE_GENERIC("generic"), FA_KERNELS(generic)};
@@ -88,10 +92,10 @@ static fa_isa_table table_avx512 = {.name = "avx512", .tune = TUNE_AVX512("avx51
 /* Zen 5, retuned (docs/tuning.md, "Zen 5"). */
 #define TUNE_ZEN5                                                                                          \
     {.name = "zen5", .rows_max = {12, 10}, .rows_max_big = {24, 20}, .rows_max_dk = {24, 12},                 \
-     .rows_full = {14, 0}, .tail_max = {8, 4}, .fuse = 1, .stream = 0, .bk_tiled = 64, .bk_tiled_mem = 16,   \
-     .bk_rows = 512, .bk_decode = 1024, .group_bk_max = 256, .group_tile_bytes = 1 << 20, .fold_rows = 8,    \
-     .fold_rows_big = 12, .fold_big_bytes = 4 << 20,                                                         \
-     .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = INT64_MAX}
+     .rows_full = {14, 0}, .tail_max = {8, 4}, .decode_pf = {0, 0}, .fuse = 1, .stream = 0, .bk_tiled = 64,  \
+     .bk_tiled_mem = 16, .bk_rows = 512, .bk_decode = 1024, .group_bk_max = 256, .group_tile_bytes = 1 << 20, \
+     .fold_rows = 8, .fold_rows_big = 12, .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20,     \
+     .kv_far_bytes = INT64_MAX}
 
 /* The CPUs with tables of their own, by CPUID vendor, family and model ranges
  * (as Linux's arch/x86/kernel/cpu/amd.c names them), for one ISA: the defaults
@@ -313,7 +317,7 @@ int fa_tuning_check(const fa_tuning *t)
     for (int dt = 0; dt < 2; dt++)
         if (!in(t->rows_max[dt], 1, FA_ROWS_CAP) || !in(t->rows_max_big[dt], 1, FA_ROWS_CAP) ||
             !in(t->rows_max_dk[dt], 1, FA_ROWS_CAP) || !in(t->rows_full[dt], 0, FA_LANES_MAX) ||
-            !in(t->tail_max[dt], 0, FA_LANES_MAX - 1))
+            !in(t->tail_max[dt], 0, FA_LANES_MAX - 1) || !in(t->decode_pf[dt], 0, 1))
             return FA_EINVAL;
     if (!in(t->fuse, 0, 1) || !in(t->stream, 0, 1) || !in(t->bk_tiled, 8, 512) || !in(t->bk_tiled_mem, 8, 512) ||
         !in(t->bk_rows, 8, 4096) || !in(t->bk_decode, 8, 4096) || !in(t->group_bk_max, 8, 1024) ||

@@ -27,7 +27,8 @@ def test_decode_beyond_one_workers_memory():
         assert k.nbytes + v.nbytes >= 10**9                     # 1.02 GB of K and V; 2 x 512 MiB of workers
         out, lse = fdask.attention(q, k, v, causal=True, return_lse=True)
         got, got_lse = client.compute([out, lse], sync=True)
-        parts = [key for key in dict(out.__dask_graph__()) if isinstance(key, tuple) and key[0].startswith("fastattn-part-")]
+        parts = [key for key in dict(out.__dask_graph__())
+                 if isinstance(key, tuple) and key[0].startswith("fastattn-part-")]
         assert len(parts) == N_KEYS // chunks[1]                 # a task per key block, K and V never whole
         # the same data in one process (1 GiB here), computed by fastattn.attention
         k_np, v_np = da.compute(k, v, scheduler="threads")

@@ -103,7 +103,7 @@ def test_row_kernel_register_tiles(isa, rng, rows_max, dtype, nq, dk, dv):
 @pytest.mark.parametrize("nk", [1, 303, 513])
 @pytest.mark.parametrize("dk, dv", [(72, 40), (128, 128), (7, 3)])
 @pytest.mark.parametrize("strided", [False, True])
-@pytest.mark.parametrize("kind", ["both", "across", "far"])
+@pytest.mark.parametrize("kind", ["both", "across", "far", "none"])
 def test_row_kernel_streaming(isa, rng, force, rows_max, dtype, nq, nk, dk, dv, strided, kind):
     """The row kernel (forced for every nq here) as it runs on K and V from
     memory (forced on small ones): K and V rows prefetched into L2 further
@@ -115,8 +115,10 @@ def test_row_kernel_streaming(isa, rng, force, rows_max, dtype, nq, nk, dk, dv, 
     as a (B, n, H, d) cache's heads), whose prefetch also takes each row's last
     line (prefetch.h, prefetch_l2); the tiled kernel's prefetch of them too.
     kind: both prefetches (stream and far), the one across passes alone, the far
-    one alone (the tuning tables turn each on or off by CPU)."""
-    force.set(stream=int(kind != "far"), far=int(kind != "across"))
+    one alone (the tuning tables turn each on or off by CPU), or neither, and
+    then no prefetch by decoding either (decode_pf, also by CPU)."""
+    force.set(stream=int(kind in ("both", "across")), far=int(kind in ("both", "far")), decode_pf=int(kind != "none"),
+              bk=128 if nq > 1 else 256)   # the tiles above whatever the CPU's table
     rows_max(24)
     q = rand(rng, (2, nq, dk), dtype)
     if strided:

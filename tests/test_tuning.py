@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 from conftest import rand
-from helpers import check, run_script
+from helpers import F32, F64, check, run_script
 
 import fastattn
 from fastattn import _core, _tune
@@ -65,6 +65,22 @@ def test_tuning_sizes_and_switches_reach_the_plan(rng, tuning):
     assert not _plan(q1, k, v)["from_memory"]
 
 
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_decode_prefetch_from_the_table(rng, tuning, dtype):
+    """decode_pf turns decoding's prefetch of float32 or float64 K and V on or off
+    (the pair by dtype); 16-bit K and V prefetch whatever it says; results agree
+    with the reference either way."""
+    x = int(dtype == F64)
+    q, k, v = rand(rng, (3, 1, 64), dtype), rand(rng, (3, 700, 64), dtype), rand(rng, (3, 700, 48), dtype)
+    k16, v16 = k.astype(np.float16), v.astype(np.float16)
+    for on in (0, 1):
+        tuning(decode_pf=(on, 1 - on) if x == 0 else (1 - on, on), bk_decode=128)   # 6 key tiles
+        assert _plan(q, k, v)["decode_pf"] == bool(on) and _plan(q, k, v)["bk"] == 128
+        assert _plan(q.astype(F32), k16, v16)["decode_pf"]
+        check(q, k, v, num_threads=1)
+        check(q, k, v, kv_lengths=np.array([0, 300, 700]), num_threads=2)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_long_row_kernel_tiles_agree_with_the_reference(isa, rng, tuning, dtype):
     """The row kernel's key tiles as long as a table may make them (bk_rows,
@@ -115,6 +131,7 @@ def test_group_kernel_tiles_from_the_table(isa, rng, tuning, force, dtype):
     ({"bk_rows": 12.5}, "bk_rows must be an integer"), ({"bk_rows": 2 ** 40}, "bk_rows is out of range"),
     ({"kv_mem_bytes": float("inf")}, "kv_mem_bytes must be an integer"), ({"rows_max": (4, "8")}, "integer"),
     ({"kv_far_bytes": 2 ** 63}, "kv_far_bytes is out of range"), ({"tail_max": (0, 99)}, "tail_max is out of range"),
+    ({"decode_pf": (2, 0)}, "decode_pf is out of range"), ({"decode_pf": (1, -1)}, "decode_pf is out of range"),
 ])
 def test_set_tuning_rejects_bad_fields(fields, word):
     before = _core.isa_table()
