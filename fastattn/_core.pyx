@@ -557,13 +557,14 @@ def abs_max(cnp.ndarray x, int num_threads):
     return out
 
 
-def merge(list outs, list lses, int num_threads):
-    """merge_attention's rule (src_c/merge.c): outs, a list of C-contiguous
-    (rows, d) arrays of one dtype, float32 or float64, and lses, their (rows)
-    lse of that dtype; returns (out (rows, d), lse (rows)) of that dtype."""
+def merge(outs, lses, int num_threads):
+    """merge_attention's rule (src_c/merge.c): outs, a sequence of C-contiguous,
+    aligned (rows, d) arrays of one dtype, float32 or float64, and lses, their
+    (rows) lse of that dtype; returns (out (rows, d), lse (rows)) of that dtype."""
+    outs, lses = tuple(outs), tuple(lses)    # held while the GIL is released
     cdef Py_ssize_t n = len(outs), i
-    if n < 1 or len(lses) != n:
-        raise ValueError("internal: merge takes one or more outs and as many lses")
+    if n < 1 or len(lses) != n or n > 2**31 - 1:
+        raise ValueError("internal: merge takes one or more outs (fewer than 2^31) and as many lses")
     cdef cnp.ndarray o0 = outs[0]
     if o0.ndim != 2:
         raise ValueError("internal: merge takes (rows, d) outs")
@@ -573,8 +574,10 @@ def merge(list outs, list lses, int num_threads):
         o, x = outs[i], lses[i]
         if (not isinstance(o, np.ndarray) or not isinstance(x, np.ndarray) or o.dtype != o0.dtype
                 or x.dtype != o0.dtype or o.shape != (rows, d) or x.shape != (rows,)
-                or not o.flags.c_contiguous or not x.flags.c_contiguous):
-            raise ValueError("internal: merge takes C-contiguous (rows, d) outs and (rows) lses of one dtype")
+                or not o.flags.c_contiguous or not x.flags.c_contiguous
+                or not o.flags.aligned or not x.flags.aligned):
+            raise ValueError("internal: merge takes C-contiguous, aligned (rows, d) outs and (rows) lses "
+                             "of one dtype")
     cdef cnp.ndarray out = np.empty((rows, d), dtype=o0.dtype)
     cdef cnp.ndarray lse = np.empty((rows,), dtype=o0.dtype)
     cdef const void **po = <const void **>malloc(2 * n * sizeof(void *))
@@ -655,7 +658,7 @@ cdef class Forcing:
       stream       the row kernel's prefetch across passes (and the far prefetch,
                    unless far is set)
       far          the row kernel's far prefetch into L2
-      decode_pf    decoding's prefetch of the K and V rows it reads (decode_step)
+      decode_pf    decoding's prefetch of the K and V rows it reads (one row)
       group        the group kernel over the heads of a (B, n, H, d) cache (1:
                    wherever it can run, 0: never; -1: from memory only)
       mask_pack    a bool mask packed to bits for the tiled kernel
@@ -767,7 +770,7 @@ def plan(*args, **kwargs):
     """The plan of an attention call (src_c/plan.c) as a dict, computed and not
     run: attention(*args, plan_only=True, **kwargs).  Its fields: kernel
     ("tiled", "rows", "group", "weights"), the tiles (bq, bk, bqp, ld), the
-    switches (fuse, stream, far), the thresholds that applied (lanes, rows_max,
+    switches (fuse, stream, far, decode_pf), the thresholds that applied (lanes, rows_max,
     rows_full, tail_max), the tail (tail, q_main), K and V (kv_bytes,
     from_memory), the work (n_lead, n_qb, n_items, group, n_groups, n_splits,
     long_splits, chunk, wave, few), mask_pack, threads and scratch_elems."""

@@ -8,7 +8,7 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from . import _core
-from ._validate import _F64, Layout, _asarray, _blhd, _check_input_dtype, _heads_first, _is_half, _num_threads
+from ._validate import Layout, _asarray, _blhd, _check_input_dtype, _dtypes, _heads_first, _num_threads
 
 __all__ = ["merge_attention"]
 
@@ -39,6 +39,9 @@ def merge_attention(outs: Sequence[ArrayLike], lses: Sequence[ArrayLike], *,
         contributes nothing; a row no part saw is zero.
     lse : ndarray, shape (..., n_q)
         log(sum_p exp(lse_p)).
+
+    Both in NumPy's promotion of the parts' dtypes, with 16-bit floats giving
+    float32 (as `attention`); the sums run in float64, compensated.
 
     This is what split-key (flash-decoding) and sequence-parallel attention
     rest on: attention over keys K1 and K2 equals the merge of attention over
@@ -78,20 +81,18 @@ def merge_attention(outs: Sequence[ArrayLike], lses: Sequence[ArrayLike], *,
                              f"the last axis, {shape[:-1]}" if not blhd else
                              f"lse {i} has shape {x.shape}; with layout=\"blhd\" it must be the output's "
                              f"(..., H, n_q), {shape[:-1]}")
-    dt = np.result_type(*parts, *part_lses)
-    if dt.kind != "f" and not _is_half(dt):
-        dt = _F64
-    # merge.c sums in float64 whatever the dtype, compensated, so that merging
-    # many parts costs no accuracy; 16-bit parts go in as float32 (exactly)
-    ct = _F64 if dt == _F64 else np.dtype(np.float32)
+    # the result dtype as attention's: NumPy's promotion, 16-bit floats giving
+    # float32; merge.c sums in float64 whatever the dtype, compensated, so that
+    # merging many parts costs no accuracy, and reads C-contiguous aligned arrays
+    dt, ct = _dtypes(*parts, *part_lses)
     if blhd:   # rows in the outputs' own (..., n_q, H) order, the lse transposed to it
         rows_shape = shape[:-3] + (shape[-2], shape[-3])
-        outs_c = [np.ascontiguousarray(np.swapaxes(o, -3, -2), dtype=ct) for o in parts]
-        lses_c = [np.ascontiguousarray(np.swapaxes(x, -1, -2), dtype=ct) for x in part_lses]
+        outs_c = [np.require(np.swapaxes(o, -3, -2), ct, ["C", "A"]) for o in parts]
+        lses_c = [np.require(np.swapaxes(x, -1, -2), ct, ["C", "A"]) for x in part_lses]
     else:
         rows_shape = shape[:-1]
-        outs_c = [np.ascontiguousarray(o, dtype=ct) for o in parts]
-        lses_c = [np.ascontiguousarray(x, dtype=ct) for x in part_lses]
+        outs_c = [np.require(o, ct, ["C", "A"]) for o in parts]
+        lses_c = [np.require(x, ct, ["C", "A"]) for x in part_lses]
     rows = int(np.prod(rows_shape))
     out, lse = _core.merge([o.reshape(rows, shape[-1]) for o in outs_c], [x.reshape(rows) for x in lses_c],
                            _num_threads(num_threads))

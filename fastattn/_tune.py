@@ -331,27 +331,26 @@ def _measure_tiles(b: _Bench, chosen: Dict[str, Any]) -> None:
     b.say("  prefetch from memory (stream, far) time, relative: "
           + ", ".join(f"{c}: {cost[c] / 3:.3f}" for c in combos)
           + f" -> stream {bool(chosen['stream'])}, far {chosen['kv_far_bytes'] != never}")
-    _measure_decode_pf(b, chosen, k, v, kc, vc)
 
 
-def _measure_decode_pf(b: "_Bench", chosen: Dict[str, Any], k, v, kc, vc) -> None:
-    """decode_pf: decoding (one row, H32 d128) with and without its software
-    prefetch of K and V, from memory and in cache; float32 on the arrays of
-    _measure_tiles, float64 on the same values (from memory: half the keys, as
-    many bytes)."""
-    for x, dt in enumerate((np.float32, np.float64)):
-        if dt == np.float64:
-            k, v = (np.asarray(a[:, :, :a.shape[2] // 2], dt) for a in (k, v))
-            kc, vc = (a.astype(dt) for a in (kc, vc))
+def _measure_decode_pf(b: "_Bench", chosen: Dict[str, Any], dtypes: Sequence[np.dtype]) -> None:
+    """decode_pf of each dtype: decoding (one row, d128) with and without its
+    software prefetch of K and V, from memory (H32) and in cache (H8 Nk1024),
+    with the tiles chosen before."""
+    for dt in dtypes:
+        x = int(dt == np.float64)
+        k, v = _kv(b.rng, 32, b.mem_bytes // (2 * 32 * 128 * dt.itemsize), 128, dt)
+        kc, vc = _kv(b.rng, 8, 1024, 128, dt)
         calls = [b.call(b.q(kk.shape[1], 1, 128, dt), kk, vv) for kk, vv in ((k, v), (kc, vc))]
         cost = [0.0, 0.0]
         for call in calls:
             r = b.race([_forced(call, decode_pf=0), _forced(call, decode_pf=1)])
             cost = [cost[0] + r[0] / min(r), cost[1] + r[1] / min(r)]
+        del k, v
         on, now = int(cost[1] < cost[0]), int(b.base["decode_pf"][x])
         if on != now and cost[on] < cost[now] * (1 - TIE):
             chosen["decode_pf"] = _set(chosen["decode_pf"], x, on)
-        b.say(f"  decoding's prefetch, {np.dtype(dt).name}: off / on time {cost[0] / cost[1]:.3f} "
+        b.say(f"  decoding's prefetch, {dt.name}: off / on time {cost[0] / cost[1]:.3f} "
               f"-> {bool(chosen['decode_pf'][x])}")
 
 
@@ -388,6 +387,7 @@ def tune(*, save: bool = True, num_threads: Optional[int] = None, rounds: int = 
             dt = np.dtype(name)
             _measure_rows(b, dt, lanes[int(dt == np.float64)], chosen, notes)
             _measure_tail(b, dt, lanes[int(dt == np.float64)], chosen)
+        _measure_decode_pf(b, chosen, [np.dtype(n) for n in dtypes])
         _measure_fuse(b, [np.dtype(n) for n in dtypes], chosen)
     except BaseException:              # (Ctrl-C too) the tuning in use before, as it was
         _core.set_tuning(before)

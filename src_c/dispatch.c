@@ -47,7 +47,7 @@
  *   tail_max      the most rows past the tiled kernel's last whole vector (of at least
  *                 16 rows) that the row kernel takes, after that block;
  *   decode_pf     decoding's software prefetch of float32 and float64 K and V rows
- *                 (decode_step), where the hardware's alone falls behind;
+ *                 (one row: item_rows, decode_step), where the hardware's alone falls behind;
  *   fuse          the tiled kernel's fused exp, where 32 vector registers leave it room;
  *   stream        the row kernel's prefetch across passes with K and V from memory;
  *   bk_tiled, bk_tiled_mem  the tiled kernel's keys a tile (from memory, blocks of at

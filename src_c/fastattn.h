@@ -70,7 +70,7 @@ typedef struct {
     int stream;          /* the row kernel's prefetch across passes (and the far
                           * prefetch, unless far is set) */
     int far;             /* the row kernel's far prefetch into L2 */
-    int decode_pf;       /* decoding's prefetch of K and V rows (decode_step) */
+    int decode_pf;       /* decoding's (one row's) prefetch of K and V rows */
     int group;           /* the group kernel over interleaved heads: 1 wherever it
                           * can run, 0 never (-1: from memory only) */
     int mask_pack;       /* a bool mask packed to bits for the tiled kernel */

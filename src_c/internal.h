@@ -64,8 +64,8 @@ typedef struct {
                    * tile's K during its P.V (rows.h, item_rows) */
     int far;      /* K and V exceed the tuning's kv_far_bytes: the row kernel prefetches the
                    * K and V rows it reads into L2, further ahead (prefetch_row) */
-    int decode_pf; /* one row (decoding): decode_step prefetches the K and V rows it
-                   * reads (0: the hardware prefetchers alone) */
+    int decode_pf; /* one row (decoding): the row kernel prefetches the K and V rows it
+                   * reads (0: it leaves them to the hardware prefetchers) */
     int64_t kv_off, kv_rows; /* 16-bit K and V under the tiled or weights kernel: their
                    * float32 rows in each thread's scratch from element kv_off on (0:
                    * none), kv_rows of them (tiled.h, kv_rows_widened; attention.c
@@ -179,8 +179,8 @@ typedef struct {
                                        * dk > FA_ROWS_DK_BIG with K and V from memory */
     int tail_max[2];                  /* the tiled kernel's last rows past whole vectors
                                        * take the row kernel up to this many (plan.c) */
-    int decode_pf[2];                 /* decoding (decode_step) prefetches float32 or
-                                       * float64 K and V rows (16-bit ones: always) */
+    int decode_pf[2];                 /* decoding (one row, item_rows) prefetches float32
+                                       * or float64 K and V rows (16-bit ones: always) */
     int fuse;                         /* the tiled kernel's fused exp */
     int stream;                       /* the row kernel's prefetch across passes, K
                                        * and V from memory (rows.h, item_rows) */

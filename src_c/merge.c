@@ -89,7 +89,7 @@ static void merge_team(void *arg)
 {
     merge_plan *p = arg;
     void *raw;
-    double *acc = fa_team_scratch((size_t)(2 * p->d + 1) * sizeof(double), &raw, &p->status);
+    double *acc = fa_team_scratch((size_t)(2 * p->d + 1) * sizeof(double), &raw, &p->status); /* + 1: d = 0 */
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < p->rows; r++)
         if (acc) merge_row(p, r, acc, acc + p->d);

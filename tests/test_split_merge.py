@@ -2,6 +2,7 @@
 parts of a long row, merged by the logsumexp rule, and fastattn.merge_attention,
 the same rule on the user's parts."""
 
+import ml_dtypes
 import numpy as np
 import pytest
 from conftest import assert_close, rand, reference64
@@ -11,7 +12,8 @@ import fastattn
 from fastattn import _core
 from fastattn import reference as ref
 
-F16 = np.float16
+F16 = np.dtype(np.float16)
+BF16 = np.dtype(ml_dtypes.bfloat16)
 
 # ---------------------------------------------------------------------------
 # keys split across threads
@@ -246,15 +248,16 @@ def _merge_rule(outs, lses):
         return out, Ms + np.log(s)
 
 
-@pytest.mark.parametrize("dtype", [F16, F32, F64])
+@pytest.mark.parametrize("dtype", [F16, BF16, F32, F64])
 @pytest.mark.parametrize("threads", [1, 2, None])
 @pytest.mark.parametrize("n_parts, d", [(1, 8), (2, 1), (5, 33), (9, 64), (3, 0)])
 def test_merge_kernel_against_rule(rng, dtype, threads, n_parts, d):
     """The C merge over many parts, every thread count and a d of 0, with
-    lse of -inf, NaN and +inf, far-apart lse (weights that underflow) and inf
-    and NaN outputs, against the rule in float64; finite entries to a few ulps,
-    the rest exactly where they are non-finite."""
+    lse of -inf, NaN and +inf, far-apart lse (weights that underflow to 0) and
+    inf and NaN outputs, against the rule in float64; finite entries to a few
+    ulps, the rest exactly where they are non-finite.  16-bit parts give float32."""
     rows = 57
+    res = F32 if dtype in (F16, BF16) else dtype
     lses = [(rng.standard_normal(rows) * 3).astype(dtype) for _ in range(n_parts)]
     outs = [rng.standard_normal((rows, d)).astype(dtype) for _ in range(n_parts)]
     lses[0][:4] = -np.inf                      # rows 0-3: part 0 saw nothing
@@ -263,7 +266,7 @@ def test_merge_kernel_against_rule(rng, dtype, threads, n_parts, d):
         x[3] = -np.inf                         # row 3: no part saw a key
     lses[0][5] = np.nan
     lses[-1][6] = np.inf
-    lses[0][7] = 300 if dtype != F16 else 60000  # the other parts' weights underflow
+    lses[0][7] = 60000 if dtype == F16 else 1000  # the other parts' weights underflow to 0
     if d:
         outs[0][0, 0] = np.nan                 # in a part that saw no key: ignored
         outs[-1][7, 0] = np.inf                # underflowed part's inf and NaN are kept (n_parts > 1)
@@ -271,22 +274,55 @@ def test_merge_kernel_against_rule(rng, dtype, threads, n_parts, d):
         outs[0][8, 0] = -np.inf
     out, lse = fastattn.merge_attention(outs, lses, num_threads=threads)
     want, want_lse = _merge_rule(outs, lses)
-    assert out.dtype == dtype and lse.dtype == dtype and out.shape == (rows, d) and lse.shape == (rows,)
+    assert out.dtype == res and lse.dtype == res and out.shape == (rows, d) and lse.shape == (rows,)
     big = 4 * rows * (d + 1) * n_parts >= _core.TEAM_MIN_WORK
     want_team = 1 if threads == 1 or not big else min(threads or _core.max_threads(), _core.thread_cap())
     assert _core.last_threads() == (want_team if _core.openmp_enabled() else 1)
     for got, ref_ in ((out, want), (lse, want_lse)):
-        ref_ = ref_.astype(dtype).astype(F64)   # the rule in float64, rounded once to the dtype
+        ref_ = ref_.astype(res).astype(F64)   # the rule in float64, rounded once to the result's dtype
         got = got.astype(F64)
         np.testing.assert_array_equal(np.isnan(got), np.isnan(ref_))
         fin = np.isfinite(ref_)
         np.testing.assert_array_equal(got[~fin & ~np.isnan(ref_)], ref_[~fin & ~np.isnan(ref_)])
-        np.testing.assert_allclose(got[fin], ref_[fin], rtol=4 * np.finfo(dtype).eps, atol=16 * np.finfo(dtype).eps)
+        np.testing.assert_allclose(got[fin], ref_[fin], rtol=4 * np.finfo(res).eps, atol=16 * np.finfo(res).eps)
     assert np.all(out[3] == 0) and np.isneginf(lse[3])
     assert np.isneginf(lse[2]) == (n_parts < 3)
 
 
-def test_merge_kernel_many_parts_compensated():
+def test_merge_kernel_compensated_sums():
+    """float64 parts 1e16, 1 and -1e16 of equal weight: the compensated sum keeps
+    the 1 (1/3; a plain float64 sum gives 0)."""
+    outs = [np.array([[1e16]]), np.array([[1.0]]), np.array([[-1e16]])]
+    out, lse = fastattn.merge_attention(outs, [np.zeros(1)] * 3)
+    np.testing.assert_allclose(out, 1 / 3, rtol=1e-15)
+    np.testing.assert_allclose(lse, np.log(3), rtol=1e-15)
+
+
+def test_merge_inputs_as_given(rng):
+    """Mixed dtypes (float32 outputs, float64 lse: float64 results), non-contiguous
+    and misaligned parts (an unpickled buffer can be), and no rows, against the rule."""
+    outs = [rng.standard_normal((6, 5, 4)).astype(F32) for _ in range(3)]
+    lses = [rng.standard_normal((6, 5)) for _ in range(3)]
+    out, lse = fastattn.merge_attention(outs, lses)
+    assert out.dtype == F64 and lse.dtype == F64
+    want, want_lse = _merge_rule(outs, lses)
+    np.testing.assert_allclose(out, want, rtol=1e-14, atol=1e-15)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-14)
+    wide = [rng.standard_normal((5, 9)) for _ in range(2)]
+    strided = [w[:, ::2] for w in wide]                       # (5, 5), every other column
+    buf = np.zeros(5 * 5 * 8 + 4, np.uint8)
+    odd = np.frombuffer(buf.data, F64, 25, offset=4).reshape(5, 5)  # misaligned
+    odd[...] = wide[1][:, :5]
+    assert not odd.flags.aligned
+    got = fastattn.merge_attention([strided[0], odd], [np.zeros(5), np.ones(5)])
+    want = _merge_rule([strided[0], odd], [np.zeros(5), np.ones(5)])
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-14)
+    out, lse = fastattn.merge_attention([np.zeros((0, 3))] * 2, [np.zeros(0)] * 2)
+    assert out.shape == (0, 3) and lse.shape == (0,)
+
+
+def test_merge_kernel_many_parts():
     """2,000 parts of weight 1 and one of 1e8 in float32: the kernel's float64
     sums keep every part (float32 sums would lose all the small ones)."""
     n = 2000

@@ -505,23 +505,24 @@ static void item_rows(const fa_attention_args *a, const fa_tiles *tl, const fa_i
          * scores of tile t + 1 and P . V of tile t read K and V together
          * (decode_step); Sn (bk), after lc, holds the next tile's scores. */
         T *Sn = l + 2;
+        const int pf = tl->decode_pf; /* 0: no software prefetch of K and V at all */
         int64_t j0 = b.j_lo, nb = (b.j_hi - j0 < bk) ? b.j_hi - j0 : bk;
-        rows_scores(S, bk, Qs, dkp, 1, k + j0 * a->k_rs, a->k_rs, dk, nb, b.j_hi - j0, far, NULL);
+        rows_scores(S, bk, Qs, dkp, 1, k + j0 * a->k_rs, a->k_rs, dk, nb, pf ? b.j_hi - j0 : 0, far, NULL);
         rows_softmax(a, it, &b, S, bk, A, m, l, j0, nb, 0);
         for (;;) {
             const int64_t j1 = j0 + nb, nb1 = (b.j_hi - j1 < bk) ? b.j_hi - j1 : bk;
             key_runs kr; /* keys a mask hides (padding): P . V skips them */
             mask_runs(&kr, a, it, j0, nb);
             if (nb1 <= 0) {
-                rows_pv_runs(&kr, A, S, bk, 1, v + j0 * a->v_rs, a->v_rs, dv, nb, b.j_hi - j0, far, NULL);
+                rows_pv_runs(&kr, A, S, bk, 1, v + j0 * a->v_rs, a->v_rs, dv, nb, pf ? b.j_hi - j0 : 0, far, NULL);
                 break;
             }
             if (runs_whole(&kr, nb)) {
                 decode_step(Sn, Qs, k + j1 * a->k_rs, a->k_rs, dk, nb1, b.j_hi - j1, A, S, v + j0 * a->v_rs,
-                            a->v_rs, dv, nb, b.j_hi - j0, tl->decode_pf, far);
+                            a->v_rs, dv, nb, b.j_hi - j0, pf, far);
             } else { /* the two passes one after the other */
-                decode_step_runs(&kr, Sn, Qs, dkp, k + j1 * a->k_rs, a->k_rs, dk, nb1, b.j_hi - j1, A, S, bk,
-                                 v + j0 * a->v_rs, a->v_rs, dv, nb, b.j_hi - j0, far);
+                decode_step_runs(&kr, Sn, Qs, dkp, k + j1 * a->k_rs, a->k_rs, dk, nb1, pf ? b.j_hi - j1 : 0, A, S,
+                                 bk, v + j0 * a->v_rs, a->v_rs, dv, nb, pf ? b.j_hi - j0 : 0, far);
             }
             if ((block += nb) >= FOLD_KEYS) { /* the block joins the total (FOLD_KEYS) */
                 acc_flush(A, dv, 0);
