@@ -190,13 +190,16 @@ int fa_attention_plan(const fa_attention_args *a, int weights, fa_plan *p)
     /* The kernel.  The row kernel up to rows_max query rows (more with K and V
      * from memory, or long dot products), except that rows_full to lanes rows,
      * which fill one vector of the tiled kernel, take that one; not where
-     * dk > FA_ROWS_DK_BIG with K and V from memory. */
+     * dk > FA_ROWS_DK_BIG with K and V from memory, nor for 16-bit K and V
+     * from dk = FA_ROWS_DK_BIG on, which the tiled kernel widens first and the
+     * row kernel reads as stored (docs/tuning.md, rows_full). */
     p->rows_max = f->rows_max          ? (f->rows_max < FA_ROWS_CAP ? f->rows_max : FA_ROWS_CAP)
                   : p->from_memory     ? tu->rows_max_big[dt]
                   : a->dk >= FA_ROWS_DK_BIG ? tu->rows_max_dk[dt]
                                             : tu->rows_max[dt];
     p->full_lo = 1, p->full_hi = 0; /* (empty) */
-    if (!f->rows_max && tu->rows_full[dt] > 0 && !(p->from_memory && a->dk > FA_ROWS_DK_BIG)) {
+    if (!f->rows_max && tu->rows_full[dt] > 0 && !(p->from_memory && a->dk > FA_ROWS_DK_BIG) &&
+        !(a->kv_dtype != FA_KV_SAME && a->dk >= FA_ROWS_DK_BIG)) {
         p->full_lo = tu->rows_full[dt];
         p->full_hi = isa->lanes[dt];
     }

@@ -252,6 +252,29 @@ def test_tiled_widened_rows(isa, rng, force, dtype):
     check(big_q, big_k, big_v, F32, num_threads=2, causal=True)
 
 
+@pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
+def test_rows_full_keeps_the_row_kernel_from_d128(isa, rng, dtype):
+    """The table's rows_full rows (one vector of the tiled kernel for float32) take the
+    row kernel for 16-bit K and V from dk = 128 on, which the tiled kernel would widen
+    first; below d128, and for float32 K and V, the tiled kernel as before.  Results
+    against the reference either way."""
+    from fastattn._attention import _plan
+    t = _core.isa_table()
+    full, lanes = t["rows_full"][0], t["lanes"][0]
+    rows = range(full, lanes + 1) if full else [lanes]
+    for d in (64, 128):
+        k, v = half(rng, (2, 300, d), dtype), half(rng, (2, 300, 48), dtype)
+        for nq in rows:
+            q = rand(rng, (2, nq, d))
+            p16, p32 = _plan(q, k, v), _plan(q, k.astype(F32), v.astype(F32))
+            limit = t["rows_max_dk" if d >= 128 else "rows_max"][0]
+            if full and nq <= limit:
+                assert p32["kernel"] == "tiled", (d, nq)
+                assert p16["kernel"] == ("rows" if d >= 128 else "tiled"), (d, nq)
+            check(q, k, v, num_threads=2)
+            check(q, k, v, causal=True, num_threads=1)
+
+
 def test_byte_swapped_float16(rng):
     """float16 of the other byte order is a 16-bit float too (computed in float32), but
     converted first: the C core reads only native 16-bit K and V as stored."""
