@@ -250,7 +250,7 @@ def quick_tune(monkeypatch, tmp_path):
     def use(measure=lambda chosen: None):
         calls["measure"] = measure
     monkeypatch.setattr(_tune, "_measure_tiles", lambda b, chosen: calls["measure"](chosen))
-    for name in ("_measure_rows", "_measure_tail"):
+    for name in ("_measure_rows", "_measure_tail", "_measure_decode_pf"):
         monkeypatch.setattr(_tune, name, lambda *a: None)
     monkeypatch.setattr(_tune, "_measure_fuse", lambda *a: None)
     use()
