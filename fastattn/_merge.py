@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -86,18 +87,14 @@ def merge_attention(outs: Sequence[ArrayLike], lses: Sequence[ArrayLike], *,
     # merging many parts costs no accuracy, and reads C-contiguous aligned arrays
     dt, ct = _dtypes(*parts, *part_lses)
     if blhd:   # rows in the outputs' own (..., n_q, H) order, the lse transposed to it
-        rows_shape = shape[:-3] + (shape[-2], shape[-3])
-        outs_c = [np.require(np.swapaxes(o, -3, -2), ct, ["C", "A"]) for o in parts]
-        lses_c = [np.require(np.swapaxes(x, -1, -2), ct, ["C", "A"]) for x in part_lses]
-    else:
-        rows_shape = shape[:-1]
-        outs_c = [np.require(o, ct, ["C", "A"]) for o in parts]
-        lses_c = [np.require(x, ct, ["C", "A"]) for x in part_lses]
-    rows = int(np.prod(rows_shape))
-    out, lse = _core.merge([o.reshape(rows, shape[-1]) for o in outs_c], [x.reshape(rows) for x in lses_c],
+        parts = [np.swapaxes(o, -3, -2) for o in parts]
+        part_lses = [np.swapaxes(x, -1, -2) for x in part_lses]
+    rows_shape, d = parts[0].shape[:-1], shape[-1]
+    rows = math.prod(rows_shape)
+    out, lse = _core.merge([np.require(o, ct, ["C", "A"]).reshape(rows, d) for o in parts],
+                           [np.require(x, ct, ["C", "A"]).reshape(rows) for x in part_lses],
                            _num_threads(num_threads))
-    out = out.reshape(rows_shape + (shape[-1],)).astype(dt, copy=False)
     lse = lse.reshape(rows_shape)
     if blhd:
         lse = np.swapaxes(lse, -1, -2).copy()
-    return out, lse.astype(dt, copy=False)
+    return out.reshape(rows_shape + (d,)).astype(dt, copy=False), lse.astype(dt, copy=False)

@@ -59,30 +59,24 @@ static void merge_row(const merge_plan *p, int64_t r, double *acc, double *cmp)
         const double l = part_at(p, p->lses[q], r), w = exp(l - M);
         two_sum_add(&s, &sc, w);
         if (isinf(l) && l < 0) continue;                     /* saw no key */
-        if (p->dtype == FA_F32) {
-            const float *o = (const float *)p->outs[q] + r * d;
-            if (w > 0)
-                for (int64_t j = 0; j < d; j++) two_sum_add(&acc[j], &cmp[j], w * (double)o[j]);
-            else
-                for (int64_t j = 0; j < d; j++) two_sum_add(&acc[j], &cmp[j], isfinite(o[j]) ? 0.0 : (double)o[j]);
-        } else {
-            const double *o = (const double *)p->outs[q] + r * d;
-            if (w > 0)
-                for (int64_t j = 0; j < d; j++) two_sum_add(&acc[j], &cmp[j], w * o[j]);
-            else
-                for (int64_t j = 0; j < d; j++) two_sum_add(&acc[j], &cmp[j], isfinite(o[j]) ? 0.0 : o[j]);
+        /* w x; where w underflowed to 0 (or is NaN), only the part's inf and NaN */
+        for (int64_t j = 0; j < d; j++) {
+            const double x = part_at(p, p->outs[q], r * d + j);
+            two_sum_add(&acc[j], &cmp[j], w > 0 ? w * x : isfinite(x) ? 0.0 : x);
         }
     }
     s += isfinite(sc) ? sc : 0;
-    if (p->dtype == FA_F32) {
-        float *o = (float *)p->out + r * d;
-        for (int64_t j = 0; j < d; j++) o[j] = s == 0 ? 0.0f : (float)((acc[j] + (isfinite(cmp[j]) ? cmp[j] : 0)) / s);
-        ((float *)p->lse)[r] = (float)(M + log(s));
-    } else {
-        double *o = (double *)p->out + r * d;
-        for (int64_t j = 0; j < d; j++) o[j] = s == 0 ? 0.0 : (acc[j] + (isfinite(cmp[j]) ? cmp[j] : 0)) / s;
-        ((double *)p->lse)[r] = M + log(s);
+    for (int64_t j = 0; j < d; j++) {
+        const double x = s == 0 ? 0.0 : (acc[j] + (isfinite(cmp[j]) ? cmp[j] : 0)) / s;
+        if (p->dtype == FA_F32)
+            ((float *)p->out)[r * d + j] = (float)x;
+        else
+            ((double *)p->out)[r * d + j] = x;
     }
+    if (p->dtype == FA_F32)
+        ((float *)p->lse)[r] = (float)(M + log(s));
+    else
+        ((double *)p->lse)[r] = M + log(s);
 }
 
 static void merge_team(void *arg)

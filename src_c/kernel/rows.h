@@ -410,15 +410,14 @@ INLINE void pv_1x4(T *restrict A, T p0, T p1, T p2, T p3, const KT *restrict v0,
  *   P  (nv)        probabilities of this tile
  *   V  (nv, dv)    row stride vrs; rows j < npv exist
  *   A  (dv)        accumulator
- * pf: prefetch the K and V rows ahead (fa_tiles.decode_pf; far: from memory,
- * into L2, prefetch_row), else leave them to the hardware prefetchers. */
+ * far: K and V come from memory (prefetch_row); npk = npv = 0: no prefetch
+ * (fa_tiles.decode_pf off: the hardware prefetchers alone). */
 static void decode_step(T *restrict Sn, const T *restrict Qs, const KT *restrict K, int64_t krs, int64_t dk,
                         int64_t nk, int64_t npk, T *restrict A, const T *restrict P, const KT *restrict V,
-                        int64_t vrs, int64_t dv, int64_t nv, int64_t npv, int pf, int far)
+                        int64_t vrs, int64_t dv, int64_t nv, int64_t npv, int far)
 {
     const int64_t dkv = dk / L * L, dvv = dv / L * L, ahead = far ? FAR_PF_BYTES : DECODE_PF_BYTES;
     const int64_t pfk = prefetch_dist_bytes(dk, ahead), pfv = prefetch_dist_bytes(dv, ahead);
-    if (!pf) npk = npv = 0; /* no row to prefetch */
     const int64_t n = nk > nv ? nk : nv;
     for (int64_t j = 0; j < n; j += 4) {
         if (j + 4 <= nk) {
@@ -518,8 +517,8 @@ static void item_rows(const fa_attention_args *a, const fa_tiles *tl, const fa_i
                 break;
             }
             if (runs_whole(&kr, nb)) {
-                decode_step(Sn, Qs, k + j1 * a->k_rs, a->k_rs, dk, nb1, b.j_hi - j1, A, S, v + j0 * a->v_rs,
-                            a->v_rs, dv, nb, b.j_hi - j0, pf, far);
+                decode_step(Sn, Qs, k + j1 * a->k_rs, a->k_rs, dk, nb1, pf ? b.j_hi - j1 : 0, A, S,
+                            v + j0 * a->v_rs, a->v_rs, dv, nb, pf ? b.j_hi - j0 : 0, far);
             } else { /* the two passes one after the other */
                 decode_step_runs(&kr, Sn, Qs, dkp, k + j1 * a->k_rs, a->k_rs, dk, nb1, pf ? b.j_hi - j1 : 0, A, S,
                                  bk, v + j0 * a->v_rs, a->v_rs, dv, nb, pf ? b.j_hi - j0 : 0, far);
