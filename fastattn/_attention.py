@@ -388,7 +388,7 @@ def _attention_plain(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: Optional
     result = np.empty(q.shape[:-1] + v.shape[-1:], q.dtype) if out is None else out
     lse = np.empty(q.shape[:-1], q.dtype) if return_lse else None
     if result.size or lse is not None:
-        _core.attention(q, k, v, mask, mask_kind, result, lse, q.shape[:-2], bool(causal), s, nthreads)
+        _core.attention(_core.Args(q, k, v, mask, mask_kind, q.shape[:-2], bool(causal), s, nthreads), result, lse)
     return (result, lse) if return_lse else result
 
 
@@ -429,28 +429,22 @@ def _fold_mask(p: _Prepared, g: int) -> Optional[np.ndarray]:
 
 def _call(p: _Prepared, target: np.ndarray, lse: Optional[np.ndarray], weights: bool = False,
           plan_only: bool = False) -> Any:
-    q, k, v, mask, kvl, qln, lead, g = p.q, p.k, p.v, p.mask, p.kvl, p.qln, p.lead, 1
+    """Run the prepared call p into target (and lse), or return its plan."""
     rows, rows_lse = target, lse
+    c: _core.Args = p
     if p.fold:  # (see _prepare) q (..., Hkv, g, n_q, d) -> (..., Hkv, n_q * g, d), position-
         # major, rows g apart sharing a position (the C core's row_group); k and v
-        # (..., Hkv, 1, n_k, d) -> (..., Hkv, n_k, d); out, lse and the mask alike
+        # (..., Hkv, 1, n_k, d) -> (..., Hkv, n_k, d); out, lse and the mask alike;
+        # kv_lengths and q_lengths (..., Hkv|1, 1) -> (..., Hkv|1), q_lengths in positions
         assert p.gqa is not None   # (the fold is of GQA's heads)
         g = p.gqa[0] // p.gqa[1]
-        q, k, v, lead, mask = _rows(q, 1), k[..., 0, :, :], v[..., 0, :, :], lead[:-1], _fold_mask(p, g)
+        kvl, qln = (x[..., 0] if x is not None and x.ndim else x for x in (p.kvl, p.qln))
+        c = p.folded(_rows(p.q, 1), p.k[..., 0, :, :], p.v[..., 0, :, :], _fold_mask(p, g), p.lead[:-1], kvl, qln, g)
         rows = _rows(target, 1)
         rows_lse = _rows(lse, 0) if lse is not None else None
-        if kvl is not None and kvl.ndim:  # (..., Hkv|1, 1)
-            kvl = kvl[..., 0]
-        if qln is not None and qln.ndim:  # (..., Hkv|1, 1): in positions, as the C core takes it
-            qln = qln[..., 0]
     if plan_only:   # (rows may be a zero-stride stand-in: nothing is written)
-        return _core.attention(q, k, v, mask, p.mask_kind, rows, rows_lse, lead, p.causal, p.scale, p.nthreads,
-                               softcap=p.softcap, win_left=p.win_left, win_right=p.win_right, slopes=p.slopes,
-                               kv_len=kvl, weights=weights, row_group=g, q_len=qln, top_left=p.top_left,
-                               plan_only=True)
-    _core.attention(q, k, v, mask, p.mask_kind, rows, rows_lse, lead, p.causal, p.scale, p.nthreads,
-                    softcap=p.softcap, win_left=p.win_left, win_right=p.win_right, slopes=p.slopes, kv_len=kvl,
-                    weights=weights, row_group=g, q_len=qln, top_left=p.top_left)
+        return _core.attention(c, rows, rows_lse, weights=weights, plan_only=True)
+    _core.attention(c, rows, rows_lse, weights=weights)
     if rows is not target and not np.may_share_memory(rows, target):
         _unrows(target, rows, 1)  # rows written as a copy (no view of them): back in place
     if rows_lse is not lse and not np.may_share_memory(rows_lse, lse):

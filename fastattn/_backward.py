@@ -107,9 +107,7 @@ def attention_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike, 
     dq = np.empty(p.lead + p.q.shape[-2:], p.comp)
     dk = np.empty(p.lead + p.k.shape[-2:], p.comp)
     dv = np.empty(p.lead + p.v.shape[-2:], p.comp)
-    _core.attention(p.q, p.k, p.v, p.mask, p.mask_kind, out_c, lse_c, p.lead, p.causal, p.scale, p.nthreads,
-                    softcap=p.softcap, win_left=p.win_left, win_right=p.win_right, slopes=p.slopes, kv_len=p.kvl,
-                    q_len=p.qln, top_left=p.top_left, backward=(do_c, dq, dk, dv))
+    _core.attention(p, out_c, lse_c, backward=(do_c, dq, dk, dv))
     grads = []
     for g, h, pa in ((dq, qh, p.q), (dk, kh, p.k), (dv, vh, p.v)):
         # summed over the broadcast axes and GQA's groups (k, v: size 1 there), in the caller's shape

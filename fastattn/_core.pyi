@@ -8,14 +8,61 @@ MASK_NONE: int
 MASK_BOOL: int
 MASK_ADD: int
 
+class Args:
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    mask: Optional[np.ndarray]
+    mask_kind: int
+    lead: Tuple[int, ...]
+    causal: bool
+    scale: float
+    nthreads: int
+    softcap: float
+    win_left: int
+    win_right: int
+    slopes: Optional[np.ndarray]
+    kvl: Optional[np.ndarray]
+    qln: Optional[np.ndarray]
+    q_start: Optional[np.ndarray]
+    kv_start: Optional[np.ndarray]
+    n_q: int
+    n_k: int
+    top_left: bool
+    row_group: int
+    def __init__(
+        self, q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: Optional[np.ndarray] = ..., mask_kind: int = ...,
+        lead: Tuple[int, ...] = ..., causal: bool = ..., scale: float = ..., nthreads: int = ..., *,
+        softcap: float = ..., win_left: int = ..., win_right: int = ..., slopes: Optional[np.ndarray] = ...,
+        kvl: Optional[np.ndarray] = ..., qln: Optional[np.ndarray] = ..., q_start: Optional[np.ndarray] = ...,
+        kv_start: Optional[np.ndarray] = ..., n_q: int = ..., n_k: int = ..., top_left: bool = ...,
+        row_group: int = ...,
+    ) -> None: ...
+
+class Prepared(Args):
+    pad: Optional[Tuple[np.ndarray, np.ndarray]]
+    d_v: int
+    q1: bool
+    v1: bool
+    gqa: Optional[Tuple[int, int]]
+    fold: bool
+    res: np.dtype[Any]
+    comp: np.dtype[Any]
+    inputs: Tuple[Any, ...]
+    def __init__(
+        self, *, q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: Optional[np.ndarray], mask_kind: int,
+        pad: Optional[Tuple[np.ndarray, np.ndarray]], slopes: Optional[np.ndarray], kvl: Optional[np.ndarray],
+        qln: Optional[np.ndarray], lead: Tuple[int, ...], n_q: int, n_k: int, d_v: int, q1: bool, v1: bool,
+        gqa: Optional[Tuple[int, int]], fold: bool, res: np.dtype[Any], comp: np.dtype[Any], scale: float,
+        softcap: float, causal: bool, top_left: bool, win_left: int, win_right: int, nthreads: int,
+        inputs: Tuple[Any, ...],
+    ) -> None: ...
+    def folded(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: Optional[np.ndarray], lead: Tuple[int, ...],
+               kvl: Optional[np.ndarray], qln: Optional[np.ndarray], row_group: int) -> Args: ...
+
 def attention(
-    q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: Optional[np.ndarray], mask_kind: int,
-    out: np.ndarray, lse: Optional[np.ndarray], lead: tuple[int, ...], causal: bool, scale: float,
-    num_threads: int, softcap: float = ..., win_left: int = ..., win_right: int = ...,
-    slopes: Optional[np.ndarray] = ..., kv_len: Optional[np.ndarray] = ..., weights: bool = ...,
-    row_group: int = ..., q_len: Optional[np.ndarray] = ..., q_start: Optional[np.ndarray] = ...,
-    kv_start: Optional[np.ndarray] = ..., nq: int = ..., nk: int = ..., top_left: bool = ...,
-    plan_only: bool = ..., backward: Optional[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = ...,
+    p: Args, out: np.ndarray, lse: Optional[np.ndarray], *, weights: bool = ..., plan_only: bool = ...,
+    backward: Optional[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = ...,
 ) -> Optional[Dict[str, Any]]: ...
 def softmax(x: np.ndarray, out: np.ndarray, num_threads: int) -> None: ...
 def mask_keep(x: np.ndarray, keep: np.ndarray, floor: float, num_threads: int, pad: Optional[np.ndarray] = ...,

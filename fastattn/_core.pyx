@@ -323,32 +323,123 @@ cdef const void *_per_lead(object x, int nl, int64_t *strides):
     return cnp.PyArray_DATA(arr)
 
 
-def attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask_kind,
-              cnp.ndarray out, object lse, tuple lead, bint causal, double scale, int num_threads,
-              double softcap=0.0, int64_t win_left=-1, int64_t win_right=-1, object slopes=None,
-              object kv_len=None, bint weights=False, int64_t row_group=1, object q_len=None,
-              object q_start=None, object kv_start=None, int64_t nq=-1, int64_t nk=-1,
-              bint top_left=False, bint plan_only=False, tuple backward=None):
-    """Fill `out` (and `lse`) with attention, or with the attention weights
-    when `weights` (out is then lead + (nq, nk), zero-filled, v unused).
-    q, k, v, mask have shape (..., rows, cols) with leading dims that
-    broadcast to `lead`; out has shape lead + (nq, dv) and lse lead + (nq,);
-    slopes (compute dtype), kv_len and q_len (int64) broadcast to `lead`.  q, k, v,
-    out have unit stride on the last axis; the mask may have any strides.
+cdef class Args:
+    """The prepared arguments of one call into the C core, typed: what
+    attention() reads into fa_attention_args (fastattn.h).  Prepared (below)
+    extends it with what the Python layer keeps of a call; a plain call, a
+    folded call and a packed (varlen) call build an Args.
+
+    q, k, v, mask have shape (..., rows, cols) with leading dims that broadcast
+    to `lead`; slopes (compute dtype), kvl and qln (kv_lengths, q_lengths:
+    int64) broadcast to `lead`.  q, k, v have unit stride on the last axis; the
+    mask may have any strides.  mask_kind: MASK_NONE, MASK_BOOL (mask uint8)
+    or MASK_ADD (compute dtype).  win_left, win_right: -1 for unbounded.
     row_group: consecutive rows that share a position (causal, window, ALiBi),
-    a divisor of nq (fastattn.h); top_left: positions aligned top-left, not
-    bottom-right.
+    a divisor of the rows (fastattn.h); top_left: positions aligned top-left,
+    not bottom-right.  nthreads: 0 for the OpenMP default.
     Packed sequences (fastattn.h): q_start and kv_start (int64, broadcast to
     `lead`) are each leading index's first row of q, out, lse and of k, v (no
-    mask then); nq and nk (>= 0) replace the row counts of the arrays, which
-    hold every sequence's rows (q_start + q_len <= q's rows, kv_start + kv_len
-    <= k's).
+    mask then); n_q (with q_start) and n_k (with kv_start), when >= 0, are
+    then each sequence's rows at most, where the arrays hold every sequence's
+    rows (q_start + q_len <= q's rows, kv_start + kv_len <= k's).  Otherwise
+    the array's rows are the item's."""
+    cdef public cnp.ndarray q, k, v
+    cdef public object mask, slopes, kvl, qln, q_start, kv_start
+    cdef public tuple lead
+    cdef public int mask_kind, nthreads
+    cdef public bint causal, top_left
+    cdef public double scale, softcap
+    cdef public int64_t win_left, win_right, row_group, n_q, n_k
+
+    def __cinit__(self):
+        self.lead = ()
+        self.win_left = -1
+        self.win_right = -1
+        self.row_group = 1
+        self.n_q = -1
+        self.n_k = -1
+
+    def __init__(self, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask=None, int mask_kind=FA_MASK_NONE,
+                 tuple lead=(), bint causal=False, double scale=1.0, int nthreads=0, *, double softcap=0.0,
+                 int64_t win_left=-1, int64_t win_right=-1, object slopes=None, object kvl=None,
+                 object qln=None, object q_start=None, object kv_start=None, int64_t n_q=-1, int64_t n_k=-1,
+                 bint top_left=False, int64_t row_group=1):
+        self.q, self.k, self.v, self.mask, self.mask_kind = q, k, v, mask, mask_kind
+        self.lead, self.causal, self.scale, self.nthreads = lead, causal, scale, nthreads
+        self.softcap, self.win_left, self.win_right, self.slopes = softcap, win_left, win_right, slopes
+        self.kvl, self.qln, self.q_start, self.kv_start = kvl, qln, q_start, kv_start
+        self.n_q, self.n_k, self.top_left, self.row_group = n_q, n_k, top_left, row_group
+
+
+cdef class Prepared(Args):
+    """A validated, converted attention or attention_weights call, as
+    fastattn._prepare._prepare returns it: the C core's arguments (Args) and
+    what the Python layer keeps of the call.
+
+    q, v and slopes are in the compute dtype (k and v may instead stay 16-bit
+    floats, float16 or bfloat16 alike, for float32, and q with them: the C core
+    reads them so), the mask in it too or a bool mask as uint8, the lengths
+    int64: each readable by the C core as it is, with leading dims that
+    broadcast to `lead`.  Under GQA the head axis is split: lead is
+    (..., H_kv, g), g = H // H_kv query heads a group (K and V of size 1 there).
+    q (*lead, n_q, d_k) holds a 1-D q as one row; v (*lead, n_k, d_v) a 1-D v
+    as one column, and is k for attention_weights; mask_kind MASK_BOOL also
+    for a float mask read as bool.
+
+    The fields beyond Args:
+    pad: a float mask read as bool, (its padding rows, their constants), or None;
+    d_v: value width (1 for a 1-D v); q1, v1: q (v) was 1-D, and the result
+    drops the n_q (d_v) axis; gqa: (H, H_kv) with enable_gqa, else None;
+    fold: _call folds a GQA group's query heads into the rows of one item;
+    res: the result's dtype (NumPy's promotion of the inputs); comp: the
+    compute dtype, float32 or float64; inputs: q, k, v (as arrays) and the
+    mask as given, what out= must not overlap.  n_q and n_k are the call's
+    query rows (1 for a 1-D q) and keys (the C core reads the arrays' rows)."""
+    cdef public object pad, gqa, res, comp, inputs
+    cdef public int64_t d_v
+    cdef public bint q1, v1, fold
+
+    def __init__(self, *, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask_kind, object pad,
+                 object slopes, object kvl, object qln, tuple lead, int64_t n_q, int64_t n_k, int64_t d_v,
+                 bint q1, bint v1, object gqa, bint fold, object res, object comp, double scale,
+                 double softcap, bint causal, bint top_left, int64_t win_left, int64_t win_right, int nthreads,
+                 tuple inputs):
+        self.q, self.k, self.v, self.mask, self.mask_kind = q, k, v, mask, mask_kind
+        self.lead, self.causal, self.scale, self.nthreads = lead, causal, scale, nthreads
+        self.softcap, self.win_left, self.win_right, self.slopes = softcap, win_left, win_right, slopes
+        self.kvl, self.qln, self.n_q, self.n_k, self.top_left = kvl, qln, n_q, n_k, top_left
+        self.pad, self.d_v, self.q1, self.v1, self.gqa, self.fold = pad, d_v, q1, v1, gqa, fold
+        self.res, self.comp, self.inputs = res, comp, inputs
+
+    def folded(self, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, tuple lead, object kvl,
+               object qln, int64_t row_group):
+        """The Args of this call with a GQA group's query heads folded into
+        the rows of one item (fastattn._attention._call gives the arrays,
+        lead and lengths so reshaped); the scalars as they are."""
+        cdef Args c = Args.__new__(Args)
+        c.q, c.k, c.v, c.mask, c.mask_kind, c.lead = q, k, v, mask, self.mask_kind, lead
+        c.causal, c.scale, c.nthreads, c.softcap = self.causal, self.scale, self.nthreads, self.softcap
+        c.win_left, c.win_right, c.slopes, c.kvl, c.qln = self.win_left, self.win_right, self.slopes, kvl, qln
+        c.top_left, c.row_group = self.top_left, row_group
+        return c
+
+
+def attention(Args p not None, cnp.ndarray out not None, object lse, *, bint weights=False,
+              bint plan_only=False, tuple backward=None):
+    """Fill `out` (and `lse`) with attention over the prepared call p (Args),
+    or with the attention weights when `weights` (out is then lead + (nq, nk),
+    zero-filled, v unused).  out has shape lead + (nq, dv) and lse lead + (nq,)
+    (leading dims that broadcast to p.lead), out unit stride on its last axis.
     plan_only: return the plan of the call (a dict: plan.c) and compute nothing.
     backward = (dout, dq, dk, dv): the backward pass instead (fa_attention_backward):
     out and lse are the forward's result, read; dout has out's shape and
     leading dims that broadcast to `lead`; dq, dk, dv are C-contiguous arrays
     of lead + q's, k's and v's last two dims, written.
     Inside a forcing() block of this thread, the call takes its overrides."""
+    cdef cnp.ndarray q = p.q, k = p.k, v = p.v
+    cdef tuple lead = p.lead
+    if q is None or k is None or v is None:
+        raise TypeError("internal: the prepared call has no q, k or v")
     cdef fa_attention_args a
     cdef fa_plan pl
     cdef Forcing f = _current_forcing() if _n_forcing else None
@@ -375,10 +466,10 @@ def attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask
     a.dk = q.shape[q.ndim - 1]
     a.nk = k.shape[k.ndim - 2]
     a.dv = 0 if weights else v.shape[v.ndim - 1]
-    if nq >= 0:
-        a.nq = nq
-    if nk >= 0:
-        a.nk = nk
+    if p.q_start is not None and p.n_q >= 0:
+        a.nq = p.n_q
+    if p.kv_start is not None and p.n_k >= 0:
+        a.nk = p.n_k
     a.q_rs = _estride(q, q.ndim - 2)
     a.k_rs = _estride(k, k.ndim - 2)
     a.v_rs = _estride(v, v.ndim - 2)
@@ -390,12 +481,12 @@ def attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask
     a.kv_dtype = _kv_code(q, k, v, weights)
     a.q_kv = a.kv_dtype != FA_KV_SAME and q.dtype == k.dtype   # 16-bit q, read as stored
     a.dtype = FA_F32 if a.q_kv else _dtype_code(q)
-    a.mask_kind = mask_kind
+    a.mask_kind = p.mask_kind
     a.mask = NULL
     a.m_rs = 0
     a.m_cs = 0
-    if mask_kind != FA_MASK_NONE:
-        m_arr = <cnp.ndarray>mask
+    if p.mask_kind != FA_MASK_NONE:
+        m_arr = <cnp.ndarray>p.mask
         _lead_strides(m_arr, nl, 2, a.m_lead)
         a.m_rs = 0 if m_arr.shape[m_arr.ndim - 2] == 1 else _estride(m_arr, m_arr.ndim - 2)
         a.m_cs = 0 if m_arr.shape[m_arr.ndim - 1] == 1 else _estride(m_arr, m_arr.ndim - 1)
@@ -408,19 +499,19 @@ def attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask
             a.lse_lead[d] = _estride(l_arr, d)
         a.lse_rs = _estride(l_arr, nl)
         a.lse = cnp.PyArray_DATA(l_arr)
-    a.slopes = _per_lead(slopes, nl, a.slope_lead)
-    a.kv_len = <const int64_t *>_per_lead(kv_len, nl, a.kvl_lead)
-    a.q_len = <const int64_t *>_per_lead(q_len, nl, a.qln_lead)
-    a.q_start = <const int64_t *>_per_lead(q_start, nl, a.qst_lead)
-    a.kv_start = <const int64_t *>_per_lead(kv_start, nl, a.kst_lead)
-    a.causal = causal
-    a.top_left = top_left
-    a.row_group = row_group
-    a.scale = scale
-    a.softcap = softcap
-    a.win_left = win_left
-    a.win_right = win_right
-    a.num_threads = num_threads
+    a.slopes = _per_lead(p.slopes, nl, a.slope_lead)
+    a.kv_len = <const int64_t *>_per_lead(p.kvl, nl, a.kvl_lead)
+    a.q_len = <const int64_t *>_per_lead(p.qln, nl, a.qln_lead)
+    a.q_start = <const int64_t *>_per_lead(p.q_start, nl, a.qst_lead)
+    a.kv_start = <const int64_t *>_per_lead(p.kv_start, nl, a.kst_lead)
+    a.causal = p.causal
+    a.top_left = p.top_left
+    a.row_group = p.row_group
+    a.scale = p.scale
+    a.softcap = p.softcap
+    a.win_left = p.win_left
+    a.win_right = p.win_right
+    a.num_threads = p.nthreads
     a.force = NULL
     a.stats = NULL
     if f is not None:

@@ -10,8 +10,7 @@ skips all this (see _attention._plain).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import Optional, Tuple
 
 import numpy as np
 
@@ -49,49 +48,9 @@ def _split_heads(a, name, H, Hkv, core):
     return a.reshape(a.shape[:-core - 1] + (Hkv, H // Hkv) + a.shape[a.ndim - core:])
 
 
-@dataclass
-class _Prepared:
-    """Validated, converted arguments of one attention or attention_weights call.
-
-    q, v and slopes are in the compute dtype (k and v may instead stay 16-bit floats,
-    float16 or bfloat16 alike, for float32, and q with them: the C core reads them so),
-    the mask in it too or a bool mask
-    as uint8, the lengths int64: each readable by the C core as it is, with leading
-    dims that broadcast to `lead`.  Under GQA the head axis is split: lead is
-    (..., H_kv, g), g = H // H_kv query heads a group (K and V of size 1 there).
-    """
-
-    __slots__ = ("q", "k", "v", "mask", "mask_kind", "pad", "slopes", "kvl", "qln", "lead", "n_q", "n_k", "d_v",
-                 "q1", "v1", "gqa", "fold", "res", "comp", "scale", "softcap", "causal", "top_left", "win_left",
-                 "win_right", "nthreads", "inputs")
-
-    q: np.ndarray                       # queries (*lead, n_q, d_k); a 1-D q as one row
-    k: np.ndarray                       # keys (*lead, n_k, d_k), broadcastable to lead
-    v: np.ndarray                       # values (*lead, n_k, d_v), a 1-D v as one column; k for attention_weights
-    mask: Optional[np.ndarray]          # the mask as the C core reads it, broadcastable to (*lead, n_q, n_k)
-    mask_kind: int                      # _core.MASK_NONE, MASK_BOOL (also a float mask read as bool) or MASK_ADD
-    pad: Optional[Tuple[np.ndarray, np.ndarray]]   # a float mask read as bool: (padding rows, their constants)
-    slopes: Optional[np.ndarray]        # ALiBi slopes, broadcastable to lead (a scalar 0-d)
-    kvl: Optional[np.ndarray]           # kv_lengths as int64, broadcastable to lead
-    qln: Optional[np.ndarray]           # q_lengths as int64, broadcastable to lead
-    lead: Tuple[int, ...]               # the leading dims of the call, broadcast (under GQA (..., H_kv, g))
-    n_q: int                            # query rows (1 for a 1-D q)
-    n_k: int                            # keys
-    d_v: int                            # value width (1 for a 1-D v)
-    q1: bool                            # q was 1-D: the result drops the n_q axis
-    v1: bool                            # v was 1-D: the result drops the d_v axis
-    gqa: Optional[Tuple[int, int]]      # (H, H_kv) with enable_gqa, else None
-    fold: bool                          # _call folds a GQA group's query heads into the rows of one item
-    res: np.dtype[Any]                  # the result's dtype (NumPy's promotion of the inputs)
-    comp: np.dtype[Any]                 # the compute dtype: float32 or float64
-    scale: float                        # the factor of q k^T
-    softcap: float                      # softcap, 0.0 for none
-    causal: bool                        # causal masking on
-    top_left: bool                      # causal and windows aligned top-left ("upper_left"), not bottom-right
-    win_left: int                       # the window's left reach, -1 for unbounded
-    win_right: int                      # the window's right reach, -1 for unbounded
-    nthreads: int                       # threads for the C core (0: the OpenMP default)
-    inputs: Tuple[Any, ...]             # q, k, v (as arrays) and mask as given: what out= must not overlap
+# The typed structure of a prepared call: its fields are documented in
+# fastattn/_core.pyx (Prepared, and the C core's own in Args), which the binding reads.
+_Prepared = _core.Prepared
 
 
 def _prepare(q, k, v, mask, causal, scale, enable_gqa, window, softcap, alibi_slopes, kv_lengths,
@@ -223,9 +182,9 @@ def _prepare(q, k, v, mask, causal, scale, enable_gqa, window, softcap, alibi_sl
     q_store = kv_store if qq.dtype == kv_store else comp   # 16-bit q of K's dtype: read as stored too
     p = _Prepared(q=_as_compute(qq, q_store), k=_as_compute(k, kv_store), v=_as_compute(vv, kv_store), mask=None,
                   mask_kind=mask_kind, pad=None, slopes=slopes, kvl=kvl, qln=qln, lead=lead, n_q=n_q, n_k=n_k,
-                  d_v=d_v, q1=q1, v1=v1, gqa=gqa, fold=False, res=res, comp=comp, scale=scale_, softcap=softcap_,
-                  causal=causal_, top_left=top_left, win_left=win_left, win_right=win_right, nthreads=nthreads,
-                  inputs=(q, k, v, mask))
+                  d_v=d_v, q1=q1, v1=v1, gqa=gqa, fold=False, res=res, comp=comp, scale=scale_,
+                  softcap=softcap_, causal=causal_, top_left=top_left, win_left=win_left, win_right=win_right,
+                  nthreads=nthreads, inputs=(q, k, v, mask))
     if mm is not None and p.mask_kind == _core.MASK_ADD and _float_mask._FLOAT_MASKS_AS_BOOL and mask_as_bool:
         got = _mask_as_bool(mm, p, slopes)
         if got is not None:

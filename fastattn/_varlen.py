@@ -140,15 +140,17 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
 
             if lse is not None:  # (H, B) -> (B, H_kv, G)
                 lse_v = lse.reshape(Hkv, G, T_q).transpose(2, 0, 1)
-            _core.attention(group_rows(qc), kc.transpose(1, 0, 2), vc.transpose(1, 0, 2), None, _core.MASK_NONE,
-                            group_rows(target), lse_v, (B, Hkv), causal_, scale_, nthreads, cap, win_left,
-                            win_right, None, len_k.reshape(B, 1), False, G, None, None,
-                            ck[:-1].reshape(B, 1), G, max_k, top_left)
+            call = _core.Args(group_rows(qc), kc.transpose(1, 0, 2), vc.transpose(1, 0, 2), None, _core.MASK_NONE,
+                              (B, Hkv), causal_, scale_, nthreads, softcap=cap, win_left=win_left,
+                              win_right=win_right, kvl=len_k.reshape(B, 1), row_group=G,
+                              kv_start=ck[:-1].reshape(B, 1), n_k=max_k, top_left=top_left)
+            _core.attention(call, group_rows(target), lse_v)
         else:
-            _core.attention(heads(qc), heads(kc), heads(vc), None, _core.MASK_NONE, heads(target), lse_v,
-                            (B, Hkv, G), causal_, scale_, nthreads, cap, win_left, win_right, slopes,
-                            per_seq(len_k), False, 1, per_seq(len_q), per_seq(cq[:-1]), per_seq(ck[:-1]),
-                            max_q, max_k, top_left)
+            call = _core.Args(heads(qc), heads(kc), heads(vc), None, _core.MASK_NONE, (B, Hkv, G), causal_, scale_,
+                              nthreads, softcap=cap, win_left=win_left, win_right=win_right, slopes=slopes,
+                              kvl=per_seq(len_k), qln=per_seq(len_q), q_start=per_seq(cq[:-1]),
+                              kv_start=per_seq(ck[:-1]), n_q=max_q, n_k=max_k, top_left=top_left)
+            _core.attention(call, heads(target), lse_v)
     result: np.ndarray
     if direct:
         assert out is not None

@@ -168,9 +168,9 @@ def core_calls(monkeypatch):
     calls = []
     real = _core.attention
 
-    def spy(q, k, v, mask, mask_kind, out, lse, lead, causal, *rest, **kw):
-        calls.append((lead, q.shape, rest[8] if len(rest) > 8 else kw.get("row_group", 1)))
-        return real(q, k, v, mask, mask_kind, out, lse, lead, causal, *rest, **kw)
+    def spy(p, out, lse, **kw):
+        calls.append((p.lead, p.q.shape, p.row_group))
+        return real(p, out, lse, **kw)
 
     monkeypatch.setattr(_core, "attention", spy)
     return calls

@@ -26,10 +26,6 @@ F32, F64 = np.float32, np.float64
 # the split keys' merge
 PATHS = {"tiled": (150, 300, 1), "rows": (3, 300, 1), "split": (2, 2100, 2)}
 
-# _core.attention's positional arguments, by name
-_CORE_ARGS = ("q", "k", "v", "mask", "mask_kind", "out", "lse", "lead", "causal", "scale", "num_threads",
-              "softcap", "win_left", "win_right", "slopes", "kv_len", "weights", "row_group", "q_len", "q_start",
-              "kv_start", "nq", "nk", "top_left")
 _core_attention = _core.attention   # the binding itself, for plans (not a test's spy on it)
 
 
@@ -81,14 +77,14 @@ def team_check(num_threads=None):
     if not calls:
         return
     args, kw = calls[-1]
-    a = dict(zip(_CORE_ARGS, args), **kw)
-    assert a["num_threads"] == (0 if num_threads is None else min(num_threads, _core.thread_cap())), \
-        f"num_threads={num_threads} reached the C core as {a['num_threads']}"
+    reached = args[0].nthreads                     # the prepared call (_core.Args)
+    assert reached == (0 if num_threads is None else min(num_threads, _core.thread_cap())), \
+        f"num_threads={num_threads} reached the C core as {reached}"
     plan = _core_attention(*args, **kw, plan_only=True)
     if plan["n_items"] == 0:                       # nothing ran
         assert _core.last_threads() == 0, f"{_core.last_threads()} threads ran a call with nothing to compute"
         return
-    wanted = a["num_threads"] if a["num_threads"] > 0 else _core.max_threads()
+    wanted = reached if reached > 0 else _core.max_threads()
     units = (plan["n_groups"] if plan["group"] else plan["n_items"]) * plan["n_splits"]
     team = 1 if plan["work"] < _core.TEAM_MIN_WORK else min(wanted, units)
     assert plan["threads"] == team, f"plan: {plan['threads']} threads, not {team} (work {plan['work']:.3g})"

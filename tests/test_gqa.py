@@ -104,10 +104,11 @@ def test_row_group(isa, rng, rows_max, tiles, dtype, G, P, nk, kernel):
             wl, wr = extra.get("window", (None, None))
             m = extra.get("mask")
             mf = None if m is None else np.repeat(m, G, axis=1).view(np.uint8)   # (B, P * G, nk)
-            _core.attention(qf, k, vv, mf, _core.MASK_NONE if m is None else _core.MASK_BOOL, out, lse, (B,),
-                            extra.get("causal", False), 0.25, 2, 0.0, -1 if wl is None else wl,
-                            -1 if wr is None else wr, extra.get("alibi_slopes"),
-                            None if "kv_lengths" not in extra else kvl.astype(np.int64), False, G)
+            call = _core.Args(qf, k, vv, mf, _core.MASK_NONE if m is None else _core.MASK_BOOL, (B,),
+                              extra.get("causal", False), 0.25, 2, win_left=-1 if wl is None else wl,
+                              win_right=-1 if wr is None else wr, slopes=extra.get("alibi_slopes"),
+                              kvl=None if "kv_lengths" not in extra else kvl.astype(np.int64), row_group=G)
+            _core.attention(call, out, lse)
             kw = dict(extra)
             for name in ("alibi_slopes", "kv_lengths"):
                 if name in kw:

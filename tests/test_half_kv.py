@@ -236,9 +236,9 @@ def test_tiled_widened_rows(isa, rng, force, dtype):
     # of 0.4)
     q1, k1, v1 = q[:1, :1], k[:1, :1].copy(), v[:1, :1].copy()
     out = np.empty(q1.shape, F32)
-    _core.attention(q1, k1, v1, None, _core.MASK_NONE, out, None, (1, 1), False, 0.2, 1)
+    _core.attention(_core.Args(q1, k1, v1, None, _core.MASK_NONE, (1, 1), False, 0.2, 1), out, None)
     k1[..., 100:, :] = half(rng, (1, 1, 160, 24), dtype)   # K changed in place
-    _core.attention(q1, k1, v1, None, _core.MASK_NONE, out, None, (1, 1), False, 0.2, 1)
+    _core.attention(_core.Args(q1, k1, v1, None, _core.MASK_NONE, (1, 1), False, 0.2, 1), out, None)
     assert_close(out, reference64(q1, k1, v1, scale=0.2)[0], F32)
     force.set(bq=0)
     big_q = rand(rng, (1, 1, 40, 256))   # 5,000 keys x (256 + 256) float32: beyond 8 MiB

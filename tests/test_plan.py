@@ -14,8 +14,8 @@ from fastattn import _core
 def plan_of(q, k, v, **kw):
     """The plan of _core.attention on head-major q, k, v (..., n, d) without a mask."""
     out = np.empty(q.shape[:-1] + v.shape[-1:], q.dtype)
-    return _core.attention(q, k, v, None, _core.MASK_NONE, out, None, q.shape[:-2], False, 1.0, 2,
-                           plan_only=True, **kw)
+    return _core.attention(_core.Args(q, k, v, None, _core.MASK_NONE, q.shape[:-2], False, 1.0, 2, **kw), out,
+                           None, plan_only=True)
 
 
 def test_plan_names_the_kernel_and_its_thresholds(isa, rng):

@@ -73,9 +73,10 @@ def test_varlen_core_refuses_a_mask(rng):
     q, k, v = rand(rng, (1, 4, 8)), rand(rng, (1, 4, 8)), rand(rng, (1, 4, 8))
     out, starts = np.empty((1, 4, 8), F32), np.zeros(1, np.int64)
     with pytest.raises(ValueError, match="rejected its arguments"):
-        _core.attention(q, k, v, np.ones((4, 4), np.uint8), _core.MASK_BOOL, out, None, (1,), False, 1.0, 1,
-                        q_start=starts, kv_start=starts)
-    _core.attention(q, k, v, None, _core.MASK_NONE, out, None, (1,), False, 1.0, 1, q_start=starts, kv_start=starts)
+        _core.attention(_core.Args(q, k, v, np.ones((4, 4), np.uint8), _core.MASK_BOOL, (1,), False, 1.0, 1,
+                                   q_start=starts, kv_start=starts), out, None)
+    _core.attention(_core.Args(q, k, v, None, _core.MASK_NONE, (1,), False, 1.0, 1, q_start=starts, kv_start=starts),
+                    out, None)
     assert_close(out, ref.attention(q.astype(F64), k.astype(F64), v.astype(F64), scale=1.0), F32)
 
 
