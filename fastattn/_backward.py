@@ -14,7 +14,8 @@ from numpy.typing import ArrayLike, NDArray
 
 from . import _core
 from ._prepare import _prepare
-from ._validate import Causal, Layout, Window, _as_array, _as_compute, _blhd, _dtypes, _heads_first
+from ._validate import Causal, Layout, Window, _as_array, _as_compute, _blhd, _heads_first
+from ._varlen import _heads, _packed_call, _packed_lse, _prepare_varlen
 
 
 def _sum_to(g: np.ndarray, shape: Tuple[int, ...]) -> np.ndarray:
@@ -139,8 +140,11 @@ def attention_varlen_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: Arra
     Returns
     -------
     (dq, dk, dv) : tuple of ndarray
-        The shapes of q, k and v, in the result dtype; each sequence's gradients
-        from `attention_backward` on its rows (layout "blhd").
+        The shapes of q, k and v, in the result dtype (16-bit inputs compute in
+        and give float32): each sequence's gradients, as `attention_backward`
+        gives them on its own rows (layout "blhd"), from one call into the C
+        core over all the sequences.  A sequence without queries gives its keys
+        zeros; one without keys gives its queries zeros.
 
     Examples
     --------
@@ -153,35 +157,26 @@ def attention_varlen_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: Arra
     >>> dq.shape, dv.shape
     ((10, 2, 8), (10, 2, 8))
     """
-    from ._varlen import _cu_seqlens
-    arrays = [_as_array(a, name) for a, name in ((do, "do"), (q, "q"), (k, "k"), (v, "v"), (out, "out"),
-                                                  (lse, "lse"))]
-    do_a, q_a, k_a, v_a, out_a, lse_a = arrays
-    for a, name in ((q_a, "q"), (k_a, "k"), (v_a, "v"), (do_a, "do"), (out_a, "out")):
-        if a.ndim != 3:
-            raise ValueError(f"{name} must have shape (total, heads, d): the sequences' rows packed one after "
-                             f"another, got shape {a.shape}")
-    T_q, H = q_a.shape[:2]
-    if do_a.shape != out_a.shape or do_a.shape[:2] != (T_q, H):
-        raise ValueError(f"do and out must have the output's shape (total_q, H, d_v) = ({T_q}, {H}, d_v); "
-                         f"got do {do_a.shape}, out {out_a.shape}")
+    pk = _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, num_threads, window, softcap,
+                         alibi_slopes, half_kv=False)
+    (T_q, H, _), (T_k, Hkv, _), d_v, G = pk.q.shape, pk.k.shape, pk.v.shape[2], pk.G
+    do_a, out_a, lse_a = _as_array(do, "do"), _as_array(out, "out"), _as_array(lse, "lse")
+    for a, name in ((do_a, "do"), (out_a, "out")):
+        if a.shape != (T_q, H, d_v):
+            raise ValueError(f"{name} has shape {a.shape}; the output has shape (total_q, H, d_v) = "
+                             f"({T_q}, {H}, {d_v})")
     if lse_a.shape != (H, T_q):
         raise ValueError(f"lse has shape {lse_a.shape}; the forward's lse has shape (H, total_q) = ({H}, {T_q})")
-    cq = _cu_seqlens(cu_seqlens_q, "cu_seqlens_q", T_q, "q")
-    ck = _cu_seqlens(cu_seqlens_k, "cu_seqlens_k", k_a.shape[0], "k and v")
-    if cq.size != ck.size:
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k give different numbers of sequences: "
-                         f"{cq.size - 1} and {ck.size - 1}")
-    res = _dtypes(q_a, k_a, v_a)[0]
-    grads = [np.zeros(a.shape, res) for a in (q_a, k_a, v_a)]
-    slopes = None if alibi_slopes is None else np.broadcast_to(np.asarray(alibi_slopes), (cq.size - 1, H))
-    gqa = k_a.shape[1] != H
-    for b in range(cq.size - 1):
-        sq, sk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
-        if cq[b + 1] == cq[b]:
-            continue   # no queries: no gradient from this sequence
-        g = attention_backward(do_a[sq], q_a[sq], k_a[sk], v_a[sk], out_a[sq], lse_a[:, sq], causal=causal,
-                               scale=scale, window=window, softcap=softcap, enable_gqa=gqa, layout="blhd",
-                               alibi_slopes=None if slopes is None else slopes[b], num_threads=num_threads)
-        grads[0][sq], grads[1][sk], grads[2][sk] = g
-    return grads[0], grads[1], grads[2]
+    do_c, out_c = _as_compute(do_a, pk.comp), _as_compute(out_a, pk.comp)
+    lse_c = np.ascontiguousarray(lse_a, dtype=pk.comp)
+    # dk and dv per query head (T_k, H, d), summed over each group's G heads below:
+    # every leading index (b, h_kv, g) of the C core writes its own rows
+    dq = np.zeros((T_q, H, pk.q.shape[2]), pk.comp)
+    dk = np.zeros((T_k, H, pk.k.shape[2]), pk.comp)
+    dv = np.zeros((T_k, H, d_v), pk.comp)
+    if T_q and H:
+        _core.attention(_packed_call(pk), _heads(out_c, G), _packed_lse(lse_c, pk.B, G),
+                        backward=(_heads(do_c, G), _heads(dq, G), _heads(dk, G), _heads(dv, G)))
+    if G > 1:
+        dk, dv = (g.reshape(T_k, Hkv, G, g.shape[2]).sum(axis=2) for g in (dk, dv))
+    return tuple(np.ascontiguousarray(g, dtype=pk.res) for g in (dq, dk, dv))   # type: ignore[return-value]

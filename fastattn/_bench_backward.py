@@ -15,16 +15,18 @@ from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
-from . import attention, attention_backward, reference
+from . import attention, attention_backward, attention_varlen, attention_varlen_backward, reference
 
-# name, (B, H, H_kv, N, d), dtype, causal
+# name, (B, H, H_kv, N, d), dtype, causal, packed: the B sequences of N tokens packed
+# into (B N, H, d) rows for attention_varlen and its backward (PyTorch: the (B, H, N, d) batch)
 ROWS = [
-    ("B1 H8 N2048 d64", (1, 8, 8, 2048, 64), "float32", False),
-    ("B1 H8 N4096 d64 causal", (1, 8, 8, 4096, 64), "float32", True),
-    ("B1 H8 N2048 d128", (1, 8, 8, 2048, 128), "float32", False),
-    ("B32 H12 N128 d64", (32, 12, 12, 128, 64), "float32", False),
-    ("B1 H8 N2048 d64 f64", (1, 8, 8, 2048, 64), "float64", False),
-    ("GQA 32/8 N2048 d128 causal", (1, 32, 8, 2048, 128), "float32", True),
+    ("B1 H8 N2048 d64", (1, 8, 8, 2048, 64), "float32", False, False),
+    ("B1 H8 N4096 d64 causal", (1, 8, 8, 4096, 64), "float32", True, False),
+    ("B1 H8 N2048 d128", (1, 8, 8, 2048, 128), "float32", False, False),
+    ("B32 H12 N128 d64", (32, 12, 12, 128, 64), "float32", False, False),
+    ("B1 H8 N2048 d64 f64", (1, 8, 8, 2048, 64), "float64", False, False),
+    ("GQA 32/8 N2048 d128 causal", (1, 32, 8, 2048, 128), "float32", True, False),
+    ("packed 256 x 32 H8 d64 causal", (256, 8, 8, 32, 64), "float32", True, True),
 ]
 QUICK = [0, 3]
 NUMPY_SHAPE = (1, 8, 2048, 64)   # the NumPy materialised backward's workload, float64
@@ -48,19 +50,30 @@ def _best(fns: Dict[str, Callable[[], Any]], repeats: int, settle: Any = ()) -> 
     return t
 
 
-def _row(name: str, shape: Any, dtype: str, causal: bool, threads: Optional[int], torch: Any, repeats: int,
-         ceiling: Dict[str, float]) -> Dict[str, Any]:
-    """One workload: forward, backward and PyTorch's autograd, interleaved."""
+def calls(shape: Any, dtype: str, causal: bool, packed: bool, threads: Optional[int] = None,
+          torch: Any = None) -> Dict[str, Callable[[], Any]]:
+    """The calls of one workload (a row of ROWS without its name): fastattn's
+    forward (with lse) and backward, and PyTorch's autograd of
+    scaled_dot_product_attention (forward and backward) when torch is given."""
     B, H, Hkv, N, d = shape
     r = np.random.default_rng(0)
     q = r.standard_normal((B, H, N, d)).astype(dtype)
     k, v = (r.standard_normal((B, Hkv, N, d)).astype(dtype) for _ in range(2))
     do = r.standard_normal((B, H, N, d)).astype(dtype)
-    kw = dict(causal=causal, enable_gqa=Hkv != H, num_threads=threads)
-    o, lse = attention(q, k, v, return_lse=True, **kw)
-    fns: Dict[str, Callable[[], Any]] = {
-        "forward": lambda: attention(q, k, v, return_lse=True, **kw),
-        "backward": lambda: attention_backward(do, q, k, v, o, lse, **kw)}
+    fns: Dict[str, Callable[[], Any]]
+    if packed:   # (B, H, N, d) -> (B N, H, d): sequence b is rows b N to (b + 1) N
+        qp, kp, vp, dop = (np.ascontiguousarray(a.transpose(0, 2, 1, 3).reshape(B * N, -1, d)) for a in (q, k, v, do))
+        cu = np.arange(B + 1) * N
+        po, plse = attention_varlen(qp, kp, vp, cu, cu, causal=causal, return_lse=True, num_threads=threads)
+        fns = {"forward": lambda: attention_varlen(qp, kp, vp, cu, cu, causal=causal, return_lse=True,
+                                                   num_threads=threads),
+               "backward": lambda: attention_varlen_backward(dop, qp, kp, vp, po, plse, cu, cu, causal=causal,
+                                                             num_threads=threads)}
+    else:
+        kw = dict(causal=causal, enable_gqa=Hkv != H, num_threads=threads)
+        o, lse = attention(q, k, v, return_lse=True, **kw)
+        fns = {"forward": lambda: attention(q, k, v, return_lse=True, **kw),
+               "backward": lambda: attention_backward(do, q, k, v, o, lse, **kw)}
     if torch is not None:
         tq, tk, tv = (torch.from_numpy(a).requires_grad_() for a in (q, k, v))
         tdo = torch.from_numpy(do)
@@ -70,10 +83,20 @@ def _row(name: str, shape: Any, dtype: str, causal: bool, threads: Optional[int]
                 t.grad = None
             torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal,
                                                              enable_gqa=Hkv != H).backward(tdo)
+            return tq.grad, tk.grad, tv.grad
         fns["torch"] = torch_call
+    return fns
+
+
+def _row(name: str, shape: Any, dtype: str, causal: bool, packed: bool, threads: Optional[int], torch: Any,
+         repeats: int, ceiling: Dict[str, float]) -> Dict[str, Any]:
+    """One workload: forward, backward and PyTorch's autograd, interleaved."""
+    B, H, Hkv, N, d = shape
+    fns = calls(shape, dtype, causal, packed, threads, torch)
     t = _best(fns, repeats)
     flops = 4.0 * B * H * N * N * d * (0.5 if causal else 1.0)
     row = {"name": name, "B": B, "H": H, "H_kv": Hkv, "n": N, "d": d, "dtype": dtype, "causal": causal,
+           "packed": packed,
            "forward_ms": t["forward"], "backward_ms": t["backward"],
            "backward_gflops": 2.5 * flops / t["backward"] / 1e6}
     row["pct_mm"] = 100 * row["backward_gflops"] / ceiling[dtype]
@@ -92,8 +115,8 @@ def run(rows: List[Any], repeats: int = 5, threads: Optional[int] = None, with_t
         torch.set_num_threads(threads)
     ceiling = {dt: _matmul_rate(dt, 3) for dt in ("float32", "float64")}
     out = []
-    for name, shape, dtype, causal in rows:
-        out.append(_row(name, shape, dtype, causal, threads, torch, repeats, ceiling))
+    for name, shape, dtype, causal, packed in rows:
+        out.append(_row(name, shape, dtype, causal, packed, threads, torch, repeats, ceiling))
         if log:
             log(out[-1])
     # the NumPy materialised backward, float64

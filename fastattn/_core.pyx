@@ -102,11 +102,17 @@ cdef extern from "fastattn.h" nogil:
 
     ctypedef struct fa_backward_args:
         const void *dout
-        int64_t do_lead[FA_MAX_DIMS]
-        int64_t do_rs
         void *dq
         void *dk
         void *dv
+        int64_t do_lead[FA_MAX_DIMS]
+        int64_t dq_lead[FA_MAX_DIMS]
+        int64_t dk_lead[FA_MAX_DIMS]
+        int64_t dv_lead[FA_MAX_DIMS]
+        int64_t do_rs
+        int64_t dq_rs
+        int64_t dk_rs
+        int64_t dv_rs
 
     int fa_attention(const fa_attention_args *a)
     int fa_attention_weights(const fa_attention_args *a)
@@ -432,9 +438,10 @@ def attention(Args p not None, cnp.ndarray out not None, object lse, *, bint wei
     (leading dims that broadcast to p.lead), out unit stride on its last axis.
     plan_only: return the plan of the call (a dict: plan.c) and compute nothing.
     backward = (dout, dq, dk, dv): the backward pass instead (fa_attention_backward):
-    out and lse are the forward's result, read; dout has out's shape and
-    leading dims that broadcast to `lead`; dq, dk, dv are C-contiguous arrays
-    of lead + q's, k's and v's last two dims, written.
+    out and lse are the forward's result, read; dout has out's shape; dq, dk,
+    dv have q's, k's and v's last two dims, written; each with leading dims
+    that broadcast to `lead` and unit stride on its last axis (dq, dk and dv
+    of distinct leading indices apart: fastattn.h).
     Inside a forcing() block of this thread, the call takes its overrides."""
     cdef cnp.ndarray q = p.q, k = p.k, v = p.v
     cdef tuple lead = p.lead
@@ -524,15 +531,21 @@ def attention(Args p not None, cnp.ndarray out not None, object lse, *, bint wei
     for d in range(nl):
         work *= a.lead_shape[d]
     cdef fa_backward_args b
-    cdef cnp.ndarray do_arr
+    cdef cnp.ndarray do_arr, dq_arr, dk_arr, dv_arr
     if backward is not None:
-        do_arr = <cnp.ndarray>backward[0]
+        do_arr, dq_arr, dk_arr, dv_arr = backward
         _lead_strides(do_arr, nl, 2, b.do_lead)
+        _lead_strides(dq_arr, nl, 2, b.dq_lead)
+        _lead_strides(dk_arr, nl, 2, b.dk_lead)
+        _lead_strides(dv_arr, nl, 2, b.dv_lead)
         b.do_rs = _estride(do_arr, do_arr.ndim - 2)
+        b.dq_rs = _estride(dq_arr, dq_arr.ndim - 2)
+        b.dk_rs = _estride(dk_arr, dk_arr.ndim - 2)
+        b.dv_rs = _estride(dv_arr, dv_arr.ndim - 2)
         b.dout = cnp.PyArray_DATA(do_arr)
-        b.dq = cnp.PyArray_DATA(<cnp.ndarray>backward[1])
-        b.dk = cnp.PyArray_DATA(<cnp.ndarray>backward[2])
-        b.dv = cnp.PyArray_DATA(<cnp.ndarray>backward[3])
+        b.dq = cnp.PyArray_DATA(dq_arr)
+        b.dk = cnp.PyArray_DATA(dk_arr)
+        b.dv = cnp.PyArray_DATA(dv_arr)
         _run(&a, 3, 2.5 * work, &b)
         return
     _run(&a, 1 if weights else 0, work)

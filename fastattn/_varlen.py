@@ -7,7 +7,7 @@ takes a group's query heads as the rows of one item.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -65,12 +65,28 @@ def _max_seqlen(m, name, longest, rows):
         raise ValueError(f"{name}={m} is shorter than the longest sequence of {rows} ({longest} rows)")
 
 
-def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike, cu_seqlens_k: ArrayLike,
-                     max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
-                     *, causal: Causal = False, scale: Optional[float] = None, out: Optional[np.ndarray] = None,
-                     return_lse: bool = False, num_threads: Optional[int] = None,
-                     window: Optional[Window] = None, softcap: Optional[float] = None,
-                     alibi_slopes: Optional[ArrayLike] = None) -> Any:
+class _Packed(NamedTuple):
+    """A checked, converted packed-sequence call (_prepare_varlen): the arrays in
+    what the C core reads, the sequences' offsets and lengths, and the scalars."""
+    q: np.ndarray            # (T_q, H, d_k), compute dtype (or K's 16-bit dtype)
+    k: np.ndarray            # (T_k, H_kv, d_k), compute dtype or 16-bit as stored
+    v: np.ndarray            # (T_k, H_kv, d_v), as k
+    res: np.dtype[Any]       # the result's dtype
+    comp: np.dtype[Any]      # the compute dtype
+    B: int                   # sequences
+    G: int                   # query heads a K and V head (H // H_kv)
+    cq: np.ndarray           # cu_seqlens_q, int64 (B + 1,)
+    ck: np.ndarray           # cu_seqlens_k, int64 (B + 1,)
+    max_q: int               # the longest sequence's query rows
+    max_k: int               # ... and keys
+    slopes: Optional[np.ndarray]   # ALiBi slopes (B, H_kv, G), compute dtype, or None
+    args: dict[str, Any]     # _core.Args's scalar options: scale, causal, window, softcap, threads
+
+
+def _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, num_threads, window, softcap,
+                    alibi_slopes, max_seqlen_q=None, max_seqlen_k=None, half_kv=True) -> _Packed:
+    """Check and convert the arguments of attention_varlen (and of its backward:
+    half_kv=False widens 16-bit K and V to the compute dtype)."""
     q = _as_array(q, "q")
     k = _as_array(k, "k")
     v = _as_array(v, "v")
@@ -94,9 +110,8 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
     if cq.size != ck.size:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k give different numbers of sequences: "
                          f"{cq.size - 1} and {ck.size - 1}")
-    B, G, d_v = cq.size - 1, H // Hkv, v.shape[2]
-    len_q, len_k = cq[1:] - cq[:-1], ck[1:] - ck[:-1]
-    max_q, max_k = (int(x.max()) if B else 0 for x in (len_q, len_k))
+    B, G = cq.size - 1, H // Hkv
+    max_q, max_k = (int((c[1:] - c[:-1]).max()) if B else 0 for c in (cq, ck))
     _max_seqlen(max_seqlen_q, "max_seqlen_q", max_q, "q")
     _max_seqlen(max_seqlen_k, "max_seqlen_k", max_k, "k and v")
     slopes = _slopes(alibi_slopes, comp)
@@ -107,50 +122,74 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
             raise ValueError(f"alibi_slopes of shape {slopes.shape} does not broadcast to (B, H) = ({B}, {H})") \
                 from None
         slopes = np.ascontiguousarray(slopes).reshape(B, Hkv, G)
-    scale_ = _scale(scale, d_k)
-    nthreads = _num_threads(num_threads)
     causal_, top_left = _causal(causal)
     win_left, win_right = _window(window, max_q + max_k)
-    cap = _softcap(softcap)
+    args = dict(scale=_scale(scale, d_k), nthreads=_num_threads(num_threads), causal=causal_, top_left=top_left,
+                win_left=win_left, win_right=win_right, softcap=_softcap(softcap))
+    kv_store = k.dtype if (half_kv and comp == np.float32 and k.dtype == v.dtype
+                           and _native_half(k.dtype)) else comp   # 16-bit K and V: as stored
+    return _Packed(_as_compute(q, comp), _as_compute(k, kv_store), _as_compute(v, kv_store), res, comp, B, G,
+                   cq, ck, max_q, max_k, slopes, args)
+
+
+def _heads(x: np.ndarray, G: int) -> np.ndarray:
+    """(T, H, d) as (H_kv, G, T, d), H = H_kv G: a view (an axis split never copies)."""
+    return x.reshape(x.shape[0], x.shape[1] // G, G, x.shape[2]).transpose(1, 2, 0, 3)
+
+
+def _packed_call(pk: _Packed) -> _core.Args:
+    """The C core's view of a packed call: leading dims (B, H_kv, G), a sequence's
+    rows from its start (q_start, kv_start), max_q and max_k rows at most
+    (q_len, kv_len cut them)."""
+    def per_seq(x):
+        return np.ascontiguousarray(x, dtype=np.int64).reshape(pk.B, 1, 1)
+    o = pk.args
+    return _core.Args(_heads(pk.q, pk.G), _heads(pk.k, 1), _heads(pk.v, 1), None, _core.MASK_NONE,
+                      (pk.B, pk.k.shape[1], pk.G), o["causal"], o["scale"], o["nthreads"], softcap=o["softcap"],
+                      win_left=o["win_left"], win_right=o["win_right"], slopes=pk.slopes,
+                      kvl=per_seq(pk.ck[1:] - pk.ck[:-1]), qln=per_seq(pk.cq[1:] - pk.cq[:-1]),
+                      q_start=per_seq(pk.cq[:-1]), kv_start=per_seq(pk.ck[:-1]), n_q=pk.max_q, n_k=pk.max_k,
+                      top_left=o["top_left"])
+
+
+def _packed_lse(lse: np.ndarray, B: int, G: int) -> np.ndarray:
+    """lse (H, T_q) as the C core reads it for _packed_call: (B, H_kv, G, T_q), stride 0 over B."""
+    l3 = lse.reshape(lse.shape[0] // G, G, lse.shape[1])
+    return np.lib.stride_tricks.as_strided(l3, (B,) + l3.shape, (0,) + l3.strides)
+
+
+def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike, cu_seqlens_k: ArrayLike,
+                     max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
+                     *, causal: Causal = False, scale: Optional[float] = None, out: Optional[np.ndarray] = None,
+                     return_lse: bool = False, num_threads: Optional[int] = None,
+                     window: Optional[Window] = None, softcap: Optional[float] = None,
+                     alibi_slopes: Optional[ArrayLike] = None) -> Any:
+    pk = _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, num_threads, window, softcap,
+                         alibi_slopes, max_seqlen_q, max_seqlen_k)
+    (T_q, H, _), Hkv, d_v, B, G = pk.q.shape, pk.k.shape[1], pk.v.shape[2], pk.B, pk.G
     if out is not None:
-        _check_out(out, (T_q, H, d_v), res)
-
-    # The C core's view: leading dims (B, H_kv, G), a sequence's rows from its start
-    # (q_start, kv_start), max_q and max_k rows at most (q_len, kv_len cut them).
-    kv_store = k.dtype if comp == np.float32 and k.dtype == v.dtype and _native_half(k.dtype) else comp  # as stored
-    qc, kc, vc = _as_compute(q, comp), _as_compute(k, kv_store), _as_compute(v, kv_store)
-    direct = out is not None and _direct_out(out, comp) and not _overlaps(out, q, k, v, slopes)
-    target: np.ndarray = out if direct and out is not None else np.empty((T_q, H, d_v), comp)
-    lse = np.empty((H, T_q), comp) if return_lse else None
+        _check_out(out, (T_q, H, d_v), pk.res)
+    direct = out is not None and _direct_out(out, pk.comp) and not _overlaps(out, q, k, v, pk.slopes)
+    target: np.ndarray = out if direct and out is not None else np.empty((T_q, H, d_v), pk.comp)
+    lse = np.empty((H, T_q), pk.comp) if return_lse else None
     if T_q and H and d_v or lse is not None and lse.size:
-        def heads(x):  # (T, H, d) -> (H_kv, G, T, d): a view (an axis split never copies)
-            return x.reshape(x.shape[0], Hkv, x.shape[1] // Hkv, x.shape[2]).transpose(1, 2, 0, 3)
-
-        lse_v = None
-        if lse is not None:  # (H, T_q) -> (B, H_kv, G, T_q), stride 0 over B (the binding reads every axis)
-            l3 = lse.reshape(Hkv, G, T_q)
-            lse_v = np.lib.stride_tricks.as_strided(l3, (B,) + l3.shape, (0,) + l3.strides)
-        per_seq = (lambda x: np.ascontiguousarray(x, dtype=np.int64).reshape(B, 1, 1))
-        if G > 1 and T_q == B and max_q == 1 and slopes is None:
+        o = pk.args
+        if G > 1 and T_q == B and pk.max_q == 1 and pk.slopes is None:
             # Decoding, one query per sequence: q is (B, H, d), and a group's G query heads
             # become the G rows of one item over its K and V (row_group G, as attention's
             # GQA fold), which it then reads once, not once per head (docs/tuning.md).
             def group_rows(x):  # (B, H, d) -> (B, H_kv, G, d): a view
                 return x.reshape(B, Hkv, G, x.shape[2])
 
-            if lse is not None:  # (H, B) -> (B, H_kv, G)
-                lse_v = lse.reshape(Hkv, G, T_q).transpose(2, 0, 1)
-            call = _core.Args(group_rows(qc), kc.transpose(1, 0, 2), vc.transpose(1, 0, 2), None, _core.MASK_NONE,
-                              (B, Hkv), causal_, scale_, nthreads, softcap=cap, win_left=win_left,
-                              win_right=win_right, kvl=len_k.reshape(B, 1), row_group=G,
-                              kv_start=ck[:-1].reshape(B, 1), n_k=max_k, top_left=top_left)
-            _core.attention(call, group_rows(target), lse_v)
+            call = _core.Args(group_rows(pk.q), pk.k.transpose(1, 0, 2), pk.v.transpose(1, 0, 2), None,
+                              _core.MASK_NONE, (B, Hkv), o["causal"], o["scale"], o["nthreads"],
+                              softcap=o["softcap"], win_left=o["win_left"], win_right=o["win_right"],
+                              kvl=(pk.ck[1:] - pk.ck[:-1]).reshape(B, 1), row_group=G,
+                              kv_start=pk.ck[:-1].reshape(B, 1), n_k=pk.max_k, top_left=o["top_left"])
+            lse_rows = None if lse is None else lse.reshape(Hkv, G, T_q).transpose(2, 0, 1)   # (B, H_kv, G)
+            _core.attention(call, group_rows(target), lse_rows)
         else:
-            call = _core.Args(heads(qc), heads(kc), heads(vc), None, _core.MASK_NONE, (B, Hkv, G), causal_, scale_,
-                              nthreads, softcap=cap, win_left=win_left, win_right=win_right, slopes=slopes,
-                              kvl=per_seq(len_k), qln=per_seq(len_q), q_start=per_seq(cq[:-1]),
-                              kv_start=per_seq(ck[:-1]), n_q=max_q, n_k=max_k, top_left=top_left)
-            _core.attention(call, heads(target), lse_v)
+            _core.attention(_packed_call(pk), _heads(target, G), None if lse is None else _packed_lse(lse, B, G))
     result: np.ndarray
     if direct:
         assert out is not None
@@ -159,7 +198,7 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
         np.copyto(out, target, casting="same_kind")
         result = out
     else:
-        result = target.astype(res, copy=False)
+        result = target.astype(pk.res, copy=False)
     return (result, lse) if return_lse else result
 
 

@@ -43,45 +43,80 @@ static int64_t lead_offset(const fa_attention_args *a, int64_t l, const int64_t 
     return o;
 }
 
-/* Leading index l: its query blocks as items, then the key blocks ks, ks +
- * step, ... of it, adding to dq (nq, dkp). */
-static void bwd_lead(const bwd_state *p, int64_t l, int64_t ks, int64_t step, fa_item *its, void *dq,
-                     void *scratch)
+/* Leading index l's rows: its first query row and key row in the arrays
+ * (packed sequences: q_start and kv_start), and how many of each it has (the
+ * real ones of a packed sequence; nq and nk otherwise). */
+typedef struct {
+    int64_t q0, k0, nq, nk;
+} bwd_rows;
+
+static bwd_rows lead_rows(const fa_attention_args *a, int64_t l)
+{
+    bwd_rows r = {0, 0, a->nq, a->nk};
+    if (a->q_start) {
+        r.q0 = a->q_start[lead_offset(a, l, a->qst_lead)];
+        r.nq = fa_real_positions(a, lead_offset(a, l, a->qln_lead));
+    }
+    if (a->kv_start) {
+        r.k0 = a->kv_start[lead_offset(a, l, a->kst_lead)];
+        const int64_t kv = a->kv_len ? a->kv_len[lead_offset(a, l, a->kvl_lead)] : a->nk;
+        r.nk = kv < 0 ? 0 : kv < a->nk ? kv : a->nk;
+    }
+    return r;
+}
+
+/* Leading index l (its rows r): its query blocks as items (their real rows:
+ * fa_fill_item), then the key blocks ks, ks + step, ... of it, adding to dq
+ * (nq, dkp). */
+static void bwd_lead(const bwd_state *p, int64_t l, const bwd_rows *r, int64_t ks, int64_t step, fa_item *its,
+                     void *dq, void *scratch)
 {
     const fa_attention_args *a = p->a;
     const fa_backward_args *b = p->b;
     const int64_t e = (int64_t)p->esz;
-    for (int64_t qb = 0; qb < p->n_qb; qb++)
+    const int64_t n_qb = (r->nq + BWD_BQ - 1) / BWD_BQ, n_kb = (r->nk + BWD_BK - 1) / BWD_BK;
+    for (int64_t qb = 0; qb < n_qb; qb++)
         fa_fill_item(a, &p->t, NULL, p->n_qb, l * p->n_qb + qb, p->esz, p->msz, &its[qb]);
-    const char *dout = (const char *)b->dout + lead_offset(a, l, b->do_lead) * e;
-    for (int64_t kb = ks; kb < p->n_kb && !fa_stopped(a->stop); kb += step) {
-        const int64_t j0 = kb * p->t.bk, nb = a->nk - j0 < p->t.bk ? a->nk - j0 : p->t.bk;
-        p->fn(a, &p->t, its, p->n_qb, dout, b->do_rs, j0, nb, (char *)b->dk + ((l * a->nk + j0) * a->dk) * e,
-              (char *)b->dv + ((l * a->nk + j0) * a->dv) * e, dq, scratch);
+    const char *dout = (const char *)b->dout + (lead_offset(a, l, b->do_lead) + r->q0 * b->do_rs) * e;
+    char *dk = (char *)b->dk + (lead_offset(a, l, b->dk_lead) + r->k0 * b->dk_rs) * e;
+    char *dv = (char *)b->dv + (lead_offset(a, l, b->dv_lead) + r->k0 * b->dv_rs) * e;
+    for (int64_t kb = ks; kb < n_kb && !fa_stopped(a->stop); kb += step) {
+        const int64_t j0 = kb * BWD_BK, nb = r->nk - j0 < BWD_BK ? r->nk - j0 : BWD_BK;
+        if (n_qb == 0) { /* no query rows (the kernel reads K from its items): zeros */
+            for (int64_t j = j0; j < j0 + nb; j++) {
+                memset(dk + j * b->dk_rs * e, 0, (size_t)(a->dk * e));
+                memset(dv + j * b->dv_rs * e, 0, (size_t)(a->dv * e));
+            }
+            continue;
+        }
+        p->fn(a, &p->t, its, n_qb, dout, b->do_rs, j0, nb, dk + j0 * b->dk_rs * e, b->dk_rs,
+              dv + j0 * b->dv_rs * e, b->dv_rs, dq, scratch);
     }
 }
 
-/* dq rows [r0, r1) of leading index l <- scale times the sum of the n
- * accumulators (nq, dkp) in order. */
-static void bwd_write_dq(const bwd_state *p, int64_t l, void *const *acc, int n, int64_t r0, int64_t r1)
+/* dq rows [r0, r1) of leading index l (its rows r) <- scale times the sum of
+ * the n accumulators (nq, dkp) in order. */
+static void bwd_write_dq(const bwd_state *p, int64_t l, const bwd_rows *r, void *const *acc, int n, int64_t r0,
+                         int64_t r1)
 {
     const fa_attention_args *a = p->a;
-    const int64_t dk = a->dk, dkp = p->dkp;
+    const fa_backward_args *b = p->b;
+    const int64_t dk = a->dk, dkp = p->dkp, rs = b->dq_rs, o = lead_offset(a, l, b->dq_lead) + r->q0 * rs;
     if (a->dtype == FA_F32) {
-        float *dst = (float *)p->b->dq + l * a->nq * dk;
+        float *dst = (float *)b->dq + o;
         for (int64_t i = r0; i < r1; i++)
             for (int64_t c = 0; c < dk; c++) {
                 float s = 0;
                 for (int t = 0; t < n; t++) s += ((const float *)acc[t])[i * dkp + c];
-                dst[i * dk + c] = s * (float)a->scale;
+                dst[i * rs + c] = s * (float)a->scale;
             }
     } else {
-        double *dst = (double *)p->b->dq + l * a->nq * dk;
+        double *dst = (double *)b->dq + o;
         for (int64_t i = r0; i < r1; i++)
             for (int64_t c = 0; c < dk; c++) {
                 double s = 0;
                 for (int t = 0; t < n; t++) s += ((const double *)acc[t])[i * dkp + c];
-                dst[i * dk + c] = s * a->scale;
+                dst[i * rs + c] = s * a->scale;
             }
     }
 }
@@ -100,21 +135,21 @@ static void bwd_team(void *arg)
 #pragma omp for schedule(dynamic, 1)
         for (int64_t l = 0; l < p->n_lead; l++) {
             if (!scratch || fa_stopped(a->stop)) continue;
-            memset(dq, 0, p->dq_bytes);
-            bwd_lead(p, l, 0, 1, its, dq, scratch);
-            bwd_write_dq(p, l, &dq, 1, 0, a->nq);
+            const bwd_rows r = lead_rows(a, l);
+            memset(dq, 0, (size_t)(r.nq * p->dkp) * p->esz);
+            bwd_lead(p, l, &r, 0, 1, its, dq, scratch);
+            bwd_write_dq(p, l, &r, &dq, 1, 0, r.nq);
         }
     } else {
         for (int64_t l = 0; l < p->n_lead; l++) {
+            const bwd_rows r = lead_rows(a, l);
             if (scratch) {
-                memset(dq, 0, p->dq_bytes);
-                bwd_lead(p, l, t, team, its, dq, scratch);
+                memset(dq, 0, (size_t)(r.nq * p->dkp) * p->esz);
+                bwd_lead(p, l, &r, t, team, its, dq, scratch);
             }
 #pragma omp barrier
-            if (p->status == FA_OK) { /* every member has its accumulator */
-                const int64_t r0 = a->nq * t / team, r1 = a->nq * (t + 1) / team;
-                bwd_write_dq(p, l, p->dq, team, r0, r1);
-            }
+            if (p->status == FA_OK) /* every member has its accumulator */
+                bwd_write_dq(p, l, &r, p->dq, team, r.nq * t / team, r.nq * (t + 1) / team);
 #pragma omp barrier
         }
     }
@@ -124,7 +159,9 @@ static void bwd_team(void *arg)
 int fa_attention_backward(const fa_attention_args *a, const fa_backward_args *b)
 {
     fa_team_none();
-    if (a->row_group != 1 || a->q_start || a->kv_start || !a->lse || a->kv_dtype != FA_KV_SAME) return FA_EINVAL;
+    if (a->row_group != 1 || (a->mask_kind != FA_MASK_NONE && (a->q_start || a->kv_start)) || !a->lse ||
+        a->kv_dtype != FA_KV_SAME)
+        return FA_EINVAL;
     const fa_isa_table *isa = fa_isa_current();
     const int dt = a->dtype;
     bwd_state st = {.a = a, .b = b, .fn = isa->bwd_unit[dt], .status = FA_OK};

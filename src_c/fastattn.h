@@ -177,19 +177,23 @@ int fa_attention_weights(const fa_attention_args *a);
 
 /* Arguments of fa_attention_backward beside the forward's (fa_attention_args,
  * whose out and lse are then the forward's result, read: lse is required).
- *   dout  (lead, nq, dv)  compute dtype, the gradient of the output; any
- *                         leading strides, row stride do_rs
- *   dq    (lead, nq, dk)  contiguous, written (padding rows: zeros)
- *   dk    (lead, nk, dk)  contiguous, written (keys no row sees: zeros)
- *   dv    (lead, nk, dv)  contiguous, written
- * The gradients of sum(dout * out) with respect to q, k and v, every leading
- * index on its own (the Python layer sums those of broadcast inputs).  Not
- * with row_group > 1 or packed sequences (FA_EINVAL). */
+ *   dout  (lead, nq, dv)  compute dtype, the gradient of the output
+ *   dq    (lead, nq, dk)  written (padding rows: zeros)
+ *   dk    (lead, nk, dk)  written (keys no row sees: zeros)
+ *   dv    (lead, nk, dv)  written
+ * each with any leading strides (*_lead, elements) and row stride (*_rs),
+ * unit stride along its last axis; dq, dk and dv of distinct leading indices
+ * must not overlap.  The gradients of sum(dout * out) with respect to q, k
+ * and v, every leading index on its own (the Python layer sums those of
+ * broadcast inputs).  Packed sequences (q_start, kv_start: fastattn.h above):
+ * dout's and dq's rows start at q_start as q's do, dk's and dv's at kv_start
+ * as k's, and only a sequence's own rows (q_len, kv_len) are read and
+ * written.  Not with row_group > 1 (FA_EINVAL). */
 typedef struct {
     const void *dout;
-    int64_t do_lead[FA_MAX_DIMS];
-    int64_t do_rs;
     void *dq, *dk, *dv;
+    int64_t do_lead[FA_MAX_DIMS], dq_lead[FA_MAX_DIMS], dk_lead[FA_MAX_DIMS], dv_lead[FA_MAX_DIMS];
+    int64_t do_rs, dq_rs, dk_rs, dv_rs;
 } fa_backward_args;
 int fa_attention_backward(const fa_attention_args *a, const fa_backward_args *b);
 int fa_softmax(const fa_softmax_args *a);

@@ -9,6 +9,7 @@ import pytest
 from conftest import tol
 
 import fastattn
+from fastattn import _core
 from fastattn import reference as ref
 
 F32, F64 = np.float32, np.float64
@@ -201,6 +202,76 @@ def test_varlen_backward(gqa):
     assert not dk[50:60].any() and not dv[50:60].any()
     with pytest.raises(ValueError, match="lse has shape"):
         fastattn.attention_varlen_backward(do, q, k, v, out, lse.T, cq, ck, **kw)
+
+
+VARLEN_OPTIONS = {
+    "none": {},
+    "causal": dict(causal=True),
+    "upper_left": dict(causal="upper_left"),
+    "window": dict(window=(20, 3)),
+    "softcap": dict(softcap=2.0, causal=True),
+    "alibi": dict(alibi_slopes=np.array([0.1, 0.2, 0.3, 0.4]), causal=True),
+}
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("kind", sorted(VARLEN_OPTIONS))
+def test_varlen_backward_packed(isa, kind, dtype, threads):
+    """The packed backward (one C call over all the sequences) against the float64
+    reference on each sequence's own rows: every option, GQA, sequences longer than a
+    query block (32 rows) and a key block (64 keys) with tails, more queries than
+    keys, a sequence without queries (its keys get zeros) and one without keys (its
+    queries get zeros); the same bits on a second run."""
+    rng = np.random.default_rng(29)
+    H, Hkv, d = 4, 2, 24
+    len_q, len_k = [70, 0, 33, 1, 9, 5], [130, 7, 64, 1, 0, 3]
+    cq, ck = np.cumsum([0] + len_q), np.cumsum([0] + len_k)
+    q = rng.standard_normal((cq[-1], H, d)).astype(dtype)
+    k, v = (rng.standard_normal((ck[-1], Hkv, d)).astype(dtype) for _ in range(2))
+    kw = VARLEN_OPTIONS[kind]
+    out, lse = fastattn.attention_varlen(q, k, v, cq, ck, return_lse=True, num_threads=threads, **kw)
+    do = rng.standard_normal(out.shape).astype(dtype)
+    got = fastattn.attention_varlen_backward(do, q, k, v, out, lse, cq, ck, num_threads=threads, **kw)
+    again = fastattn.attention_varlen_backward(do, q, k, v, out, lse, cq, ck, num_threads=threads, **kw)
+    for g, x, a in zip(got, (q, k, v), again):
+        assert g.shape == x.shape and g.dtype == dtype and np.array_equal(g, a)
+    c = lambda a: a.astype(F64)  # noqa: E731
+    for b in range(len(len_q)):
+        sq, sk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        if len_q[b] == 0 or len_k[b] == 0:   # no query, or no key to see: no gradient
+            assert not got[0][sq].any() and not got[1][sk].any() and not got[2][sk].any(), b
+            continue
+        kb = dict(kw)
+        if "alibi_slopes" in kb:
+            kb["alibi_slopes"] = kb["alibi_slopes"][None, :]
+        want = ref.attention_backward(c(do[sq]), c(q[sq]), c(k[sk]), c(v[sk]), c(out[sq]), layout="blhd",
+                                      enable_gqa=True, **kb)
+        for g, w, name in zip((got[0][sq], got[1][sk], got[2][sk]), want, "qkv"):
+            err = np.abs(g - w).max()
+            assert err <= 4 * tol(dtype) * max(1, np.abs(w).max()), (b, "d" + name, err)
+
+
+def test_varlen_backward_one_sequence_shares_key_blocks():
+    """One sequence of one head: fewer leading indices than threads, so the team
+    shares its key blocks and sums its dQ rows in thread order, from a packed
+    sequence's offset; 16-bit inputs compute in float32."""
+    rng = np.random.default_rng(31)
+    cq, ck = np.array([0, 3, 203]), np.array([0, 10, 310])
+    q = rng.standard_normal((203, 1, 32)).astype(np.float16)
+    k, v = (rng.standard_normal((310, 1, 32)).astype(np.float16) for _ in range(2))
+    out, lse = fastattn.attention_varlen(q, k, v, cq, ck, causal=True, return_lse=True)
+    do = rng.standard_normal(out.shape).astype(F32)
+    got = fastattn.attention_varlen_backward(do, q, k, v, out, lse, cq, ck, causal=True, num_threads=2)
+    assert [g.dtype for g in got] == [F32] * 3
+    assert _core.last_threads() == (2 if _core.openmp_enabled() else 1)
+    c = lambda a: a.astype(F64)  # noqa: E731
+    for b in range(2):
+        sq, sk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        want = ref.attention_backward(c(do[sq]), c(q[sq]), c(k[sk]), c(v[sk]), c(out[sq]), layout="blhd",
+                                      causal=True)
+        for g, w in zip((got[0][sq], got[1][sk], got[2][sk]), want):
+            assert np.abs(g - w).max() <= 4 * tol(F32) * max(1, np.abs(w).max())
 
 
 @pytest.mark.parametrize("mask_kind", ["bool", "lengths"])

@@ -321,14 +321,16 @@ def test_bench_backward(monkeypatch, capsys):
     """fastattn-bench --backward: a row per workload with the forward's and the
     backward's times and the backward's rate; the NumPy backward's line."""
     from fastattn import _bench_backward, bench
-    monkeypatch.setattr(_bench_backward, "ROWS", [("small", (1, 2, 1, 96, 16), "float32", True),
-                                                  ("small f64", (2, 2, 2, 64, 8), "float64", False)])
-    monkeypatch.setattr(_bench_backward, "QUICK", [0, 1])
+    monkeypatch.setattr(_bench_backward, "ROWS", [("small", (1, 2, 1, 96, 16), "float32", True, False),
+                                                  ("small f64", (2, 2, 2, 64, 8), "float64", False, False),
+                                                  ("packed", (3, 2, 2, 20, 8), "float32", True, True)])
+    monkeypatch.setattr(_bench_backward, "QUICK", [0, 1, 2])
     monkeypatch.setattr(_bench_backward, "NUMPY_SHAPE", (1, 2, 64, 16))
     monkeypatch.setattr(bench, "_matmul_rate", lambda dtype, repeats: 100.0)
     assert bench.main(["--backward", "--quick", "--no-torch", "--json", "--threads", "2", "--repeats", "1"]) == 0
     res = json.loads(capsys.readouterr().out)
-    assert [r["name"] for r in res["rows"]] == ["small", "small f64"]
+    assert [r["name"] for r in res["rows"]] == ["small", "small f64", "packed"]
+    assert [r["packed"] for r in res["rows"]] == [False, False, True]
     r = res["rows"][0]
     assert (r["B"], r["H"], r["H_kv"], r["n"], r["d"], r["causal"]) == (1, 2, 1, 96, 16, True)
     assert r["forward_ms"] > 0 and r["backward_ms"] > 0

@@ -93,11 +93,12 @@ static void pack_both(const T *x, int64_t xs, int64_t n, int64_t np, int64_t d, 
  * blocks are its[0..n_qb) (fill_item's items: q, mask, out, lse offset to
  * their rows), nb <= tl->bk.
  *   dO    (nq, dv) of the leading index, row stride dos
- *   dk    (nb, dk) and dv (nb, dv): the unit's rows of the gradients, written
+ *   dk    (nb, dk) and dv (nb, dv), row strides dkrs, dvrs: the unit's rows of
+ *         the gradients, written
  *   dq    (nq, dkp): the thread's dQ of the leading index, added to (/ scale) */
 void FN(fa_bwd_unit)(const fa_attention_args *a, const fa_tiles *tl, const fa_item *its, int64_t n_qb,
-                     const void *dO_, int64_t dos, int64_t j0, int64_t nb, void *dk_, void *dv_, void *dq_,
-                     void *scratch)
+                     const void *dO_, int64_t dos, int64_t j0, int64_t nb, void *dk_, int64_t dkrs, void *dv_,
+                     int64_t dvrs, void *dq_, void *scratch)
 {
     const T *dO = dO_;
     T *dkout = dk_, *dvout = dv_, *dq = dq_;
@@ -172,7 +173,7 @@ void FN(fa_bwd_unit)(const fa_attention_args *a, const fa_tiles *tl, const fa_it
         acc_products(dq + it->i0 * dkp, dkp, bq, dkp, dPt, 1, ld, Kp + o * dkp, dkp, n);
     }
     for (int64_t j = 0; j < nb; j++) {
-        memcpy(dkout + j * dk, dKb + j * dkp, (size_t)dk * sizeof(T));
-        memcpy(dvout + j * dv, dVb + j * dvp, (size_t)dv * sizeof(T));
+        memcpy(dkout + j * dkrs, dKb + j * dkp, (size_t)dk * sizeof(T));
+        memcpy(dvout + j * dvrs, dVb + j * dvp, (size_t)dv * sizeof(T));
     }
 }
