@@ -22,12 +22,13 @@ def test_docstring_examples():
         assert result.attempted >= least and result.failed == 0, mod.__name__
 
 
-def _run_blocks(path, least, first_only=False):
-    """Run the ```python blocks of a Markdown file in order, in one namespace; return it."""
+def _run_blocks(path, least, first_only=False, first=None):
+    """Run the ```python blocks of a Markdown file in order, in one namespace (the
+    first one only, or the `first` few); return it."""
     blocks = re.findall(r"```python\n(.*?)```", path.read_text(), re.S)
     assert len(blocks) >= least, path
     ns = {}
-    for block in blocks[:1] if first_only else blocks:
+    for block in blocks[:1] if first_only else blocks[:first] if first else blocks:
         exec(compile(block, str(path), "exec"), ns)
     return ns
 
@@ -105,3 +106,16 @@ def test_gradients_page_example():
     want = fastattn.reference.attention_backward(*c, causal=True)
     for got, w in zip((ns["dq"], ns["dk"], ns["dv"]), want):
         assert np.max(np.abs(got - w)) < 1e-4 * max(1, np.max(np.abs(w)))
+
+
+def test_gradients_page_packed_example():
+    """docs/gradients.md's packed-sequence example: each sequence's gradients as the
+    reference gives them on its own rows."""
+    ns = _run_blocks(README.parent / "docs" / "gradients.md", 3, first=2)
+    cu, out = ns["cu"], ns["out"]
+    for b in range(len(cu) - 1):
+        s = slice(cu[b], cu[b + 1])
+        c = [x[s].astype(np.float64) for x in (np.ones_like(out), ns["qp"], ns["kp"], ns["vp"], out)]
+        want = fastattn.reference.attention_backward(*c, causal=True, layout="blhd")
+        for got, w in zip((ns["dq"][s], ns["dk"][s], ns["dv"][s]), want):
+            assert np.max(np.abs(got - w)) < 1e-4 * max(1, np.max(np.abs(w)))
