@@ -144,7 +144,9 @@ def attention_varlen_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: Arra
         and give float32): each sequence's gradients, as `attention_backward`
         gives them on its own rows (layout "blhd"), from one call into the C
         core over all the sequences.  A sequence without queries gives its keys
-        zeros; one without keys gives its queries zeros.
+        zeros; one without keys gives its queries zeros.  With fewer K and V
+        heads than query heads, dk and dv are computed per query head first:
+        temporaries of H / H_kv times their size.
 
     Examples
     --------
@@ -157,20 +159,24 @@ def attention_varlen_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: Arra
     >>> dq.shape, dv.shape
     ((10, 2, 8), (10, 2, 8))
     """
-    pk = _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, num_threads, window, softcap,
-                         alibi_slopes, half_kv=False)
-    (T_q, H, _), (T_k, Hkv, _), d_v, G = pk.q.shape, pk.k.shape, pk.v.shape[2], pk.G
     do_a, out_a, lse_a = _as_array(do, "do"), _as_array(out, "out"), _as_array(lse, "lse")
-    for a, name in ((do_a, "do"), (out_a, "out")):
-        if a.shape != (T_q, H, d_v):
-            raise ValueError(f"{name} has shape {a.shape}; the output has shape (total_q, H, d_v) = "
-                             f"({T_q}, {H}, {d_v})")
-    if lse_a.shape != (H, T_q):
-        raise ValueError(f"lse has shape {lse_a.shape}; the forward's lse has shape (H, total_q) = ({H}, {T_q})")
+
+    def check(T_q, H, d_v, res):   # with the other checks, before any conversion
+        for a, name in ((do_a, "do"), (out_a, "out")):
+            if a.shape != (T_q, H, d_v):
+                raise ValueError(f"{name} has shape {a.shape}; the output has shape (total_q, H, d_v) = "
+                                 f"({T_q}, {H}, {d_v})")
+        if lse_a.shape != (H, T_q):
+            raise ValueError(f"lse has shape {lse_a.shape}; the forward's lse has shape (H, total_q) = ({H}, {T_q})")
+
+    pk = _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, num_threads, window, softcap,
+                         alibi_slopes, half_kv=False, check=check)
+    (T_q, H, _), (T_k, Hkv, _), d_v, G = pk.q.shape, pk.k.shape, pk.v.shape[2], pk.G
     do_c, out_c = _as_compute(do_a, pk.comp), _as_compute(out_a, pk.comp)
     lse_c = np.ascontiguousarray(lse_a, dtype=pk.comp)
     # dk and dv per query head (T_k, H, d), summed over each group's G heads below:
-    # every leading index (b, h_kv, g) of the C core writes its own rows
+    # every leading index (b, h_kv, g) of the C core writes its own rows (with GQA,
+    # temporaries G times dk's and dv's size)
     dq = np.zeros((T_q, H, pk.q.shape[2]), pk.comp)
     dk = np.zeros((T_k, H, pk.k.shape[2]), pk.comp)
     dv = np.zeros((T_k, H, d_v), pk.comp)

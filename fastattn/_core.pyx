@@ -434,8 +434,9 @@ def attention(Args p not None, cnp.ndarray out not None, object lse, *, bint wei
               bint plan_only=False, tuple backward=None):
     """Fill `out` (and `lse`) with attention over the prepared call p (Args),
     or with the attention weights when `weights` (out is then lead + (nq, nk),
-    zero-filled, v unused).  out has shape lead + (nq, dv) and lse lead + (nq,)
-    (leading dims that broadcast to p.lead), out unit stride on its last axis.
+    zero-filled, v unused).  out has shape lead + (nq, dv), leading dims that
+    broadcast to p.lead, unit stride on its last axis; lse has exactly
+    len(lead) leading dims (stride 0 where it repeats) and then nq.
     plan_only: return the plan of the call (a dict: plan.c) and compute nothing.
     backward = (dout, dq, dk, dv): the backward pass instead (fa_attention_backward):
     out and lse are the forward's result, read; dout has out's shape; dq, dk,

@@ -7,7 +7,7 @@ takes a group's query heads as the rows of one item.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional, Tuple
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -81,12 +81,16 @@ class _Packed(NamedTuple):
     max_k: int               # ... and keys
     slopes: Optional[np.ndarray]   # ALiBi slopes (B, H_kv, G), compute dtype, or None
     args: dict[str, Any]     # _core.Args's scalar options: scale, causal, window, softcap, threads
+    inputs: Tuple[np.ndarray, np.ndarray, np.ndarray]   # q, k, v as given (as arrays): what out= must not overlap
 
 
 def _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, num_threads, window, softcap,
-                    alibi_slopes, max_seqlen_q=None, max_seqlen_k=None, half_kv=True) -> _Packed:
+                    alibi_slopes, max_seqlen_q=None, max_seqlen_k=None, half_kv=True,
+                    check: Optional[Callable[[int, int, int, np.dtype[Any]], None]] = None) -> _Packed:
     """Check and convert the arguments of attention_varlen (and of its backward:
-    half_kv=False widens 16-bit K and V to the compute dtype)."""
+    half_kv=False widens 16-bit K and V to the compute dtype).  check(T_q, H, d_v,
+    result dtype) runs with the other checks, before any conversion (the caller's
+    out=, or the backward's do, out and lse)."""
     q = _as_array(q, "q")
     k = _as_array(k, "k")
     v = _as_array(v, "v")
@@ -126,10 +130,12 @@ def _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, num_thre
     win_left, win_right = _window(window, max_q + max_k)
     args = dict(scale=_scale(scale, d_k), nthreads=_num_threads(num_threads), causal=causal_, top_left=top_left,
                 win_left=win_left, win_right=win_right, softcap=_softcap(softcap))
+    if check is not None:
+        check(T_q, H, v.shape[2], res)
     kv_store = k.dtype if (half_kv and comp == np.float32 and k.dtype == v.dtype
                            and _native_half(k.dtype)) else comp   # 16-bit K and V: as stored
     return _Packed(_as_compute(q, comp), _as_compute(k, kv_store), _as_compute(v, kv_store), res, comp, B, G,
-                   cq, ck, max_q, max_k, slopes, args)
+                   cq, ck, max_q, max_k, slopes, args, (q, k, v))
 
 
 def _heads(x: np.ndarray, G: int) -> np.ndarray:
@@ -143,13 +149,10 @@ def _packed_call(pk: _Packed) -> _core.Args:
     (q_len, kv_len cut them)."""
     def per_seq(x):
         return np.ascontiguousarray(x, dtype=np.int64).reshape(pk.B, 1, 1)
-    o = pk.args
     return _core.Args(_heads(pk.q, pk.G), _heads(pk.k, 1), _heads(pk.v, 1), None, _core.MASK_NONE,
-                      (pk.B, pk.k.shape[1], pk.G), o["causal"], o["scale"], o["nthreads"], softcap=o["softcap"],
-                      win_left=o["win_left"], win_right=o["win_right"], slopes=pk.slopes,
-                      kvl=per_seq(pk.ck[1:] - pk.ck[:-1]), qln=per_seq(pk.cq[1:] - pk.cq[:-1]),
-                      q_start=per_seq(pk.cq[:-1]), kv_start=per_seq(pk.ck[:-1]), n_q=pk.max_q, n_k=pk.max_k,
-                      top_left=o["top_left"])
+                      (pk.B, pk.k.shape[1], pk.G), slopes=pk.slopes, kvl=per_seq(pk.ck[1:] - pk.ck[:-1]),
+                      qln=per_seq(pk.cq[1:] - pk.cq[:-1]), q_start=per_seq(pk.cq[:-1]),
+                      kv_start=per_seq(pk.ck[:-1]), n_q=pk.max_q, n_k=pk.max_k, **pk.args)
 
 
 def _packed_lse(lse: np.ndarray, B: int, G: int) -> np.ndarray:
@@ -164,16 +167,17 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
                      return_lse: bool = False, num_threads: Optional[int] = None,
                      window: Optional[Window] = None, softcap: Optional[float] = None,
                      alibi_slopes: Optional[ArrayLike] = None) -> Any:
+    def check_out(T_q, H, d_v, res):
+        if out is not None:
+            _check_out(out, (T_q, H, d_v), res)
+
     pk = _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, num_threads, window, softcap,
-                         alibi_slopes, max_seqlen_q, max_seqlen_k)
+                         alibi_slopes, max_seqlen_q, max_seqlen_k, check=check_out)
     (T_q, H, _), Hkv, d_v, B, G = pk.q.shape, pk.k.shape[1], pk.v.shape[2], pk.B, pk.G
-    if out is not None:
-        _check_out(out, (T_q, H, d_v), pk.res)
-    direct = out is not None and _direct_out(out, pk.comp) and not _overlaps(out, q, k, v, pk.slopes)
+    direct = out is not None and _direct_out(out, pk.comp) and not _overlaps(out, *pk.inputs, pk.slopes)
     target: np.ndarray = out if direct and out is not None else np.empty((T_q, H, d_v), pk.comp)
     lse = np.empty((H, T_q), pk.comp) if return_lse else None
     if T_q and H and d_v or lse is not None and lse.size:
-        o = pk.args
         if G > 1 and T_q == B and pk.max_q == 1 and pk.slopes is None:
             # Decoding, one query per sequence: q is (B, H, d), and a group's G query heads
             # become the G rows of one item over its K and V (row_group G, as attention's
@@ -182,10 +186,8 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
                 return x.reshape(B, Hkv, G, x.shape[2])
 
             call = _core.Args(group_rows(pk.q), pk.k.transpose(1, 0, 2), pk.v.transpose(1, 0, 2), None,
-                              _core.MASK_NONE, (B, Hkv), o["causal"], o["scale"], o["nthreads"],
-                              softcap=o["softcap"], win_left=o["win_left"], win_right=o["win_right"],
-                              kvl=(pk.ck[1:] - pk.ck[:-1]).reshape(B, 1), row_group=G,
-                              kv_start=pk.ck[:-1].reshape(B, 1), n_k=pk.max_k, top_left=o["top_left"])
+                              _core.MASK_NONE, (B, Hkv), kvl=(pk.ck[1:] - pk.ck[:-1]).reshape(B, 1), row_group=G,
+                              kv_start=pk.ck[:-1].reshape(B, 1), n_k=pk.max_k, **pk.args)
             lse_rows = None if lse is None else lse.reshape(Hkv, G, T_q).transpose(2, 0, 1)   # (B, H_kv, G)
             _core.attention(call, group_rows(target), lse_rows)
         else:

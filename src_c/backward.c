@@ -7,7 +7,9 @@
  * team shares each leading index's key blocks (thread t the blocks t, t + T,
  * ...), then sums the threads' dQ rows in thread order.  Either way every sum
  * runs in a fixed order: the same inputs on the same team give bitwise the
- * same gradients.
+ * same gradients.  Packed sequences: the state's counts (n_qb, n_kb, the dQ
+ * rows) are for the longest sequence; each leading index's own rows and
+ * offsets come from lead_rows.
  */
 #include <math.h>
 #include <stdint.h>

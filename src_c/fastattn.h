@@ -182,13 +182,13 @@ int fa_attention_weights(const fa_attention_args *a);
  *   dk    (lead, nk, dk)  written (keys no row sees: zeros)
  *   dv    (lead, nk, dv)  written
  * each with any leading strides (*_lead, elements) and row stride (*_rs),
- * unit stride along its last axis; dq, dk and dv of distinct leading indices
- * must not overlap.  The gradients of sum(dout * out) with respect to q, k
- * and v, every leading index on its own (the Python layer sums those of
- * broadcast inputs).  Packed sequences (q_start, kv_start: fastattn.h above):
- * dout's and dq's rows start at q_start as q's do, dk's and dv's at kv_start
- * as k's, and only a sequence's own rows (q_len, kv_len) are read and
- * written.  Not with row_group > 1 (FA_EINVAL). */
+ * unit stride along its last axis; the rows of dq, dk and dv that distinct
+ * leading indices write must not overlap.  The gradients of sum(dout * out)
+ * with respect to q, k and v, every leading index on its own (the Python
+ * layer sums those of broadcast inputs).  Packed sequences (q_start,
+ * kv_start: fa_attention_args above): dout's and dq's rows start at q_start
+ * as q's do, dk's and dv's at kv_start as k's, and only a sequence's own rows
+ * (q_len, kv_len) are read and written.  Not with row_group > 1 (FA_EINVAL). */
 typedef struct {
     const void *dout;
     void *dq, *dk, *dv;

@@ -252,43 +252,64 @@ def test_varlen_backward_packed(isa, kind, dtype, threads):
             assert err <= 4 * tol(dtype) * max(1, np.abs(w).max()), (b, "d" + name, err)
 
 
-def test_varlen_backward_one_sequence_shares_key_blocks():
-    """One sequence of one head: fewer leading indices than threads, so the team
-    shares its key blocks and sums its dQ rows in thread order, from a packed
-    sequence's offset; 16-bit inputs compute in float32."""
+@pytest.mark.parametrize("H, Hkv, len_q, len_k, dtype", [
+    (1, 1, [3, 200], [10, 300], np.float16),     # 16-bit inputs: computed in float32
+    (2, 1, [150], [260], F32),                   # GQA, one sequence
+    (1, 1, [0, 120, 40], [50, 200, 0], F64),     # a sequence without queries, one without keys
+])
+def test_varlen_backward_team_shares_key_blocks(H, Hkv, len_q, len_k, dtype):
+    """Fewer leading indices (sequences x heads) than twice the threads: the team
+    shares each one's key blocks and sums its dQ rows in thread order, from a
+    packed sequence's offset."""
     rng = np.random.default_rng(31)
-    cq, ck = np.array([0, 3, 203]), np.array([0, 10, 310])
-    q = rng.standard_normal((203, 1, 32)).astype(np.float16)
-    k, v = (rng.standard_normal((310, 1, 32)).astype(np.float16) for _ in range(2))
+    cq, ck = np.cumsum([0] + len_q), np.cumsum([0] + len_k)
+    q = rng.standard_normal((cq[-1], H, 32)).astype(dtype)
+    k, v = (rng.standard_normal((ck[-1], Hkv, 32)).astype(dtype) for _ in range(2))
     out, lse = fastattn.attention_varlen(q, k, v, cq, ck, causal=True, return_lse=True)
-    do = rng.standard_normal(out.shape).astype(F32)
+    do = rng.standard_normal(out.shape).astype(out.dtype)
     got = fastattn.attention_varlen_backward(do, q, k, v, out, lse, cq, ck, causal=True, num_threads=2)
-    assert [g.dtype for g in got] == [F32] * 3
+    res = np.result_type(dtype, F32)
+    assert [g.dtype for g in got] == [res] * 3
     assert _core.last_threads() == (2 if _core.openmp_enabled() else 1)
     c = lambda a: a.astype(F64)  # noqa: E731
-    for b in range(2):
+    for b in range(len(len_q)):
         sq, sk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        if len_q[b] == 0 or len_k[b] == 0:
+            assert not got[0][sq].any() and not got[1][sk].any() and not got[2][sk].any(), b
+            continue
         want = ref.attention_backward(c(do[sq]), c(q[sq]), c(k[sk]), c(v[sk]), c(out[sq]), layout="blhd",
-                                      causal=True)
+                                      causal=True, enable_gqa=H != Hkv)
         for g, w in zip((got[0][sq], got[1][sk], got[2][sk]), want):
-            assert np.abs(g - w).max() <= 4 * tol(F32) * max(1, np.abs(w).max())
+            assert np.abs(g - w).max() <= 4 * tol(res) * max(1, np.abs(w).max())
 
 
-@pytest.mark.parametrize("mask_kind", ["bool", "lengths"])
-def test_hidden_keys_holding_nan(mask_kind):
-    """Keys a bool mask or kv_lengths hide whose K and V rows hold NaN (a padded
-    cache from np.empty): the forward ignores them, and so do the gradients; their
-    own dk and dv are zero.  (A float mask adds -inf to a NaN score, which stays
-    NaN, in the forward as in the reference.)"""
-    rng = np.random.default_rng(17)
-    q, k, v = problem(rng, (2, 3, 80, 16), (2, 3, 90, 16), dtype=F32)
-    k[..., 70:, :] = np.nan
-    v[..., 70:, :] = np.nan
-    kw = dict(mask=np.arange(90) < 70) if mask_kind == "bool" else dict(kv_lengths=70)
-    got, want = grads(q, k, v, causal=True, **kw)
-    clean = [g.copy() for g in got]
-    assert np.isfinite(got[0]).all() and not got[1][..., 70:, :].any() and not got[2][..., 70:, :].any()
-    for a in (1, 2):
-        clean[a] = clean[a][..., :70, :]
-    for g, w in zip(clean, (want[0], want[1][..., :70, :], want[2][..., :70, :])):
-        assert np.abs(g - w).max() <= 4 * tol(F32) * max(1, np.abs(w).max())
+def test_varlen_backward_refuses_what_does_not_fit():
+    """Wrong shapes of do and out, and cu_seqlens that do not fit: a ValueError
+    naming them, before any work."""
+    rng = np.random.default_rng(37)
+    cu = np.array([0, 5, 12])
+    q, k, v = (rng.standard_normal((12, 2, 8)) for _ in range(3))
+    out, lse = fastattn.attention_varlen(q, k, v, cu, cu, return_lse=True)
+    do = np.ones_like(out)
+    with pytest.raises(ValueError, match="do has shape"):
+        fastattn.attention_varlen_backward(do[:, :1], q, k, v, out, lse, cu, cu)
+    with pytest.raises(ValueError, match="out has shape"):
+        fastattn.attention_varlen_backward(do, q, k, v, out[:11], lse, cu, cu)
+    with pytest.raises(ValueError, match="cu_seqlens_k must end"):
+        fastattn.attention_varlen_backward(do, q, k, v, out, lse, cu, np.array([0, 5, 11]))
+    with pytest.raises(ValueError, match="different numbers of sequences"):
+        fastattn.attention_varlen_backward(do, q, k, v, out, lse, cu, np.array([0, 12]))
+
+
+def test_no_query_rows():
+    """No query rows: the keys get zero gradients, written by the C core (dk and dv
+    start as np.empty, over memory that held other numbers)."""
+    rng = np.random.default_rng(41)
+    q = rng.standard_normal((1, 2, 0, 8))
+    k, v = (rng.standard_normal((1, 2, 200, 8)) for _ in range(2))
+    out, lse = fastattn.attention(q, k, v, return_lse=True)
+    for _ in range(3):
+        junk = [np.full((1, 2, 200, 8), 7.0) for _ in range(4)]
+        del junk
+        dq, dk, dv = fastattn.attention_backward(np.ones_like(out), q, k, v, out, lse)
+        assert dq.shape == q.shape and not dk.any() and not dv.any()

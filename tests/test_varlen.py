@@ -215,3 +215,26 @@ def test_varlen_takes_flash_attn_max_seqlen(rng):
         np.testing.assert_array_equal(out, want)
         out = fastattn.attention_varlen(q, k, v, cq, ck, max_seqlen_q=mq, max_seqlen_k=mk, causal=True)
         np.testing.assert_array_equal(out, want)
+
+
+def test_varlen_out_overlapping_a_non_array_input(monkeypatch):
+    """attention_varlen's out= sharing memory with q given as a memoryview, out one
+    row further on: the overlap is seen through the view, so the C core writes a
+    temporary (never the memory it reads q from), and the result is what a
+    separate out= gives."""
+    rng = np.random.default_rng(43)
+    cu = np.array([0, 6, 16])
+    buf = rng.standard_normal((17, 2, 8))
+    k, v = (rng.standard_normal((16, 2, 8)) for _ in range(2))
+    want = fastattn.attention_varlen(buf[:16].copy(), k, v, cu, cu, causal=True)
+    written = []
+    real = _core.attention
+
+    def spy(p, out, lse, **kw):
+        written.append(np.shares_memory(out, buf))
+        return real(p, out, lse, **kw)
+
+    monkeypatch.setattr(_core, "attention", spy)
+    got = fastattn.attention_varlen(memoryview(buf[:16]), k, v, cu, cu, causal=True, out=buf[1:])
+    assert written == [False]
+    assert np.allclose(got, want, rtol=0, atol=1e-12)
