@@ -176,13 +176,13 @@ def attention_varlen_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: Arra
     lse_c = np.ascontiguousarray(lse_a, dtype=pk.comp)
     # dk and dv per query head (T_k, H, d), summed over each group's G heads below:
     # every leading index (b, h_kv, g) of the C core writes its own rows (with GQA,
-    # temporaries G times dk's and dv's size)
-    dq = np.zeros((T_q, H, pk.q.shape[2]), pk.comp)
-    dk = np.zeros((T_k, H, pk.k.shape[2]), pk.comp)
-    dv = np.zeros((T_k, H, d_v), pk.comp)
-    if T_q and H:
-        _core.attention(_packed_call(pk), _heads(out_c, G), _packed_lse(lse_c, pk.B, G),
-                        backward=(_heads(do_c, G), _heads(dq, G), _heads(dk, G), _heads(dv, G)))
+    # temporaries G times dk's and dv's size); the sequences cover every row, and
+    # the C core writes each of them (zeros where a sequence has no query or key)
+    dq = np.empty((T_q, H, pk.q.shape[2]), pk.comp)
+    dk = np.empty((T_k, H, pk.k.shape[2]), pk.comp)
+    dv = np.empty((T_k, H, d_v), pk.comp)
+    _core.attention(_packed_call(pk), _heads(out_c, G), _packed_lse(lse_c, pk.B, G),
+                    backward=(_heads(do_c, G), _heads(dq, G), _heads(dk, G), _heads(dv, G)))
     if G > 1:
         dk, dv = (g.reshape(T_k, Hkv, G, g.shape[2]).sum(axis=2) for g in (dk, dv))
     return tuple(np.ascontiguousarray(g, dtype=pk.res) for g in (dq, dk, dv))   # type: ignore[return-value]

@@ -357,24 +357,28 @@ cdef class Args:
     cdef public double scale, softcap
     cdef public int64_t win_left, win_right, row_group, n_q, n_k
 
-    def __cinit__(self):
+    def __cinit__(self):   # what a Prepared (whose __init__ sets the rest) leaves unset
         self.lead = ()
-        self.win_left = -1
-        self.win_right = -1
         self.row_group = 1
-        self.n_q = -1
-        self.n_k = -1
+        self.n_q = self.n_k = -1
 
     def __init__(self, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask=None, int mask_kind=FA_MASK_NONE,
                  tuple lead=(), bint causal=False, double scale=1.0, int nthreads=0, *, double softcap=0.0,
                  int64_t win_left=-1, int64_t win_right=-1, object slopes=None, object kvl=None,
                  object qln=None, object q_start=None, object kv_start=None, int64_t n_q=-1, int64_t n_k=-1,
                  bint top_left=False, int64_t row_group=1):
+        self._set(q, k, v, mask, mask_kind, lead, causal, scale, nthreads, softcap, win_left, win_right, slopes,
+                  kvl, qln, top_left)
+        self.q_start, self.kv_start, self.n_q, self.n_k, self.row_group = q_start, kv_start, n_q, n_k, row_group
+
+    cdef void _set(self, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask_kind, tuple lead,
+                   bint causal, double scale, int nthreads, double softcap, int64_t win_left, int64_t win_right,
+                   object slopes, object kvl, object qln, bint top_left):
+        """The fields every call has (a C call: the constructors' shared part)."""
         self.q, self.k, self.v, self.mask, self.mask_kind = q, k, v, mask, mask_kind
         self.lead, self.causal, self.scale, self.nthreads = lead, causal, scale, nthreads
         self.softcap, self.win_left, self.win_right, self.slopes = softcap, win_left, win_right, slopes
-        self.kvl, self.qln, self.q_start, self.kv_start = kvl, qln, q_start, kv_start
-        self.n_q, self.n_k, self.top_left, self.row_group = n_q, n_k, top_left, row_group
+        self.kvl, self.qln, self.top_left = kvl, qln, top_left
 
 
 cdef class Prepared(Args):
@@ -410,10 +414,9 @@ cdef class Prepared(Args):
                  bint q1, bint v1, object gqa, bint fold, object res, object comp, double scale,
                  double softcap, bint causal, bint top_left, int64_t win_left, int64_t win_right, int nthreads,
                  tuple inputs):
-        self.q, self.k, self.v, self.mask, self.mask_kind = q, k, v, mask, mask_kind
-        self.lead, self.causal, self.scale, self.nthreads = lead, causal, scale, nthreads
-        self.softcap, self.win_left, self.win_right, self.slopes = softcap, win_left, win_right, slopes
-        self.kvl, self.qln, self.n_q, self.n_k, self.top_left = kvl, qln, n_q, n_k, top_left
+        self._set(q, k, v, mask, mask_kind, lead, causal, scale, nthreads, softcap, win_left, win_right, slopes,
+                  kvl, qln, top_left)
+        self.n_q, self.n_k = n_q, n_k
         self.pad, self.d_v, self.q1, self.v1, self.gqa, self.fold = pad, d_v, q1, v1, gqa, fold
         self.res, self.comp, self.inputs = res, comp, inputs
 
@@ -423,10 +426,9 @@ cdef class Prepared(Args):
         the rows of one item (fastattn._attention._call gives the arrays,
         lead and lengths so reshaped); the scalars as they are."""
         cdef Args c = Args.__new__(Args)
-        c.q, c.k, c.v, c.mask, c.mask_kind, c.lead = q, k, v, mask, self.mask_kind, lead
-        c.causal, c.scale, c.nthreads, c.softcap = self.causal, self.scale, self.nthreads, self.softcap
-        c.win_left, c.win_right, c.slopes, c.kvl, c.qln = self.win_left, self.win_right, self.slopes, kvl, qln
-        c.top_left, c.row_group = self.top_left, row_group
+        c._set(q, k, v, mask, self.mask_kind, lead, self.causal, self.scale, self.nthreads, self.softcap,
+               self.win_left, self.win_right, self.slopes, kvl, qln, self.top_left)
+        c.row_group = row_group
         return c
 
 
