@@ -31,7 +31,9 @@
  * ------------------------------------------------------------------------- */
 enum { GROUP_PF_BYTES = 131072 };
 
-/* One key tile of fa_attn_group_rows for a row whose scores need nothing but
+#if FA_KV == 1
+/* float16 K and V (FA_KV 1), where group_chunks measured slower at d128: one
+ * key tile of fa_attn_group_rows for a row whose scores need nothing but
  * the scale (no mask, softcap or ALiBi; one row's band is its key range):
  * s = Qs . K, the online softmax of the row (m, l), A += P . V, for nb <= 4
  * keys; its probabilities and the rescaling factor from one vector exp.  In
@@ -75,6 +77,110 @@ INLINE void group_step(const T *restrict Qs, const KT *restrict K, int64_t krs, 
     }
     pv_1x4(A, p0, p1, p2, p3, V, V + vrs, V + 2 * vrs, V + 3 * vrs, dv, dvv);
 }
+#endif
+
+/* fa_attn_group_rows over one-row items (decoding) whose scores need nothing
+ * but the scale (no mask, softcap or ALiBi) and which see the same keys
+ * [lo, hi): chunk by chunk of GROUP_CHUNK keys,
+ *   1. the scores of every item, four keys at a time, the items in turn (so
+ *      that K streams through in address order), into S (chunk keys, items);
+ *   2. the online softmax step of the chunk, vectorised across the items (S
+ *      becomes P; A rescaled where an item's max grew);
+ *   3. A += P . V, four keys at a time, the items in turn (V in address order).
+ * One softmax step a chunk for all the items, where a step per item and four
+ * keys, each a chain of scalar work, had held this kernel well below the rate
+ * at which memory delivers K and V (docs/tuning.md, group_chunks).  Items of
+ * several rows take the tiles below: their P . V needs longer key tiles.
+ * pf: V rows prefetched into L2 during the scores, the next chunk's K rows
+ * during P . V (fa_tiles.decode_pf).
+ *   its (n) the items, states at scratch + g st (fa_attn_group_rows' layout)
+ *   S   (GROUP_CHUNK, np)  item g's scores, then weights, at lane g; np: n
+ *       rounded up to whole vectors (padding lanes: scores -inf, weight 0)
+ *   mv, lv, lcv, al (np)   the items' m, l, lc and the chunk's alpha */
+enum { GROUP_CHUNK = 32 };
+static void group_chunks(const fa_attention_args *a, const fa_item *its, int64_t n, T *scratch, int64_t st,
+                         int64_t lo, int64_t hi, int pf)
+{
+    const int64_t dk = a->dk, dv = a->dv, dkp = (dk + L - 1) / L * L, dkv = dk / L * L, dvv = dv / L * L;
+    const int64_t krs = a->k_rs, vrs = a->v_rs, np = (n + L - 1) / L * L;
+    _Alignas(64) T S[GROUP_CHUNK * FA_GROUP_MAX];
+    _Alignas(64) T mv[FA_GROUP_MAX], lv[FA_GROUP_MAX], lcv[FA_GROUP_MAX], al[FA_GROUP_MAX];
+    for (int64_t g = 0; g < np; g++) {
+        const T *m = g < n ? scratch + g * st + dkp + 3 * dv : NULL; /* m, l, lc */
+        mv[g] = m ? m[0] : -INFINITY;
+        lv[g] = m ? m[1] : 0;
+        lcv[g] = m ? m[2] : 0;
+        for (int j = 0; j < GROUP_CHUNK; j++) S[j * np + g] = -INFINITY;
+    }
+    int64_t block = 0; /* keys in the items' blocks A (FOLD_KEYS) */
+    for (int64_t j0 = lo; j0 < hi; j0 += GROUP_CHUNK) {
+        const int64_t nb = hi - j0 < GROUP_CHUNK ? hi - j0 : GROUP_CHUNK;
+        for (int64_t j = 0; j < nb; j += 4) { /* 1. the scores */
+            const int64_t nj = nb - j < 4 ? nb - j : 4;
+            for (int64_t g = 0; g < n; g++) {
+                const KT *K = (const KT *)its[g].k + (j0 + j) * krs;
+                if (pf)
+                    for (int64_t x = j0 + j + 4; x < j0 + j + 8 && x < hi; x++)
+                        prefetch_l2((const KT *)its[g].k + x * krs, dk, 1);
+                T s4[4];
+                if (nj == 4)
+                    rows_scores_1x4(s4, scratch + g * st, K, K + krs, K + 2 * krs, K + 3 * krs, dk, dkv);
+                else
+                    rows_scores(s4, 0, scratch + g * st, 0, 1, K, krs, dk, nj, 0, 0, NULL);
+                for (int64_t x = 0; x < nj; x++) S[(j + x) * np + g] = s4[x];
+            }
+        }
+        for (int64_t g = 0; g < np; g += L) { /* 2. the softmax step, L items at a time */
+            const vec mo = vload(mv + g);
+            vec mn = mo;
+            for (int64_t j = 0; j < nb; j++) mn = vnanmax(mn, vload(S + j * np + g));
+            const vec mu = vstep_shift(mn), alpha = vexp_neg(mo - mu);
+            vec ps = vset1(0);
+            for (int64_t j = 0; j < nb; j++) {
+                const vec p = vexp_neg(vload(S + j * np + g) - mu);
+                vstore(S + j * np + g, p);
+                ps += p;
+            }
+            vstore(mv + g, mn);
+            vstore(al + g, alpha);
+            vstore(lv + g, vload(lv + g) * alpha);
+            vstore(lcv + g, vload(lcv + g) * alpha);
+            vacc_add(lv + g, lcv + g, ps);
+        }
+        for (int64_t g = 0; g < n; g++)
+            if (al[g] != 1) {
+                T *A = scratch + g * st + dkp; /* A, As, Ac */
+                for (int64_t c = 0; c < 3 * dv; c++) A[c] *= al[g];
+            }
+        for (int64_t j = 0; j < nb; j += 4) { /* 3. A += P . V */
+            const int64_t nj = nb - j < 4 ? nb - j : 4;
+            const T *P = S + j * np;
+            for (int64_t g = 0; g < n; g++) {
+                const KT *V = (const KT *)its[g].v + (j0 + j) * vrs;
+                if (pf)
+                    for (int64_t x = j0 + j + 4; x < j0 + j + 8 && x < hi; x++)
+                        prefetch_l2((const KT *)its[g].v + x * vrs, dv, 1);
+                T p[4] = {P[g], 0, 0, 0};
+                for (int64_t x = 1; x < nj; x++) p[x] = P[x * np + g];
+                if (nj == 4)
+                    pv_1x4(scratch + g * st + dkp, p[0], p[1], p[2], p[3], V, V + vrs, V + 2 * vrs, V + 3 * vrs,
+                           dv, dvv);
+                else
+                    rows_pv(scratch + g * st + dkp, p, 0, 1, V, vrs, dv, nj, 0, 0, NULL);
+            }
+        }
+        if ((block += nb) >= FOLD_KEYS) { /* the blocks join the totals (FOLD_KEYS) */
+            for (int64_t g = 0; g < n; g++) acc_flush(scratch + g * st + dkp, dv, 0);
+            block = 0;
+        }
+    }
+    for (int64_t g = 0; g < n; g++) {
+        T *m = scratch + g * st + dkp + 3 * dv;
+        m[0] = mv[g];
+        m[1] = lv[g];
+        m[2] = lcv[g];
+    }
+}
 
 void FN(fa_attn_group_rows)(const fa_attention_args *a, const fa_tiles *tl, const fa_item *its, int64_t n,
                             void *scratch)
@@ -93,6 +199,13 @@ void FN(fa_attn_group_rows)(const fa_attention_args *a, const fa_tiles *tl, cons
             lo = band[g].j_lo < lo ? band[g].j_lo : lo;
             hi = band[g].j_hi > hi ? band[g].j_hi : hi;
         }
+    }
+    int chunks = plain && FA_KV != 1; /* (float16: group_step below) */
+    for (int64_t g = 0; g < n && chunks; g++)
+        chunks = its[g].bq == 1 && its[g].slope == 0 && band[g].j_lo == band[0].j_lo && band[g].j_hi == band[0].j_hi;
+    if (chunks) {
+        if (lo < hi) group_chunks(a, its, n, (T *)scratch, st, lo, hi, tl->decode_pf);
+        hi = lo; /* (nothing left for the tiles below) */
     }
     /* keys ahead for the prefetch: GROUP_PF_BYTES of the group's K and V rows */
     int64_t ahead = GROUP_PF_BYTES / (n * (dk + dv) * (int64_t)sizeof(T) + 1);
@@ -113,10 +226,12 @@ void FN(fa_attn_group_rows)(const fa_attention_args *a, const fa_tiles *tl, cons
                 }
             if (jl >= jh) continue;
             T *Qs = (T *)scratch + g * st, *A = Qs + it->bq * dkp, *m = A + 3 * it->bq * dv, *l = m + it->bq;
+#if FA_KV == 1
             if (plain && it->slope == 0 && it->bq == 1 && jh - jl <= 4 && L >= 4) {
                 group_step(Qs, K + jl * a->k_rs, a->k_rs, dk, V + jl * a->v_rs, a->v_rs, dv, jh - jl, A, m, l);
                 continue;
             }
+#endif
             const int64_t jp = na > 0 ? ja : jl; /* (no pointer past the item's keys) */
             const tile_pf pf_v = {.v = V + jp * a->v_rs, .nv = na > 0 ? na : 0, .vrs = a->v_rs, .dv = dv};
             const tile_pf pf_k = {.k = K + jp * a->k_rs, .nk = na > 0 ? na : 0, .krs = a->k_rs, .dk = dk,
