@@ -117,7 +117,9 @@ typedef void (*fa_attn_item_fn)(const fa_attention_args *a, const fa_tiles *t,
 typedef void (*fa_attn_group_fn)(const fa_attention_args *a, const fa_tiles *t,
                                  const fa_item *its, int64_t n, void *scratch);
 #define FA_GROUP_MAX 64 /* items a group; with several rows an item, rows */
-/* Key tile of fa_attn_group_rows for items of one row (attention.c, run);
+/* Key tile of fa_attn_group_rows for items of one row that group_chunks does
+ * not take (masks, softcap, ALiBi, key ranges that differ, float16 K and V;
+ * attention.c, run);
  * for items of up to FA_GROUP_ROWS rows, as many keys as hold about the
  * tuning's group_tile_bytes of the group's K and V (8 to group_bk_max). */
 #define FA_GROUP_BK 4

@@ -14,6 +14,43 @@ from fastattn import _core
 @pytest.mark.parametrize("dtype", [F32, F64])
 @pytest.mark.parametrize("B,nk", [(1, 2), (2, 7), (1, 150), (1, 1030), (3, 1100)])
 @pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_group_chunks(isa, rng, group, dtype, B, nk, threads, prefetch, force):
+    """One-row items with plain scores over the same keys: chunks of 32 keys with
+    one softmax step across the heads (group.h, group_chunks), with and without
+    its prefetch (decode_pf).  Against the reference with the options that move
+    every head's keys alike (causal, a window, kv_lengths per batch entry with an
+    empty one), 64 heads (whole vectors of them, at most one group) and 67 (two
+    groups, a partial vector), and NaN and inf in one head's scores (the others
+    stay finite; NaN reaches the merge of split keys): a chunk past the last whole
+    one, key tails of 1-3, the block flush past 1,024 keys, split keys."""
+    group(1)
+    force.set(decode_pf=prefetch)
+    H, d, dv = 5, 24, 12
+    qh, kh, vh = rand(rng, (B, H, 1, d), dtype), rand(rng, (B, H, nk, d), dtype), rand(rng, (B, H, nk, dv), dtype)
+    q, k, v = heads_last(qh), heads_last(kh), heads_last(vh)
+
+    def both(q, k, v, **kw):
+        force.reset_counts()
+        check(q, k, v, dtype, layout="blhd", num_threads=threads, **kw)
+        assert force.group_runs >= 1
+
+    both(q, k, v)
+    both(q, k, v, causal=True)
+    both(q, k, v, window=(nk // 3, 0))
+    both(q, k, v, kv_lengths=np.array([[nk // 2 + 1], [0], [nk]])[:B])
+    for heads in (64, 67):
+        qw, kw_, vw = rand(rng, (B, 1, heads, 16), dtype), rand(rng, (B, nk, heads, 16), dtype), rand(rng, (B, nk, heads, 16), dtype)
+        both(qw, kw_, vw)
+    for bad in (np.nan, np.inf):
+        kb = kh.copy()
+        kb[0, 2, nk // 2, 0] = bad
+        both(q, heads_last(kb), v)
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("B,nk", [(1, 2), (2, 7), (1, 150), (1, 1030), (3, 1100)])
+@pytest.mark.parametrize("threads", [1, 2])
 def test_group_rows(isa, rng, group, dtype, B, nk, threads, force):
     """Decoding from a (B, n, H, d) cache with the heads of a batch entry taken
     together, key tile by key tile (forced on: by default only from memory):

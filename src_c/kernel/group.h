@@ -13,7 +13,9 @@
  * key tile of tl->bk keys (a few: a longer tile read as rows of pieces was no
  * faster than item by item), so that K and V stream through in address order;
  * each item keeps its own state.  The rows GROUP_PF_BYTES of K and V ahead
- * are prefetched into L2 in step with the tiles.
+ * are prefetched into L2 in step with the tiles.  One-row items with plain
+ * scores take chunks of keys instead, with one softmax step a chunk for all
+ * of them (group_chunks).
  * Items of several rows (GQA's folded heads, a few new tokens) take longer
  * tiles (attention.c), and their work on a tile is long enough that a burst
  * of prefetches at its start stalls it: there the rows of the tile ahead are
@@ -31,15 +33,16 @@
  * ------------------------------------------------------------------------- */
 enum { GROUP_PF_BYTES = 131072 };
 
-#if FA_KV == 1
-/* float16 K and V (FA_KV 1), where group_chunks measured slower at d128: one
- * key tile of fa_attn_group_rows for a row whose scores need nothing but
+/* One key tile of fa_attn_group_rows for a row whose scores need nothing but
  * the scale (no mask, softcap or ALiBi; one row's band is its key range):
  * s = Qs . K, the online softmax of the row (m, l), A += P . V, for nb <= 4
  * keys; its probabilities and the rescaling factor from one vector exp.  In
  * place of rows_scores, rows_softmax and rows_pv, which serve any rows and
  * tiles (and still take the other cases): faster from memory and in the L3
  * (docs/tuning.md, group_step).  Only where a vector has 4 lanes or more.
+ * For the one-row items that group_chunks does not take: float16 K and V
+ * (FA_KV 1, where the chunks measured slower at d128) and items whose key
+ * ranges differ (kv_lengths per head).
  *   Qs (dkp) the row, times scale, zero-padded   K (nb, dk), V (nb, dv) row
  *   strides krs, vrs   A, As, Ac (dv)   m, l, lc (1) */
 INLINE void group_step(const T *restrict Qs, const KT *restrict K, int64_t krs, int64_t dk, const KT *restrict V,
@@ -77,7 +80,6 @@ INLINE void group_step(const T *restrict Qs, const KT *restrict K, int64_t krs, 
     }
     pv_1x4(A, p0, p1, p2, p3, V, V + vrs, V + 2 * vrs, V + 3 * vrs, dv, dvv);
 }
-#endif
 
 /* fa_attn_group_rows over one-row items (decoding) whose scores need nothing
  * but the scale (no mask, softcap or ALiBi) and which see the same keys
@@ -85,19 +87,27 @@ INLINE void group_step(const T *restrict Qs, const KT *restrict K, int64_t krs, 
  *   1. the scores of every item, four keys at a time, the items in turn (so
  *      that K streams through in address order), into S (chunk keys, items);
  *   2. the online softmax step of the chunk, vectorised across the items (S
- *      becomes P; A rescaled where an item's max grew);
+ *      becomes P; A rescaled where an item's max grew; m keeps NaN, as the
+ *      scalar steps' max_nan does, for the merge of split keys);
  *   3. A += P . V, four keys at a time, the items in turn (V in address order).
  * One softmax step a chunk for all the items, where a step per item and four
  * keys, each a chain of scalar work, had held this kernel well below the rate
- * at which memory delivers K and V (docs/tuning.md, group_chunks).  Items of
- * several rows take the tiles below: their P . V needs longer key tiles.
- * pf: V rows prefetched into L2 during the scores, the next chunk's K rows
- * during P . V (fa_tiles.decode_pf).
- *   its (n) the items, states at scratch + g st (fa_attn_group_rows' layout)
+ * at which memory delivers K and V (docs/tuning.md, group_chunks).  The rest
+ * take the tiles below: items of several rows (their P . V needs longer key
+ * tiles), masks, softcap, ALiBi, key ranges that differ, float16 K and V.
+ * pf (fa_tiles.decode_pf): each pass prefetches into L2 its items' rows four
+ * keys ahead.
+ *   its (n <= FA_GROUP_MAX) the items, one row each, states at scratch + g st
+ *       (fa_attn_group_rows' layout); K and V rows of item g at its[g].k,
+ *       its[g].v, row strides a->k_rs, a->v_rs, keys [lo, hi)
  *   S   (GROUP_CHUNK, np)  item g's scores, then weights, at lane g; np: n
- *       rounded up to whole vectors (padding lanes: scores -inf, weight 0)
- *   mv, lv, lcv, al (np)   the items' m, l, lc and the chunk's alpha */
+ *       rounded up to whole vectors (padding lanes: -inf at first, then
+ *       whatever the steps leave; never read back)
+ *   mv, lv, lcv, al (np)   the items' m, l, lc and the chunk's alpha
+ * GROUP_CHUNK: 4 to 64 keys measured alike for float32 and float64; 64 was
+ * slower for 16-bit K and V. */
 enum { GROUP_CHUNK = 32 };
+_Static_assert(FA_GROUP_MAX % FA_LANES_MAX == 0, "group_chunks: n rounded up to whole vectors fits FA_GROUP_MAX");
 static void group_chunks(const fa_attention_args *a, const fa_item *its, int64_t n, T *scratch, int64_t st,
                          int64_t lo, int64_t hi, int pf)
 {
@@ -200,7 +210,7 @@ void FN(fa_attn_group_rows)(const fa_attention_args *a, const fa_tiles *tl, cons
             hi = band[g].j_hi > hi ? band[g].j_hi : hi;
         }
     }
-    int chunks = plain && FA_KV != 1; /* (float16: group_step below) */
+    int chunks = plain && FA_KV != 1; /* (float16: group_step, below) */
     for (int64_t g = 0; g < n && chunks; g++)
         chunks = its[g].bq == 1 && its[g].slope == 0 && band[g].j_lo == band[0].j_lo && band[g].j_hi == band[0].j_hi;
     if (chunks) {
@@ -226,12 +236,10 @@ void FN(fa_attn_group_rows)(const fa_attention_args *a, const fa_tiles *tl, cons
                 }
             if (jl >= jh) continue;
             T *Qs = (T *)scratch + g * st, *A = Qs + it->bq * dkp, *m = A + 3 * it->bq * dv, *l = m + it->bq;
-#if FA_KV == 1
             if (plain && it->slope == 0 && it->bq == 1 && jh - jl <= 4 && L >= 4) {
                 group_step(Qs, K + jl * a->k_rs, a->k_rs, dk, V + jl * a->v_rs, a->v_rs, dv, jh - jl, A, m, l);
                 continue;
             }
-#endif
             const int64_t jp = na > 0 ? ja : jl; /* (no pointer past the item's keys) */
             const tile_pf pf_v = {.v = V + jp * a->v_rs, .nv = na > 0 ? na : 0, .vrs = a->v_rs, .dv = dv};
             const tile_pf pf_k = {.k = K + jp * a->k_rs, .nk = na > 0 ? na : 0, .krs = a->k_rs, .dk = dk,

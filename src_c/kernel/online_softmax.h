@@ -15,7 +15,8 @@
  * vector step across query rows (the tiled kernel) may take a max that drops
  * NaN (vmax), as the NaN reaches l through p anyway; the scalar steps (the row
  * kernels, the merges) carry NaN in m itself (max_nan), since their m feeds
- * the merge of split partials.
+ * the merge of split partials, and so does group_chunks' vector step across
+ * items (vnanmax).
  */
 
 /* The max of a and b, NaN when either is NaN. */
