@@ -40,8 +40,8 @@ def test_group_chunks(isa, rng, group, dtype, B, nk, threads, prefetch, force):
     both(q, k, v, window=(nk // 3, 0))
     both(q, k, v, kv_lengths=np.array([[nk // 2 + 1], [0], [nk]])[:B])
     for heads in (64, 67):
-        qw, kw_, vw = rand(rng, (B, 1, heads, 16), dtype), rand(rng, (B, nk, heads, 16), dtype), rand(rng, (B, nk, heads, 16), dtype)
-        both(qw, kw_, vw)
+        both(rand(rng, (B, 1, heads, 16), dtype), rand(rng, (B, nk, heads, 16), dtype),
+             rand(rng, (B, nk, heads, 16), dtype))
     for bad in (np.nan, np.inf):
         kb = kh.copy()
         kb[0, 2, nk // 2, 0] = bad
