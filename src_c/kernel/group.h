@@ -41,8 +41,8 @@ enum { GROUP_PF_BYTES = 131072 };
  * tiles (and still take the other cases): faster from memory and in the L3
  * (docs/tuning.md, group_step).  Only where a vector has 4 lanes or more.
  * For the one-row items that group_chunks does not take: float16 K and V
- * (FA_KV 1, where the chunks measured slower at d128) and items whose key
- * ranges differ (kv_lengths per head).
+ * (FA_KV 1: slower in chunks, docs/tuning.md, group_chunks) and items whose
+ * key ranges differ (kv_lengths per head).
  *   Qs (dkp) the row, times scale, zero-padded   K (nb, dk), V (nb, dv) row
  *   strides krs, vrs   A, As, Ac (dv)   m, l, lc (1) */
 INLINE void group_step(const T *restrict Qs, const KT *restrict K, int64_t krs, int64_t dk, const KT *restrict V,
@@ -90,9 +90,9 @@ INLINE void group_step(const T *restrict Qs, const KT *restrict K, int64_t krs, 
  *      becomes P; A rescaled where an item's max grew; m keeps NaN, as the
  *      scalar steps' max_nan does, for the merge of split keys);
  *   3. A += P . V, four keys at a time, the items in turn (V in address order).
- * One softmax step a chunk for all the items, where a step per item and four
- * keys, each a chain of scalar work, had held this kernel well below the rate
- * at which memory delivers K and V (docs/tuning.md, group_chunks).  The rest
+ * One softmax step a chunk for all the items, not a chain of scalar work per
+ * item and four keys, so that the work keeps up with memory (docs/tuning.md,
+ * group_chunks).  The rest
  * take the tiles below: items of several rows (their P . V needs longer key
  * tiles), masks, softcap, ALiBi, key ranges that differ, float16 K and V.
  * pf (fa_tiles.decode_pf): each pass prefetches into L2 its items' rows four
@@ -104,8 +104,8 @@ INLINE void group_step(const T *restrict Qs, const KT *restrict K, int64_t krs, 
  *       rounded up to whole vectors (padding lanes: -inf at first, then
  *       whatever the steps leave; never read back)
  *   mv, lv, lcv, al (np)   the items' m, l, lc and the chunk's alpha
- * GROUP_CHUNK: 4 to 64 keys measured alike for float32 and float64; 64 was
- * slower for 16-bit K and V. */
+ * GROUP_CHUNK: long enough to share a softmax step, short enough for 16-bit
+ * K and V, which slow down at 64 (docs/tuning.md, group_chunks). */
 enum { GROUP_CHUNK = 32 };
 _Static_assert(FA_GROUP_MAX % FA_LANES_MAX == 0, "group_chunks: n rounded up to whole vectors fits FA_GROUP_MAX");
 static void group_chunks(const fa_attention_args *a, const fa_item *its, int64_t n, T *scratch, int64_t st,
