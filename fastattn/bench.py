@@ -559,12 +559,15 @@ def _plot(result, path):
     fig.savefig(path, dpi=120)
 
 
-def _tune_main(threads, as_json):
-    """fastattn-bench --tune: fastattn.tune, with its measurements on stderr."""
+def _tune_main(threads, as_json, quick=False):
+    """fastattn-bench --tune: fastattn.tune, with its measurements on stderr
+    (quick: one round, float32 only; the float64 fields keep the built-in table's)."""
     from . import _tune
     print(f"Tuning fastattn {sys.modules['fastattn'].__version__} on {_cpu_name()} "
-          f"({_core.isa_name()}, {threads or _core.max_threads()} threads); 20-30 s", file=sys.stderr)
-    r = _tune.tune(num_threads=threads, log=lambda s: print(s, file=sys.stderr))
+          f"({_core.isa_name()}, {threads or _core.max_threads()} threads); "
+          f"{'a quick pass, float32 only' if quick else '20-30 s'}", file=sys.stderr)
+    kw = {"rounds": 1, "dtypes": ("float32",)} if quick else {}
+    r = _tune.tune(num_threads=threads, log=lambda s: print(s, file=sys.stderr), **kw)
     if as_json:
         print(json.dumps({k: r[k] for k in ("tuning", "builtin", "changed", "path", "seconds")}, indent=1))
         return 0
@@ -600,7 +603,7 @@ def main(argv: "list[str] | None" = None) -> int:
                         "ggml (ggml-python's flash_attn_ext); 'all' for all three (each where installed)")
     p.add_argument("--tune", action="store_true",
                    help="measure the plan's thresholds on this machine (20-30 s; fastattn.tune) and keep "
-                        "them for the next import")
+                        "them for the next import (--quick: one round, float32 only)")
     p.add_argument("--accuracy", action="store_true",
                    help="instead of speed: the error against an exact evaluation, 1k to 128k keys "
                         "(--quick: to 16k), for fastattn, the NumPy reference and PyTorch")
@@ -613,7 +616,7 @@ def main(argv: "list[str] | None" = None) -> int:
     if args.tune:
         if args.plot or args.accuracy or args.backward:
             p.error("--tune does not go with --plot, --accuracy or --backward")
-        return _tune_main(args.threads, args.json)
+        return _tune_main(args.threads, args.json, args.quick)
     if args.backward:
         if args.plot or args.accuracy:
             p.error("--backward does not go with --plot or --accuracy")
