@@ -215,9 +215,9 @@ def test_a_tuning_file_that_cannot_be_used_warns(tmp_path, bad, why):
 
 
 def test_tune_measures_saves_and_the_next_import_reads_it(tmp_path):
-    """fastattn-bench --tune --quick in a fresh process (one round, float32 only;
-    the whole tuning took 20-40 s on 2 cores): a file that the next import puts
-    in place, field for field."""
+    """fastattn-bench --tune --quick in a fresh process (one round, float32 only,
+    the same code path as the full tuning): a file that the next import puts in
+    place, field for field."""
     env = {"FASTATTN_CACHE_DIR": str(tmp_path), "FASTATTN_TUNING": ""}
     r = run_script(tmp_path, """
         import sys
