@@ -179,6 +179,7 @@ cdef extern from "runtime.h" nogil:
         int fuse, stream, bk_tiled, bk_tiled_mem, bk_rows, bk_decode, group_bk_max
         int fold_rows, fold_rows_big
         int64_t group_tile_bytes, fold_big_bytes, kv_mem_bytes, kv_far_bytes
+        int bwd_bq, bwd_bk
 
     ctypedef struct fa_isa_table:
         const char *name
@@ -758,7 +759,8 @@ cdef class Forcing:
     """Overrides of the plan (fastattn.h: fa_overrides) for the attention calls
     that this thread makes inside ``with forcing(...)``, and what those calls ran.
     Tests and tuning only.  Sizes 0 and switches -1 leave the plan's choice:
-      bq, bk       the tiled kernel's query rows per item and keys per tile
+      bq, bk       the tiled kernel's query rows per item and keys per tile (the
+                   backward's query rows a block and keys a unit)
       rows_max     the most query rows that take the row kernel (at most 24; set,
                    it also turns off rows_full and the tail)
       fuse         the tiled kernel's fused exp (1 on, 0 off)
@@ -895,7 +897,7 @@ TUNING_PAIRS = ("rows_max", "rows_max_big", "rows_max_dk", "rows_full", "tail_ma
 # the other fields and the bits of their C types
 _TUNING_BITS = {"fuse": 32, "stream": 32, "bk_tiled": 32, "bk_tiled_mem": 32, "bk_rows": 32, "bk_decode": 32,
                 "group_bk_max": 32, "group_tile_bytes": 64, "fold_rows": 32, "fold_rows_big": 32,
-                "fold_big_bytes": 64, "kv_mem_bytes": 64, "kv_far_bytes": 64}
+                "fold_big_bytes": 64, "kv_mem_bytes": 64, "kv_far_bytes": 64, "bwd_bq": 32, "bwd_bk": 32}
 TUNING_FIELDS = TUNING_PAIRS + tuple(_TUNING_BITS)
 
 

@@ -25,6 +25,8 @@ What it measures (the fields of src_c/internal.h's fa_tuning; docs/tuning.md):
         row kernel's, for several rows and for one (decoding);
   group_tile_bytes, group_bk_max
         the group kernel's key tiles (heads of a (B, n, H, d) cache from memory).
+  bwd_bq, bwd_bk
+        the backward's query rows a block and keys a unit (float32, d64 and d128).
 The GQA fold and kv_mem_bytes keep the built-in table's values (kv_far_bytes
 is only turned off or on: on, the built-in size or 16 MiB).
 
@@ -333,6 +335,20 @@ def _measure_tiles(b: _Bench, chosen: Dict[str, Any]) -> None:
           + f" -> stream {bool(chosen['stream'])}, far {chosen['kv_far_bytes'] != never}")
 
 
+def _measure_backward(b: _Bench, chosen: Dict[str, Any]) -> None:
+    """bwd_bq, bwd_bk: the backward's tiles, float32 B1 H4 N1024 at d64 and d128."""
+    from . import attention_backward
+
+    def call(d: int) -> Callable[[], Any]:
+        q, k, v = (b.q(4, 1024, d, np.float32) for _ in range(3))
+        out, lse = b.attention(q, k, v, return_lse=True, num_threads=b.threads)
+        do = b.rng.standard_normal(out.shape).astype(np.float32)
+        return lambda: attention_backward(do, q, k, v, out, lse, num_threads=b.threads)
+
+    chosen["bwd_bq"], chosen["bwd_bk"] = _pick_combo(
+        b, ("bwd_bq", "bwd_bk"), [(32, 64), (64, 128), (64, 256)], [call(64), call(128)])
+
+
 def _measure_decode_pf(b: "_Bench", chosen: Dict[str, Any], dtypes: Sequence[np.dtype]) -> None:
     """decode_pf of each dtype: decoding (one row, d128) with and without its
     software prefetch of K and V, from memory (H32) and in cache (H8 Nk1024),
@@ -389,6 +405,7 @@ def tune(*, save: bool = True, num_threads: Optional[int] = None, rounds: int = 
             _measure_tail(b, dt, lanes[int(dt == np.float64)], chosen)
         _measure_decode_pf(b, chosen, [np.dtype(n) for n in dtypes])
         _measure_fuse(b, [np.dtype(n) for n in dtypes], chosen)
+        _measure_backward(b, chosen)
     except BaseException:              # (Ctrl-C too) the tuning in use before, as it was
         _core.set_tuning(before)
         state.clear()

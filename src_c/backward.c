@@ -19,9 +19,6 @@
 #include "internal.h"
 #include "runtime.h"
 
-/* Query rows per block and keys per unit: tiles of the forward's size. */
-enum { BWD_BQ = 32, BWD_BK = 64 };
-
 typedef struct {
     const fa_attention_args *a;
     const fa_backward_args *b;
@@ -76,14 +73,14 @@ static void bwd_lead(const bwd_state *p, int64_t l, const bwd_rows *r, int64_t k
     const fa_attention_args *a = p->a;
     const fa_backward_args *b = p->b;
     const int64_t e = (int64_t)p->esz;
-    const int64_t n_qb = (r->nq + BWD_BQ - 1) / BWD_BQ, n_kb = (r->nk + BWD_BK - 1) / BWD_BK;
+    const int64_t bq = p->t.bq, bk = p->t.bk, n_qb = (r->nq + bq - 1) / bq, n_kb = (r->nk + bk - 1) / bk;
     for (int64_t qb = 0; qb < n_qb; qb++)
         fa_fill_item(a, &p->t, NULL, p->n_qb, l * p->n_qb + qb, p->esz, p->msz, &its[qb]);
     const char *dout = (const char *)b->dout + (lead_offset(a, l, b->do_lead) + r->q0 * b->do_rs) * e;
     char *dk = (char *)b->dk + (lead_offset(a, l, b->dk_lead) + r->k0 * b->dk_rs) * e;
     char *dv = (char *)b->dv + (lead_offset(a, l, b->dv_lead) + r->k0 * b->dv_rs) * e;
     for (int64_t kb = ks; kb < n_kb && !fa_stopped(a->stop); kb += step) {
-        const int64_t j0 = kb * BWD_BK, nb = r->nk - j0 < BWD_BK ? r->nk - j0 : BWD_BK;
+        const int64_t j0 = kb * bk, nb = r->nk - j0 < bk ? r->nk - j0 : bk;
         if (n_qb == 0) { /* no query rows (the kernel reads K from its items): zeros */
             for (int64_t j = j0; j < j0 + nb; j++) {
                 memset(dk + j * b->dk_rs * e, 0, (size_t)(a->dk * e));
@@ -173,20 +170,26 @@ int fa_attention_backward(const fa_attention_args *a, const fa_backward_args *b)
     for (int d = 0; d < a->n_lead; d++) st.n_lead *= a->lead_shape[d];
     if (st.n_lead == 0) return FA_OK;
     const int64_t lanes = isa->lanes[dt];
-    st.t.bq = BWD_BQ;
-    st.t.bk = BWD_BK;
-    st.t.bqp = (BWD_BQ + lanes - 1) / lanes * lanes;
+    const fa_tuning *tu = fa_tuning_current();
+    const fa_overrides *f = a->force;
+    const int want = fa_threads_wanted(a->num_threads);
+    st.t.bq = f && f->bq ? f->bq : tu->bwd_bq;
+    st.t.bk = f && f->bk ? f->bk : tu->bwd_bk;
+    /* a team sharing one leading index's key blocks: at least two a member
+     * (smaller units, down to 64 keys, rather than idle threads) */
+    if (!(f && f->bk) && st.n_lead < 2 * (int64_t)want)
+        while (st.t.bk > 64 && (a->nk + st.t.bk - 1) / st.t.bk < 2 * (int64_t)want) st.t.bk /= 2;
+    st.t.bqp = (st.t.bq + lanes - 1) / lanes * lanes;
     st.t.ld = st.t.bqp;
     st.t.q_main = a->nq;
-    st.n_qb = (a->nq + BWD_BQ - 1) / BWD_BQ;
-    st.n_kb = (a->nk + BWD_BK - 1) / BWD_BK;
+    st.n_qb = (a->nq + st.t.bq - 1) / st.t.bq;
+    st.n_kb = (a->nk + st.t.bk - 1) / st.t.bk;
     st.dkp = (a->dk + lanes - 1) / lanes * lanes;
     st.scratch_bytes = ((size_t)fa_bwd_scratch_elems(&st.t, a->dk, a->dv) * st.esz + 63) / 64 * 64;
     st.dq_bytes = ((size_t)(a->nq * st.dkp) * st.esz + 63) / 64 * 64;
     st.items_bytes = (size_t)(st.n_qb > 0 ? st.n_qb : 1) * sizeof(fa_item);
     /* work: 5 products of nq nk (dk or dv) multiply-adds a leading index */
     const double work = 2.5 * (double)st.n_lead * (double)a->nq * (double)a->nk * (double)(a->dk + a->dv);
-    const int want = fa_threads_wanted(a->num_threads);
     st.per_lead = st.n_lead >= 2 * (int64_t)want || st.n_kb < 2;
     const int threads = fa_team_size(a->num_threads, st.per_lead ? st.n_lead : st.n_kb, work);
     void *dq_ptrs[FA_THREADS_MAX];

@@ -60,26 +60,29 @@
  *                 heads as one item's rows, where the row kernel then reads K and V
  *                 once for them; more rows with large K and V on the SIMD paths;
  *   kv_mem_bytes  K and V beyond this come from memory (1.5 L3: the L3 holds them
- *                 no longer); kv_far_bytes  beyond this the far prefetch (L3 / 2).
+ *                 no longer); kv_far_bytes  beyond this the far prefetch (L3 / 2);
+ *   bwd_bq, bwd_bk  the backward's query rows a block and keys a unit: the query
+ *                 side's packing and the dQ rows' loads are repeated once a unit, so
+ *                 the 16-register paths take long units.
  * The two sizes of an ISA's default follow this CPU's L3 (builtin_for). */
 #define TUNE_GENERIC(nm)                                                                                   \
     {.name = nm, .rows_max = {10, 10}, .rows_max_big = {10, 10}, .rows_max_dk = {10, 10}, .rows_full = {0, 0}, \
      .tail_max = {3, 1}, .decode_pf = {1, 1}, .fuse = 0, .stream = 1, .bk_tiled = 64, .bk_tiled_mem = 32,    \
      .bk_rows = 128, .bk_decode = 256, .group_bk_max = 64, .group_tile_bytes = 256 << 10, .fold_rows = 8,   \
      .fold_rows_big = 8, .fold_big_bytes = INT64_MAX, .kv_mem_bytes = (int64_t)48 << 20,                    \
-     .kv_far_bytes = (int64_t)16 << 20}
+     .kv_far_bytes = (int64_t)16 << 20, .bwd_bq = 64, .bwd_bk = 256}
 #define TUNE_AVX2(nm)                                                                                      \
     {.name = nm, .rows_max = {6, 3}, .rows_max_big = {5, 5}, .rows_max_dk = {6, 3}, .rows_full = {0, 0},      \
      .tail_max = {4, 2}, .decode_pf = {1, 1}, .fuse = 0, .stream = 1, .bk_tiled = 64, .bk_tiled_mem = 32,    \
      .bk_rows = 128, .bk_decode = 256, .group_bk_max = 64, .group_tile_bytes = 256 << 10, .fold_rows = 8,   \
      .fold_rows_big = 12, .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20,                     \
-     .kv_far_bytes = (int64_t)16 << 20}
+     .kv_far_bytes = (int64_t)16 << 20, .bwd_bq = 64, .bwd_bk = 256}
 #define TUNE_AVX512(nm)                                                                                    \
     {.name = nm, .rows_max = {12, 12}, .rows_max_big = {24, 20}, .rows_max_dk = {24, 20},                     \
      .rows_full = {14, 0}, .tail_max = {8, 4}, .decode_pf = {1, 1}, .fuse = 1, .stream = 1, .bk_tiled = 64,  \
      .bk_tiled_mem = 32, .bk_rows = 128, .bk_decode = 256, .group_bk_max = 64, .group_tile_bytes = 256 << 10, \
      .fold_rows = 8, .fold_rows_big = 12, .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20,     \
-     .kv_far_bytes = (int64_t)16 << 20}
+     .kv_far_bytes = (int64_t)16 << 20, .bwd_bq = 32, .bwd_bk = 64}
 
 static fa_isa_table table_generic = {.name = "generic", .tune = TUNE_GENERIC("generic"), FA_KERNELS(generic)};
 #ifdef FA_HAVE_AVX2_BUILD
@@ -95,7 +98,7 @@ static fa_isa_table table_avx512 = {.name = "avx512", .tune = TUNE_AVX512("avx51
      .rows_full = {14, 0}, .tail_max = {8, 4}, .decode_pf = {0, 0}, .fuse = 1, .stream = 0, .bk_tiled = 64,  \
      .bk_tiled_mem = 16, .bk_rows = 512, .bk_decode = 1024, .group_bk_max = 256, .group_tile_bytes = 1 << 20, \
      .fold_rows = 8, .fold_rows_big = 12, .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20,     \
-     .kv_far_bytes = INT64_MAX}
+     .kv_far_bytes = INT64_MAX, .bwd_bq = 32, .bwd_bk = 64}
 
 /* The CPUs with tables of their own, by CPUID vendor, family and model ranges
  * (as Linux's arch/x86/kernel/cpu/amd.c names them), for one ISA: the defaults
@@ -323,7 +326,7 @@ int fa_tuning_check(const fa_tuning *t)
         !in(t->bk_rows, 8, 4096) || !in(t->bk_decode, 8, 4096) || !in(t->group_bk_max, 8, 1024) ||
         !in(t->group_tile_bytes, 1, (int64_t)1 << 30) ||
         !in(t->fold_rows, 0, 1024) || !in(t->fold_rows_big, 0, 1024) || t->fold_big_bytes < 0 ||
-        t->kv_mem_bytes < 0 || t->kv_far_bytes < 0)
+        t->kv_mem_bytes < 0 || t->kv_far_bytes < 0 || !in(t->bwd_bq, 8, 256) || !in(t->bwd_bk, 16, 1024))
         return FA_EINVAL;
     return FA_OK;
 }

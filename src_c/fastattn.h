@@ -63,7 +63,8 @@ enum {
 /* Per-call overrides of the plan (plan.c), for the tests and for tuning:
  * fa_attention_args.force.  0 in a size, -1 in a switch: the plan's choice. */
 typedef struct {
-    int64_t bq, bk;      /* the tiled kernel's query rows per item and keys per tile */
+    int64_t bq, bk;      /* the tiled kernel's query rows per item and keys per tile
+                          * (the backward's query rows a block and keys a unit) */
     int64_t rows_max;    /* the most query rows that take the row kernel (at most
                           * FA_ROWS_CAP); set, it also turns off rows_full and the tail */
     int fuse;            /* the tiled kernel's fused exp: 1 on, 0 off */

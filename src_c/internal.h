@@ -201,6 +201,8 @@ typedef struct {
                                        * plan's from_memory) */
     int64_t kv_far_bytes;             /* K and V beyond this: the row kernel's far
                                        * prefetch into L2 (INT64_MAX: never) */
+    int bwd_bq, bwd_bk;               /* the backward's query rows a block and keys
+                                       * a work unit (backward.c) */
 } fa_tuning;
 
 /* The tuning in use (dispatch.c): the table of this CPU if one was measured,

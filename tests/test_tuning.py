@@ -132,6 +132,7 @@ def test_group_kernel_tiles_from_the_table(isa, rng, tuning, force, dtype):
     ({"kv_mem_bytes": float("inf")}, "kv_mem_bytes must be an integer"), ({"rows_max": (4, "8")}, "integer"),
     ({"kv_far_bytes": 2 ** 63}, "kv_far_bytes is out of range"), ({"tail_max": (0, 99)}, "tail_max is out of range"),
     ({"decode_pf": (2, 0)}, "decode_pf is out of range"), ({"decode_pf": (1, -1)}, "decode_pf is out of range"),
+    ({"bwd_bq": 4}, "out of range"), ({"bwd_bk": 2048}, "out of range"),
 ])
 def test_set_tuning_rejects_bad_fields(fields, word):
     before = _core.isa_table()
