@@ -89,6 +89,20 @@ def test_paths(isa, rng, force, dtype, q16, path, opt):
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
+@pytest.mark.parametrize("nq", [4, 5, 6])
+def test_row_kernel_four_rows_at_a_time(isa, rng, force, dtype, nq):
+    """The row kernel's scores of four rows at a time over 16-bit K (16-register
+    paths: rows_scores_4x2), then the rest, with a tail of the head dim past whole
+    vectors and of the keys past fours."""
+    d = 68
+    q = rand(rng, (2, 2, nq, d))
+    k, v = half(rng, (2, 2, 303, d), dtype), half(rng, (2, 2, 303, 40), dtype)
+    force.set(rows_max=8)
+    assert fastattn._attention._plan(q, k, v)["kernel"] == "rows"
+    check(q, k, v, F32, num_threads=(1, 2), causal=True)
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
 @pytest.mark.parametrize("nq", [1, 4, 40])
 def test_gqa_and_blhd_cache(isa, rng, force, dtype, nq):
     """GQA (the fold: a group's heads as one item's rows) and a (B, n, H, d) cache (the

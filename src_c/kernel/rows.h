@@ -103,11 +103,42 @@ INLINE void rows_scores_rx4(const int R, T *restrict S, int64_t ls, const T *res
     }
 }
 
+#if FA_KV && RS_MAX == 2
+/* Scores of four rows and two keys, K rows k0, k1: S[i * ls + 0..2) for i < 4.
+ * 4 x 2 accumulators, so that each 16-bit K vector is widened once for four
+ * rows (two 2 x 4 tiles widen it twice: GQA 32/8 decoding's four rows). */
+INLINE void rows_scores_4x2(T *restrict S, int64_t ls, const T *restrict Qs, int64_t dkp, const KT *restrict k0,
+                            const KT *restrict k1, int64_t dk, int64_t dkv)
+{
+    vec acc[4][2];
+    UNROLL(4) for (int i = 0; i < 4; i++) acc[i][0] = acc[i][1] = vset1(0);
+    for (int64_t c = 0; c < dkv; c += L) {
+        const vec x0 = vload_kv(k0 + c), x1 = vload_kv(k1 + c);
+        UNROLL(4) for (int i = 0; i < 4; i++) {
+            const vec qv = vload(Qs + i * dkp + c);
+            acc[i][0] += qv * x0; acc[i][1] += qv * x1;
+        }
+    }
+    T s[8];
+    hsum4(acc[0][0], acc[0][1], acc[1][0], acc[1][1], s);
+    hsum4(acc[2][0], acc[2][1], acc[3][0], acc[3][1], s + 4);
+    UNROLL(4) for (int i = 0; i < 4; i++) {
+        T *si = S + i * ls;
+        const T *qi = Qs + i * dkp;
+        si[0] = s[2 * i];
+        si[1] = s[2 * i + 1];
+        for (int64_t c = dkv; c < dk; c++) {
+            si[0] += qi[c] * kv_s(k0[c]); si[1] += qi[c] * kv_s(k1[c]);
+        }
+    }
+}
+#endif
+
 /* Scores of a key tile for bq rows: S[i][j] = Qs[i] . K[j]   for j < nb
  *   S   (bq, ls)    Qs (bq, dkp) zero-padded rows
  *   K   (nb, dk)    row stride krs
  * Four keys at a time, for RS_MAX rows at a time (one row: two accumulators
- * per key).  Rows j < npf of K exist and may be prefetched (far: into L2, see
+ * per key; 16-bit K on 16 registers: four rows at a time first).  Rows j < npf of K exist and may be prefetched (far: into L2, see
  * prefetch_row); xpf's rows (NULL: none) are prefetched in step with the keys. */
 static void rows_scores(T *restrict S, int64_t ls, const T *restrict Qs, int64_t dkp, int64_t bq,
                         const KT *restrict K, int64_t krs, int64_t dk, int64_t nb, int64_t npf, int far,
@@ -120,6 +151,12 @@ static void rows_scores(T *restrict S, int64_t ls, const T *restrict Qs, int64_t
         for (int64_t r = j + pf; r < j + pf + 4 && r < npf; r++) prefetch_row(K + r * krs, dk, far, krs != dk);
         if (xpf) tile_prefetch(xpf, j, 4);
         int64_t i = 0;
+#if FA_KV && RS_MAX == 2
+        for (; i + 4 <= bq; i += 4) {
+            rows_scores_4x2(S + i * ls + j, ls, Qs + i * dkp, dkp, k0, k1, dk, dkv);
+            rows_scores_4x2(S + i * ls + j + 2, ls, Qs + i * dkp, dkp, k2, k3, dk, dkv);
+        }
+#endif
         for (; i + RS_MAX <= bq; i += RS_MAX)
             rows_scores_rx4(RS_MAX, S + i * ls + j, ls, Qs + i * dkp, dkp, k0, k1, k2, k3, dk, dkv);
         switch (bq - i) {

@@ -112,9 +112,6 @@ INLINE vec vload_kv(const KT *p)
 #endif
 }
 #else /* FA_KV == 2: bfloat16 is the upper half of a binary32 */
-typedef uint16_t hvec_u __attribute__((vector_size(FA_VB / 2), aligned(2), may_alias));
-/* L 16-bit words from p, each widened to a 32-bit lane. */
-INLINE uvec vload_u16(const KT *p) { return __builtin_convertvector(*(const hvec_u *)p, uvec); }
 INLINE T kv_s(KT h)
 {
     const uint32_t x = (uint32_t)h << 16;
@@ -122,7 +119,20 @@ INLINE T kv_s(KT h)
     memcpy(&f, &x, sizeof f);
     return f;
 }
-INLINE vec vload_kv(const KT *p) { return (vec)(vload_u16(p) << 16); }
+/* L 16-bit words from p, each the upper half of a 32-bit lane: one zero-extending
+ * load and a shift on x86 (GCC 12 made __builtin_convertvector two 128-bit
+ * halves and an insert there). */
+INLINE vec vload_kv(const KT *p)
+{
+#if (defined(__x86_64__) || defined(_M_X64)) && FA_VB == 64
+    return (vec)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+#elif (defined(__x86_64__) || defined(_M_X64)) && FA_VB == 32
+    return (vec)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+#else
+    typedef uint16_t hvec_u __attribute__((vector_size(FA_VB / 2), aligned(2), may_alias));
+    return (vec)(__builtin_convertvector(*(const hvec_u *)p, uvec) << 16);
+#endif
+}
 #endif
 #endif
 /* dst[0..n) = src[0..n) widened (a K or V row into a float32 tile, or fa_kv_widen) */
