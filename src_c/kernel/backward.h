@@ -150,10 +150,12 @@ void FN(fa_bwd_unit)(const fa_attention_args *a, const fa_tiles *tl, const fa_it
         qk_block(dPt, V + o * a->v_rs, a->v_rs, dOt, ld, bqp, dv, n, NULL, NULL);
         for (int64_t j = 0; j < n; j++)
             for (int64_t i = 0; i < bqp; i += L) {
-                const vec lse = vload(Dl + ld + i);
+                const vec lse = vload(Dl + ld + i), x = vload(St + j * ld + i) - lse;
                 /* a row that sees no key (lse -inf) has no weights: P = 0; and where
-                 * P = 0 (a hidden key) dS = 0, even if V's row holds inf or NaN */
-                const vec p = vsel(lse == vset1(-INFINITY), vset1(0), vexp(vload(St + j * ld + i) - lse));
+                 * P = 0 (a hidden key) dS = 0, even if V's row holds inf or NaN.
+                 * x <= 0 but for rounding (lse: the row's log-sum-exp), so vexp_neg
+                 * on x capped at 0 (NaN stays NaN) */
+                const vec p = vsel(lse == vset1(-INFINITY), vset1(0), vexp_neg(vsel(x > 0, vset1(0), x)));
                 vstore(St + j * ld + i, p);
                 vstore(dPt + j * ld + i, vsel(p == vset1(0), vset1(0), p * (vload(dPt + j * ld + i) - vload(Dl + i))));
             }
