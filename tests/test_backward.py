@@ -67,15 +67,16 @@ def test_reference_against_finite_differences():
         np.testing.assert_allclose(g, num, rtol=1e-6, atol=1e-8)
 
 
-@pytest.mark.parametrize("tiles", [None, (32, 64), (24, 40)])
+@pytest.mark.parametrize("tiles", [None, (32, 64), (64, 256), (24, 40)])
 @pytest.mark.parametrize("dtype", [F32, F64])
 @pytest.mark.parametrize("causal", [False, True, "upper_left"])
 @pytest.mark.parametrize("n_q, n_k, d", [(1, 1, 1), (37, 130, 24), (150, 64, 40), (64, 200, 64), (33, 33, 7),
                                          (140, 530, 40)])
 def test_shapes_and_tails(isa, tiles, dtype, causal, n_q, n_k, d):
     """Block tails, head dims off the vector width, one row, each SIMD path: with
-    the tuning's tiles (bwd_bq, bwd_bk), with the 32 x 64 of the AVX-512 tables and
-    with tiles off the vector width (forced)."""
+    the tuning's tiles (bwd_bq, bwd_bk; two leading indices share each one's key
+    blocks, so units of 256 keys are halved), and forced: the AVX-512 tables' 32 x
+    64, the avx2 and generic tables' 64 x 256 unhalved, tiles off the vector width."""
     rng = np.random.default_rng(n_q * 1000 + n_k)
     inputs = problem(rng, (2, n_q, d), (2, n_k, d), (2, n_k, d + 3), dtype)
     with _core.forcing(**dict(zip(("bq", "bk"), tiles or (0, 0)))):

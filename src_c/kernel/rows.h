@@ -138,8 +138,9 @@ INLINE void rows_scores_4x2(T *restrict S, int64_t ls, const T *restrict Qs, int
  *   S   (bq, ls)    Qs (bq, dkp) zero-padded rows
  *   K   (nb, dk)    row stride krs
  * Four keys at a time, for RS_MAX rows at a time (one row: two accumulators
- * per key; 16-bit K on 16 registers: four rows at a time first).  Rows j < npf of K exist and may be prefetched (far: into L2, see
- * prefetch_row); xpf's rows (NULL: none) are prefetched in step with the keys. */
+ * per key; 16-bit K on 16 registers: four rows at a time first).  Rows j < npf
+ * of K exist and may be prefetched (far: into L2, see prefetch_row); xpf's rows
+ * (NULL: none) are prefetched in step with the keys. */
 static void rows_scores(T *restrict S, int64_t ls, const T *restrict Qs, int64_t dkp, int64_t bq,
                         const KT *restrict K, int64_t krs, int64_t dk, int64_t nb, int64_t npf, int far,
                         const tile_pf *xpf)
