@@ -1,11 +1,12 @@
 """fastattn.attention and fastattn.attention_weights.
 
 attention takes the plain path where it can (_plain: three C-contiguous float32 or
-float64 arrays of one dtype, a mask the C core reads as it is, no options beyond
-causal, scale, num_threads and out=: straight to the C core, the overhead-sensitive
-call); otherwise _prepare (in _prepare.py) checks and converts the arguments and
-_call hands them to the C core, folding a GQA group's query heads into the rows of
-one work item when decoding.
+float64 arrays of one dtype, or float32 q with 16-bit k and v, a mask the C core
+reads as it is, no options beyond causal, scale, num_threads and out=: straight to
+the C core, the overhead-sensitive call; _plain_gqa: the same for grouped-query
+decoding without a mask); otherwise _prepare (in _prepare.py) checks and converts
+the arguments and _call hands them to the C core, folding a GQA group's query heads
+into the rows of one work item when decoding.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from ._validate import (
     _check_out,
     _direct_out,
     _heads_first,
+    _native_half,
     _num_threads,
     _overlaps,
     _readable,
@@ -104,13 +106,16 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, mask: Optional[ArrayL
     blhd = _blhd(layout)
     if blhd:   # (..., n, H, d): computed on (..., H, n, d) views, the result written in the caller's layout
         q, k, v = _heads_first((q, k, v), "qkv")
-    if (not blhd and type(causal) is bool and not enable_gqa and window is None and softcap is None
-            and alibi_slopes is None and kv_lengths is None and q_lengths is None and _plain(q, k, v)
-            and (out is None or _plain_out(out, q, k, v) and not _overlaps(out, mask))):
-        mask_kind = _core.MASK_NONE if mask is None else _plain_mask(mask, q, k)  # type: ignore[arg-type]
-        if mask is None or mask_kind != _core.MASK_NONE:
-            return _attention_plain(q, k, v, mask, mask_kind, causal, scale,  # type: ignore[arg-type]
-                                    num_threads, out, return_lse)
+    if (not blhd and type(causal) is bool and window is None and softcap is None and alibi_slopes is None
+            and kv_lengths is None and q_lengths is None):
+        if not enable_gqa:
+            if _plain(q, k, v) and (out is None or _plain_out(out, q, k, v) and not _overlaps(out, mask)):
+                mask_kind = _core.MASK_NONE if mask is None else _plain_mask(mask, q, k)  # type: ignore[arg-type]
+                if mask is None or mask_kind != _core.MASK_NONE:
+                    return _attention_plain(q, k, v, mask, mask_kind, causal, scale,  # type: ignore[arg-type]
+                                            num_threads, out, return_lse)
+        elif mask is None and _plain_gqa(q, k, v) and (out is None or _plain_out(out, q, k, v)):
+            return _attention_plain_gqa(q, k, v, causal, scale, num_threads, out, return_lse)  # type: ignore[arg-type]
     p = _prepare(q, k, v, mask, causal, scale, enable_gqa, window, softcap, alibi_slopes, kv_lengths,
                  num_threads, q_lengths=q_lengths, blhd=blhd)
     full_shape = p.lead + (p.n_q, p.d_v)
@@ -321,22 +326,44 @@ attention_weights.__doc__ = """The attention weights softmax(q k^T * scale + mas
 # ---------------------------------------------------------------------------
 # the plain path: the common call, straight to the C core
 # ---------------------------------------------------------------------------
-def _plain(q: Any, k: Any, v: Any) -> bool:
-    """Is this the common call, which every check of _prepare passes and which
-    needs no conversion?  Three ndarrays (not subclasses) of one native float32
-    or float64 dtype, C-contiguous, shaped (..., n_q, d_k), (..., n_k, d_k) and
-    (..., n_k, d_v) with the same leading dims.  Checked in about 0.6 us,
-    where _prepare takes about 2.5 us: most of a small call."""
+def _plain_arrays(q: Any, k: Any, v: Any) -> bool:
+    """Three ndarrays (not subclasses), C-contiguous and aligned, that the C core
+    reads as they are: q, k and v of one native float32 or float64 dtype, or a
+    float32 q with k and v of one native 16-bit dtype (read as stored, as
+    _prepare keeps them)."""
     if not (type(q) is np.ndarray and type(k) is np.ndarray and type(v) is np.ndarray):
         return False
-    dt = q.dtype
-    if not (dt == k.dtype and dt == v.dtype and (dt == _F32 or dt == _F64)):
+    dt, kt = q.dtype, k.dtype
+    if not (kt == v.dtype and (dt == kt and (dt == _F32 or dt == _F64) or dt == _F32 and _native_half(kt))):
+        return False
+    return (q.flags.c_contiguous and k.flags.c_contiguous and v.flags.c_contiguous
+            and q.flags.aligned and k.flags.aligned and v.flags.aligned)
+
+
+def _plain(q: Any, k: Any, v: Any) -> bool:
+    """Is this the common call, which every check of _prepare passes and which
+    needs no conversion?  Arrays that _plain_arrays accepts, shaped (..., n_q, d_k),
+    (..., n_k, d_k) and (..., n_k, d_v) with the same leading dims.  Checked in
+    about 0.6 us, where _prepare takes about 2.5 us: most of a small call."""
+    if not _plain_arrays(q, k, v):
         return False
     qs, ks, vs = q.shape, k.shape, v.shape
     n = len(qs)
-    return (n >= 2 and n == len(ks) and qs[-1] == ks[-1] and qs[:-2] == ks[:-2] and ks[:-1] == vs[:-1]
-            and q.flags.c_contiguous and k.flags.c_contiguous and v.flags.c_contiguous
-            and q.flags.aligned and k.flags.aligned and v.flags.aligned)
+    return n >= 2 and n == len(ks) and qs[-1] == ks[-1] and qs[:-2] == ks[:-2] and ks[:-1] == vs[:-1]
+
+
+def _plain_gqa(q: Any, k: Any, v: Any) -> bool:
+    """The plain call of grouped-query decoding (enable_gqa, no mask): arrays that
+    _plain_arrays accepts, q (..., H, n_q, d_k), k (..., H_kv, n_k, d_k) and v
+    (..., H_kv, n_k, d_v) with the same leading dims and H a multiple of H_kv,
+    and few enough rows that the plan folds each group's query heads into the
+    rows of one item (_prepare's fold; _core.gqa_fold)."""
+    if not _plain_arrays(q, k, v):
+        return False
+    qs, ks, vs = q.shape, k.shape, v.shape
+    n = len(qs)
+    return (n >= 3 and n == len(ks) and qs[-1] == ks[-1] and qs[:-3] == ks[:-3] and ks[:-1] == vs[:-1]
+            and 0 < ks[-3] < qs[-3] and qs[-3] % ks[-3] == 0 and _core.gqa_fold(qs[-2], k.nbytes + v.nbytes))
 
 
 def _plain_mask(mask: Any, q: np.ndarray, k: np.ndarray) -> int:
@@ -389,6 +416,30 @@ def _attention_plain(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: Optional
     lse = np.empty(q.shape[:-1], q.dtype) if return_lse else None
     if result.size or lse is not None:
         _core.attention(_core.Args(q, k, v, mask, mask_kind, q.shape[:-2], bool(causal), s, nthreads), result, lse)
+    return (result, lse) if return_lse else result
+
+
+def _attention_plain_gqa(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool, scale: Any,
+                         num_threads: Any, out: Optional[np.ndarray], return_lse: bool) -> Any:
+    """attention(..., enable_gqa=True) of a call that _plain_gqa (and _plain_out)
+    accepted: the folded C call that _prepare and _call would make (a group's g
+    query heads as the n_q * g rows of one item, position-major), without their
+    general work."""
+    H, Hkv, n_q = q.shape[-3], k.shape[-3], q.shape[-2]
+    g, lead = H // Hkv, q.shape[:-3] + (Hkv,)
+    s, nthreads = _scale(scale, q.shape[-1]), _num_threads(num_threads)
+    result = np.empty(q.shape[:-1] + v.shape[-1:], q.dtype) if out is None else out
+    lse = np.empty(q.shape[:-1], q.dtype) if return_lse else None
+    if result.size or lse is not None:
+        rows = _rows(result.reshape(lead + (g, n_q, v.shape[-1])), 1)   # views when n_q == 1
+        rows_lse = _rows(lse.reshape(lead + (g, n_q)), 0) if lse is not None else None
+        args = _core.Args(_rows(q.reshape(lead + (g, n_q, q.shape[-1])), 1), k, v, None, _core.MASK_NONE, lead,
+                          bool(causal), s, nthreads, row_group=g)
+        _core.attention(args, rows, rows_lse)
+        if not np.may_share_memory(rows, result):
+            _unrows(result.reshape(lead + (g, n_q, v.shape[-1])), rows, 1)
+        if lse is not None and not np.may_share_memory(rows_lse, lse):
+            _unrows(lse.reshape(lead + (g, n_q)), rows_lse, 0)
     return (result, lse) if return_lse else result
 
 

@@ -3,6 +3,7 @@ options but causal, scale, a mask the C core reads as it is, out= and
 return_lse) skips the general preparation (fastattn/_attention.py: _plain,
 _plain_out, _plain_mask): the same checks, the same result, bit for bit."""
 
+import ml_dtypes
 import numpy as np
 import pytest
 from conftest import assert_close, rand, reference64
@@ -220,3 +221,94 @@ def test_plain_mask_recognised(rng):
     assert _prepare(qq, kk, vv, tri, False, None, False, None, None, None, None, None).mask_kind \
         == _core.MASK_BOOL
     np.testing.assert_array_equal(fastattn.attention(qq, kk, vv, mask=tri), fastattn.attention(qq, kk, vv, causal=True))
+
+
+HALF = [np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)]
+
+
+@pytest.mark.parametrize("half", HALF, ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("nq,nk", [(1, 300), (9, 70)])
+def test_plain_call_half_kv(isa, rng, half, nq, nk):
+    """float32 q with 16-bit K and V of one dtype is a plain call too (the C core
+    reads them as stored, as the general path hands them over): the general
+    path's result bit for bit, and the reference's on the rounded values."""
+    from fastattn._attention import _plain
+    q = rand(rng, (2, 3, nq, 24))
+    k, v = rand(rng, (2, 3, nk, 24)).astype(half), rand(rng, (2, 3, nk, 40)).astype(half)
+    assert _plain(q, k, v)
+    assert not _plain(q.astype(F64), k, v) and not _plain(q, k, v.astype(np.float16 if half == HALF[1] else HALF[1]))
+    assert not _plain(q.astype(half), k, v)                  # 16-bit q: the general path
+    for causal in (False, True):
+        got, lse = check(q, k, v, F32, causal=causal, num_threads=[1, 2])
+        g_got, g_lse = fastattn.attention(_strided(q), _strided(k), _strided(v), causal=causal, return_lse=True)
+        np.testing.assert_array_equal(got, g_got)
+        np.testing.assert_array_equal(lse, g_lse)
+
+
+def _gqa_general(q, k, v, **kw):
+    """The same GQA call through the general path (q as a strided view)."""
+    from fastattn._attention import _plain_gqa
+    gq = _strided(q)
+    assert not _plain_gqa(gq, k, v)
+    return fastattn.attention(gq, k, v, enable_gqa=True, return_lse=True, **kw)
+
+
+@pytest.mark.parametrize("kv_dtype", [F32, F64] + HALF, ids=["float32", "float64", "float16", "bfloat16"])
+@pytest.mark.parametrize("lead,heads", [((), (8, 2)), ((2,), (6, 3)), ((1, 2), (4, 1))])
+@pytest.mark.parametrize("nq", [1, 3])
+def test_plain_gqa_call(isa, rng, kv_dtype, lead, heads, nq):
+    """Grouped-query decoding without a mask is a plain call (_plain_gqa: the
+    group's query heads folded into one item's rows, as _prepare and _call
+    fold them): the general path's result bit for bit, out= and return_lse,
+    and the reference's."""
+    from fastattn._attention import _plain_gqa
+    H, Hkv = heads
+    dtype = F64 if kv_dtype == F64 else F32
+    q = rand(rng, lead + (H, nq, 24), dtype)
+    k, v = rand(rng, lead + (Hkv, 150, 24), kv_dtype), rand(rng, lead + (Hkv, 150, 40), kv_dtype)
+    assert _plain_gqa(q, k, v)
+    for causal, scale in [(False, None), (True, 0.3)]:
+        got, lse = check(q, k, v, dtype, causal=causal, scale=scale, enable_gqa=True, num_threads=[1, 2])
+        g_got, g_lse = _gqa_general(q, k, v, causal=causal, scale=scale)
+        np.testing.assert_array_equal(got, g_got)
+        np.testing.assert_array_equal(lse, g_lse)
+        out = np.full(got.shape, np.nan, dtype)
+        res, lse2 = fastattn.attention(q, k, v, causal=causal, scale=scale, enable_gqa=True, out=out,
+                                       return_lse=True)
+        assert res is out
+        np.testing.assert_array_equal(out, got)
+        np.testing.assert_array_equal(lse2, lse)
+        np.testing.assert_array_equal(fastattn.attention(q, k, v, causal=causal, scale=scale, enable_gqa=True), got)
+
+
+def test_plain_gqa_recognised(rng):
+    """_plain_gqa takes the folded GQA calls that need no conversion; the others
+    (a mask, equal head counts, rows beyond the fold, a head count that does not
+    divide, broadcast leading dims) go the general way, with its errors and
+    the same results."""
+    from fastattn._attention import _plain_gqa
+    q, k, v = rand(rng, (2, 8, 1, 16)), rand(rng, (2, 2, 40, 16)), rand(rng, (2, 2, 40, 8))
+    assert _plain_gqa(q, k, v)
+    many = rand(rng, (2, 8, 600, 16))
+    assert not _core.gqa_fold(600, k.nbytes + v.nbytes) and not _plain_gqa(many, k, v)
+    np.testing.assert_array_equal(fastattn.attention(many, k, v, enable_gqa=True, causal=True),
+                                  fastattn.attention(many, np.repeat(k, 4, 1), np.repeat(v, 4, 1), causal=True))
+    not_plain = [
+        (q, rand(rng, (2, 8, 40, 16)), rand(rng, (2, 8, 40, 8))),     # H == H_kv: the plain call
+        (q, rand(rng, (2, 3, 40, 16)), rand(rng, (2, 3, 40, 8))),     # 8 heads over 3: an error
+        (q[:1], k, v),                                                # broadcast leading dims
+        (q, k[None], v[None]),                                        # different ranks
+        (q, k, v.astype(F64)),                                        # mixed dtypes
+        (q, np.asfortranarray(k), v),                                 # not C-contiguous
+    ]
+    for args in not_plain:
+        assert not _plain_gqa(*args)
+    with pytest.raises(ValueError, match="multiple of the key/value heads"):
+        fastattn.attention(*not_plain[1], enable_gqa=True)
+    for args in (not_plain[0], not_plain[2], not_plain[4], not_plain[5]):
+        want = reference64(*args, enable_gqa=True)[0]
+        assert_close(fastattn.attention(*args, enable_gqa=True), want, F32)
+    # a mask goes the general way (it folds the mask with the rows)
+    mask = rng.random((2, 8, 1, 40)) < 0.5
+    got = fastattn.attention(q, k, v, mask=mask, enable_gqa=True)
+    assert_close(got, reference64(q, k, v, mask=mask, enable_gqa=True)[0], F32)
