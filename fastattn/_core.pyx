@@ -38,7 +38,7 @@ cdef extern from "fastattn.h" nogil:
 
     ctypedef struct fa_overrides:
         int64_t bq, bk, rows_max
-        int fuse, stream, far, decode_pf, group, mask_pack
+        int fuse, stream, far, decode_pf, group, mask_pack, head_turns
         int64_t split_keys, parts_bytes
 
     ctypedef struct fa_stats:
@@ -164,7 +164,9 @@ cdef extern from "runtime.h" nogil:
         int64_t lanes, rows_max, full_lo, full_hi, tail_max, kv_bytes
         int from_memory, tail, few
         int64_t group, n_groups, n_lead, n_qb, n_items, n_splits, long_splits, chunk, part_elems, wave
-        int mask_pack, threads
+        int mask_pack
+        int64_t head_turns
+        int threads
         int64_t scratch_elems
         double q_rows, work
 
@@ -751,8 +753,8 @@ def _stream_read(cnp.ndarray buf, int num_threads=0):
 
 _forcing_local = threading.local()
 cdef int _n_forcing = 0      # open forcing blocks on any thread: the calls look for theirs only then
-_OVERRIDES = ("bq", "bk", "rows_max", "fuse", "stream", "far", "decode_pf", "group", "mask_pack", "split_keys",
-              "parts_bytes")
+_OVERRIDES = ("bq", "bk", "rows_max", "fuse", "stream", "far", "decode_pf", "group", "mask_pack", "head_turns",
+              "split_keys", "parts_bytes")
 
 
 cdef class Forcing:
@@ -771,6 +773,8 @@ cdef class Forcing:
       group        the group kernel over the heads of a (B, n, H, d) cache (1:
                    wherever it can run, 0: never; -1: from memory only)
       mask_pack    a bool mask packed to bits for the tiled kernel
+      head_turns   the tiled kernel's items by query block, the heads in turn (a
+                   float mask they share)
       split_keys   rows of more keys are split (0: 2^20)
       parts_bytes  the split partials of one wave (0: 256 MiB)
     The counts, over the calls of the block: group_runs (item groups the group
@@ -783,6 +787,7 @@ cdef class Forcing:
     def __cinit__(self):
         self.ov.bq = self.ov.bk = self.ov.rows_max = 0
         self.ov.fuse = self.ov.stream = self.ov.far = self.ov.decode_pf = self.ov.group = self.ov.mask_pack = -1
+        self.ov.head_turns = -1
         self.ov.split_keys = self.ov.parts_bytes = 0
         self.st.group_runs = self.st.tail_rows = self.st.redo_rows = self.st.kv_widened = 0
 
@@ -813,6 +818,8 @@ cdef class Forcing:
                 self.ov.decode_pf = switch
             elif name == "group":
                 self.ov.group = switch
+            elif name == "head_turns":
+                self.ov.head_turns = switch
             else:
                 self.ov.mask_pack = switch
         return self
@@ -821,7 +828,7 @@ cdef class Forcing:
     def overrides(self):
         return {"bq": self.ov.bq, "bk": self.ov.bk, "rows_max": self.ov.rows_max, "fuse": self.ov.fuse,
                 "stream": self.ov.stream, "far": self.ov.far, "decode_pf": self.ov.decode_pf, "group": self.ov.group,
-                "mask_pack": self.ov.mask_pack,
+                "mask_pack": self.ov.mask_pack, "head_turns": self.ov.head_turns,
                 "split_keys": self.ov.split_keys, "parts_bytes": self.ov.parts_bytes}
 
     @property
@@ -882,7 +889,7 @@ def plan(*args, **kwargs):
     switches (fuse, stream, far, decode_pf), the thresholds that applied (lanes, rows_max,
     rows_full, tail_max), the tail (tail, q_main), K and V (kv_bytes,
     from_memory), the work (n_lead, n_qb, n_items, group, n_groups, n_splits,
-    long_splits, chunk, wave, few), mask_pack, threads and scratch_elems."""
+    long_splits, chunk, wave, few), mask_pack, head_turns, threads and scratch_elems."""
     return attention(*args, plan_only=True, **kwargs)
 
 
@@ -1017,7 +1024,8 @@ cdef dict _plan_dict(const fa_plan *p):
         "kv_bytes": p.kv_bytes, "from_memory": bool(p.from_memory), "few": bool(p.few),
         "group": p.group, "n_groups": p.n_groups, "n_lead": p.n_lead, "n_qb": p.n_qb,
         "n_items": p.n_items, "n_splits": p.n_splits, "long_splits": p.long_splits,
-        "chunk": p.chunk, "wave": p.wave, "mask_pack": bool(p.mask_pack), "threads": p.threads,
+        "chunk": p.chunk, "wave": p.wave, "mask_pack": bool(p.mask_pack), "head_turns": p.head_turns,
+        "threads": p.threads,
         "scratch_elems": p.scratch_elems, "work": p.work,
     }
 

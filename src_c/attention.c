@@ -134,6 +134,8 @@ typedef struct {
                      * block before it (run); item k is then block k % n_main of
                      * leading index k / n_main */
     const int64_t *live; /* packed sequences: item k is live[k] (fa_live_items), or NULL: item k is k */
+    int64_t turns; /* > 0: item k is block k / turns % n_main of the leading index's turn k % turns
+                    * (fa_plan.head_turns) */
     const mask_pack *mp; /* the bool mask as bits (the team packs it first), or NULL */
     void *parts;  /* (n_items, n_splits, part_elems) partial results, or NULL */
     int64_t w0;   /* the first item of this wave: items w0 .. w0 + n_items - 1 run (run) */
@@ -175,7 +177,12 @@ static int64_t claim_unit(run_state *p, int64_t team)
 static int64_t item_index(const run_state *p, int64_t k)
 {
     k += p->w0;
-    return p->live ? p->live[k] : k / p->n_main * p->n_qb + k % p->n_main;
+    if (p->live) return p->live[k];
+    if (p->turns) { /* runs of turns leading indices (the heads), block by block */
+        const int64_t run = p->n_main * p->turns, r = k % run;
+        return (k / run * p->turns + r % p->turns) * p->n_qb + r / p->turns;
+    }
+    return k / p->n_main * p->n_qb + k % p->n_main;
 }
 
 /* Unit u = (item w, split sp): the item, with its share of the keys and its
@@ -259,7 +266,8 @@ static void run_team(void *arg)
             const int few = p->few && fa_few_rows(it.bq, p->few_max, p->full_lo, p->full_hi);
             (few ? p->rows_fn : p->item_fn)(a, p->tiles, &it, scratch);
         }
-        if (p->n_main < p->n_qb && u % p->n_main == p->n_main - 1) { /* the leading index's tail (n_splits 1) */
+        if (p->n_main < p->n_qb && (p->turns ? item_index(p, u) % p->n_qb : u % p->n_main) == p->n_main - 1) {
+            /* the leading index's tail (n_splits 1) */
             fa_item tl;
             fa_fill_item(a, p->tiles, p->mp, p->n_qb, item_index(p, u) + 1, p->esz, p->msz, &tl);
             if (tl.pad) write_padding(a, &tl, p->esz);
@@ -338,7 +346,7 @@ static int run(const fa_attention_args *a, int weights)
                     .esz = esz, .msz = a->mask_kind == FA_MASK_BOOL ? 1 : esz,
                     .scratch_bytes = (size_t)pl.scratch_elems * esz,
                     .n_qb = pl.n_qb, .n_items = pl.n_items, .n_splits = pl.n_splits, .chunk = pl.chunk,
-                    .part_elems = pl.part_elems, .n_main = pl.n_qb - pl.tail, .live = live, .mp = mp,
+                    .part_elems = pl.part_elems, .n_main = pl.n_qb - pl.tail, .live = live, .turns = pl.head_turns, .mp = mp,
                     .parts = parts, .status = FA_OK, .weights = weights, .claimed = 0};
     for (int64_t w0 = 0; w0 < pl.n_items && st.status == FA_OK && !fa_stopped(a->stop); w0 += pl.wave) {
         st.w0 = w0;

@@ -75,6 +75,7 @@ typedef struct {
     int group;           /* the group kernel over interleaved heads: 1 wherever it
                           * can run, 0 never (-1: from memory only) */
     int mask_pack;       /* a bool mask packed to bits for the tiled kernel */
+    int head_turns;      /* the tiled kernel's items by query block, the heads in turn */
     int64_t split_keys;  /* rows of more keys are split (0: FA_SPLIT_KEYS) */
     int64_t parts_bytes; /* the partials of one wave (0: FA_PARTS_BYTES) */
 } fa_overrides;

@@ -381,6 +381,8 @@ typedef struct {
     int64_t part_elems;    /* elements of one split's partials: bq (dv + 2) */
     int64_t wave;          /* items a wave (their partials within FA_PARTS_BYTES) */
     int mask_pack;         /* pack a bool mask into bits first */
+    int64_t head_turns;    /* > 0: the items go query block by query block, the last
+                            * leading dim's head_turns indices in turn (plan.c) */
     int threads;           /* the team */
     int64_t scratch_elems; /* each thread's scratch, in elements of the dtype */
     double q_rows, work;   /* real query rows; the work estimate behind the team size */

@@ -14,7 +14,7 @@
 #include "runtime.h"
 
 static const fa_overrides no_overrides = {.fuse = -1, .stream = -1, .far = -1, .decode_pf = -1, .group = -1,
-                                           .mask_pack = -1};
+                                           .mask_pack = -1, .head_turns = -1};
 
 /* Bytes of K and V that a call reads (broadcast leading dims counted once). */
 static int64_t kv_bytes(const fa_attention_args *a)
@@ -272,6 +272,21 @@ int fa_attention_plan(const fa_attention_args *a, int weights, fa_plan *p)
         for (int d = 0; d < a->n_lead; d++)
             if (a->m_lead[d] != 0) slices *= a->lead_shape[d];
         p->mask_pack = f->mask_pack == 1 || p->n_lead >= 2 * slices || a->m_rs == 0 || a->nq == 1;
+    }
+    /* A float mask that the last leading dim's indices (the heads) share, under
+     * the tiled kernel: where an item's mask rows (bq nk) are at least its K and V
+     * (nk (dk + dv)), the items go query block by query block, the heads in turn,
+     * so that a block's mask rows come from memory once for all the heads, not
+     * once for each; the heads' K and V are then reread from the cache instead.
+     * Head by head was faster where K and V outweigh the rows (docs/tuning.md,
+     * head_turns). */
+    p->head_turns = 0;
+    const int64_t heads = a->n_lead > 0 ? a->lead_shape[a->n_lead - 1] : 1;
+    if (a->mask_kind == FA_MASK_ADD && a->m_rs != 0 && heads > 1 && a->m_lead[a->n_lead - 1] == 0 &&
+        p->kernel == FA_KERNEL_TILED && !weights && !a->q_start && !p->group && p->n_splits == 1 &&
+        p->wave >= p->n_items && p->n_qb - p->tail > 1 && f->head_turns != 0) {
+        const int64_t esz = a->dtype == FA_F32 ? 4 : 8;
+        if (f->head_turns == 1 || p->tiles.bq * esz >= (a->dk + a->dv) * fa_kv_esz(a)) p->head_turns = heads;
     }
     p->work = p->q_rows * (double)(a->nk + 1) * (double)(a->dk + a->dv + 8);
     p->threads = fa_team_size(a->num_threads, (p->group ? p->n_groups : p->n_items) * p->n_splits, p->work);

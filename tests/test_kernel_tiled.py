@@ -303,3 +303,37 @@ def test_float_mask_hidden_tiles(isa, fused, tiles, rng, dtype, threads, layout,
     with team_check(threads):
         by_causal = fastattn.attention(q, k, v, causal=True, num_threads=threads)
     assert_close(out, by_causal, dtype)
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_float_mask_head_turns(isa, force, rng, dtype):
+    """A float mask that the heads share: the items by query block, the heads in
+    turn (head_turns in plan.c), give the head-by-head result bit for bit, with
+    whole blocks, a partial block, a tail for the row kernel, causal rows and a
+    mask per batch; the plan takes that order where an item's mask rows
+    outweigh its K and V, and never for a bool mask or a mask per head."""
+    from fastattn._attention import _plan
+    cases = [((2, 3), 333, 517, 40, (333, 517)), ((2, 3), 333, 517, 40, (2, 1, 333, 517)),
+             ((5,), 1025, 200, 16, (1025, 200))]
+    for lead, nq, nk, d, mshape in cases:
+        q, k, v = rand(rng, lead + (nq, d), dtype), rand(rng, lead + (nk, d), dtype), rand(rng, lead + (nk, d), dtype)
+        mask = rand(rng, mshape, dtype)
+        mask[..., ::7, 3] = -np.inf
+        force.set(head_turns=-1)
+        plan = _plan(q, k, v, mask=mask)
+        mine = plan["bq"] >= 2 * d      # an item's mask rows (bq nk) against its K and V (nk 2d)
+        assert plan["head_turns"] == (lead[-1] if mine else 0)
+        if nq == 1025:
+            assert plan["tail"]
+        for causal in (False, True):
+            got = []
+            for turns in (0, 1):
+                force.set(head_turns=turns)
+                assert _plan(q, k, v, mask=mask, causal=causal)["head_turns"] == (lead[-1] if turns else 0)
+                got.append(check(q, k, v, mask=mask, causal=causal, num_threads=[1, 2]))
+            np.testing.assert_array_equal(got[0][0], got[1][0])
+            np.testing.assert_array_equal(got[0][1], got[1][1])
+    q, k, v = rand(rng, (3, 300, 16), dtype), rand(rng, (3, 300, 16), dtype), rand(rng, (3, 300, 16), dtype)
+    force.set(head_turns=1)
+    assert _plan(q, k, v, mask=rng.random((300, 300)) < 0.5)["head_turns"] == 0            # bool
+    assert _plan(q, k, v, mask=rand(rng, (3, 300, 300), dtype))["head_turns"] == 0        # a mask per head
