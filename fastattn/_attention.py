@@ -343,8 +343,8 @@ def _plain_arrays(q: Any, k: Any, v: Any) -> bool:
 def _plain(q: Any, k: Any, v: Any) -> bool:
     """Is this the common call, which every check of _prepare passes and which
     needs no conversion?  Arrays that _plain_arrays accepts, shaped (..., n_q, d_k),
-    (..., n_k, d_k) and (..., n_k, d_v) with the same leading dims.  Checked in
-    about 0.6 us, where _prepare takes about 2.5 us: most of a small call."""
+    (..., n_k, d_k) and (..., n_k, d_v) with the same leading dims: a few attribute
+    reads, where _prepare's general work is most of a small call."""
     if not _plain_arrays(q, k, v):
         return False
     qs, ks, vs = q.shape, k.shape, v.shape
@@ -431,15 +431,10 @@ def _attention_plain_gqa(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bo
     result = np.empty(q.shape[:-1] + v.shape[-1:], q.dtype) if out is None else out
     lse = np.empty(q.shape[:-1], q.dtype) if return_lse else None
     if result.size or lse is not None:
-        rows = _rows(result.reshape(lead + (g, n_q, v.shape[-1])), 1)   # views when n_q == 1
-        rows_lse = _rows(lse.reshape(lead + (g, n_q)), 0) if lse is not None else None
         args = _core.Args(_rows(q.reshape(lead + (g, n_q, q.shape[-1])), 1), k, v, None, _core.MASK_NONE, lead,
                           bool(causal), s, nthreads, row_group=g)
-        _core.attention(args, rows, rows_lse)
-        if not np.may_share_memory(rows, result):
-            _unrows(result.reshape(lead + (g, n_q, v.shape[-1])), rows, 1)
-        if lse is not None and not np.may_share_memory(rows_lse, lse):
-            _unrows(lse.reshape(lead + (g, n_q)), rows_lse, 0)
+        _attention_rows(args, result.reshape(lead + (g, n_q, v.shape[-1])),
+                        lse.reshape(lead + (g, n_q)) if lse is not None else None)
     return (result, lse) if return_lse else result
 
 
@@ -467,6 +462,19 @@ def _unrows(dst, src, core):
     t[...] = src.reshape(t.shape)
 
 
+def _attention_rows(c: _core.Args, target: np.ndarray, lse: Optional[np.ndarray], weights: bool = False) -> None:
+    """The C call c of a GQA group's heads folded into rows: target (..., g, n, d)
+    and lse (..., g, n) written as the (..., n * g, ...) rows that c computes
+    (views where the strides allow, else copies written back)."""
+    rows = _rows(target, 1)
+    rows_lse = _rows(lse, 0) if lse is not None else None
+    _core.attention(c, rows, rows_lse, weights=weights)
+    if not np.may_share_memory(rows, target):
+        _unrows(target, rows, 1)  # rows written as a copy (no view of them): back in place
+    if lse is not None and not np.may_share_memory(rows_lse, lse):
+        _unrows(lse, rows_lse, 0)
+
+
 def _fold_mask(p: _Prepared, g: int) -> Optional[np.ndarray]:
     """The mask of a folded call (see _prepare) of g heads a group, (..., Hkv|1, n_q, g, n_k|1) as
     (..., Hkv|1, n_q * g, n_k|1): a view where the rows' strides allow one (say a
@@ -481,7 +489,6 @@ def _fold_mask(p: _Prepared, g: int) -> Optional[np.ndarray]:
 def _call(p: _Prepared, target: np.ndarray, lse: Optional[np.ndarray], weights: bool = False,
           plan_only: bool = False) -> Any:
     """Run the prepared call p into target (and lse), or return its plan."""
-    rows, rows_lse = target, lse
     c: _core.Args = p
     if p.fold:  # (see _prepare) q (..., Hkv, g, n_q, d) -> (..., Hkv, n_q * g, d), position-
         # major, rows g apart sharing a position (the C core's row_group); k and v
@@ -491,15 +498,13 @@ def _call(p: _Prepared, target: np.ndarray, lse: Optional[np.ndarray], weights: 
         g = p.gqa[0] // p.gqa[1]
         kvl, qln = (x[..., 0] if x is not None and x.ndim else x for x in (p.kvl, p.qln))
         c = p.folded(_rows(p.q, 1), p.k[..., 0, :, :], p.v[..., 0, :, :], _fold_mask(p, g), p.lead[:-1], kvl, qln, g)
-        rows = _rows(target, 1)
-        rows_lse = _rows(lse, 0) if lse is not None else None
-    if plan_only:   # (rows may be a zero-stride stand-in: nothing is written)
-        return _core.attention(c, rows, rows_lse, weights=weights, plan_only=True)
-    _core.attention(c, rows, rows_lse, weights=weights)
-    if rows is not target and not np.may_share_memory(rows, target):
-        _unrows(target, rows, 1)  # rows written as a copy (no view of them): back in place
-    if rows_lse is not lse and not np.may_share_memory(rows_lse, lse):
-        _unrows(lse, rows_lse, 0)
+    if plan_only:   # (target may be a zero-stride stand-in: nothing is written)
+        return _core.attention(c, _rows(target, 1) if p.fold else target,
+                               _rows(lse, 0) if p.fold and lse is not None else lse, weights=weights, plan_only=True)
+    if p.fold:
+        _attention_rows(c, target, lse, weights)
+    else:
+        _core.attention(c, target, lse, weights=weights)
     if p.pad is not None:
         _fill_pad_rows(p, target, lse, weights)
     return None

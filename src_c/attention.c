@@ -346,7 +346,8 @@ static int run(const fa_attention_args *a, int weights)
                     .esz = esz, .msz = a->mask_kind == FA_MASK_BOOL ? 1 : esz,
                     .scratch_bytes = (size_t)pl.scratch_elems * esz,
                     .n_qb = pl.n_qb, .n_items = pl.n_items, .n_splits = pl.n_splits, .chunk = pl.chunk,
-                    .part_elems = pl.part_elems, .n_main = pl.n_qb - pl.tail, .live = live, .turns = pl.head_turns, .mp = mp,
+                    .part_elems = pl.part_elems, .n_main = pl.n_qb - pl.tail, .live = live, .turns = pl.head_turns,
+                    .mp = mp,
                     .parts = parts, .status = FA_OK, .weights = weights, .claimed = 0};
     for (int64_t w0 = 0; w0 < pl.n_items && st.status == FA_OK && !fa_stopped(a->stop); w0 += pl.wave) {
         st.w0 = w0;

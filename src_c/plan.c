@@ -277,17 +277,17 @@ int fa_attention_plan(const fa_attention_args *a, int weights, fa_plan *p)
      * the tiled kernel: where an item's mask rows (bq nk) are at least its K and V
      * (nk (dk + dv)), the items go query block by query block, the heads in turn,
      * so that a block's mask rows come from memory once for all the heads, not
-     * once for each; the heads' K and V are then reread from the cache instead.
-     * Head by head was faster where K and V outweigh the rows (docs/tuning.md,
-     * head_turns). */
+     * once for each; the heads' K and V are then reread from the cache instead,
+     * which costs more where they outweigh the rows (docs/tuning.md, head_turns).
+     * Not with 16-bit K and V: their widened rows are kept for one head at a time
+     * (kv_rows_widened), and each turn would widen them again. */
     p->head_turns = 0;
     const int64_t heads = a->n_lead > 0 ? a->lead_shape[a->n_lead - 1] : 1;
     if (a->mask_kind == FA_MASK_ADD && a->m_rs != 0 && heads > 1 && a->m_lead[a->n_lead - 1] == 0 &&
-        p->kernel == FA_KERNEL_TILED && !weights && !a->q_start && !p->group && p->n_splits == 1 &&
-        p->wave >= p->n_items && p->n_qb - p->tail > 1 && f->head_turns != 0) {
-        const int64_t esz = a->dtype == FA_F32 ? 4 : 8;
-        if (f->head_turns == 1 || p->tiles.bq * esz >= (a->dk + a->dv) * fa_kv_esz(a)) p->head_turns = heads;
-    }
+        a->kv_dtype == FA_KV_SAME && p->kernel == FA_KERNEL_TILED && !weights && !a->q_start && !p->group &&
+        p->n_splits == 1 && p->wave >= p->n_items && p->n_qb - p->tail > 1 && f->head_turns != 0 &&
+        (f->head_turns == 1 || p->tiles.bq >= a->dk + a->dv))
+        p->head_turns = heads;
     p->work = p->q_rows * (double)(a->nk + 1) * (double)(a->dk + a->dv + 8);
     p->threads = fa_team_size(a->num_threads, (p->group ? p->n_groups : p->n_items) * p->n_splits, p->work);
     return FA_OK;

@@ -311,7 +311,8 @@ def test_float_mask_head_turns(isa, force, rng, dtype):
     turn (head_turns in plan.c), give the head-by-head result bit for bit, with
     whole blocks, a partial block, a tail for the row kernel, causal rows and a
     mask per batch; the plan takes that order where an item's mask rows
-    outweigh its K and V, and never for a bool mask or a mask per head."""
+    outweigh its K and V, and never for a bool mask, a mask per head or 16-bit
+    K and V (whose widened rows are kept for one head at a time)."""
     from fastattn._attention import _plan
     cases = [((2, 3), 333, 517, 40, (333, 517)), ((2, 3), 333, 517, 40, (2, 1, 333, 517)),
              ((5,), 1025, 200, 16, (1025, 200))]
@@ -337,3 +338,8 @@ def test_float_mask_head_turns(isa, force, rng, dtype):
     force.set(head_turns=1)
     assert _plan(q, k, v, mask=rng.random((300, 300)) < 0.5)["head_turns"] == 0            # bool
     assert _plan(q, k, v, mask=rand(rng, (3, 300, 300), dtype))["head_turns"] == 0        # a mask per head
+    if dtype == F32:
+        half = k.astype(np.float16), v.astype(np.float16)
+        assert _plan(q, *half, mask=rand(rng, (300, 300), dtype))["head_turns"] == 0       # 16-bit K and V
+        force.set(head_turns=-1)
+        assert _plan(q, *half, mask=rand(rng, (300, 300), dtype))["head_turns"] == 0
