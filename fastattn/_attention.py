@@ -107,15 +107,20 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, mask: Optional[ArrayL
     if blhd:   # (..., n, H, d): computed on (..., H, n, d) views, the result written in the caller's layout
         q, k, v = _heads_first((q, k, v), "qkv")
     if (not blhd and type(causal) is bool and window is None and softcap is None and alibi_slopes is None
-            and kv_lengths is None and q_lengths is None):
+            and q_lengths is None):
         if not enable_gqa:
             if _plain(q, k, v) and (out is None or _plain_out(out, q, k, v) and not _overlaps(out, mask)):
                 mask_kind = _core.MASK_NONE if mask is None else _plain_mask(mask, q, k)  # type: ignore[arg-type]
-                if mask is None or mask_kind != _core.MASK_NONE:
+                kvl = _plain_lengths(kv_lengths, q.shape[:-2], k.shape[-2], False)  # type: ignore[union-attr]
+                if (mask is None or mask_kind != _core.MASK_NONE) and (kv_lengths is None or kvl is not None):
                     return _attention_plain(q, k, v, mask, mask_kind, causal, scale,  # type: ignore[arg-type]
-                                            num_threads, out, return_lse)
-        elif mask is None and _plain_gqa(q, k, v) and (out is None or _plain_out(out, q, k, v)):
-            return _attention_plain_gqa(q, k, v, causal, scale, num_threads, out, return_lse)  # type: ignore[arg-type]
+                                            num_threads, out, return_lse, kvl)
+        elif _plain_gqa(q, k, v) and (out is None or _plain_out(out, q, k, v) and not _overlaps(out, mask)):
+            mask_kind = _core.MASK_NONE if mask is None else _plain_mask(mask, q, k, True)  # type: ignore[arg-type]
+            kvl = _plain_lengths(kv_lengths, q.shape[:-2], k.shape[-2], True)  # type: ignore[union-attr]
+            if (mask is None or mask_kind != _core.MASK_NONE) and (kv_lengths is None or kvl is not None):
+                return _attention_plain_gqa(q, k, v, mask, mask_kind, causal, scale,  # type: ignore[arg-type]
+                                            num_threads, out, return_lse, kvl)
     p = _prepare(q, k, v, mask, causal, scale, enable_gqa, window, softcap, alibi_slopes, kv_lengths,
                  num_threads, q_lengths=q_lengths, blhd=blhd)
     full_shape = p.lead + (p.n_q, p.d_v)
@@ -366,20 +371,22 @@ def _plain_gqa(q: Any, k: Any, v: Any) -> bool:
             and 0 < ks[-3] < qs[-3] and qs[-3] % ks[-3] == 0 and _core.gqa_fold(qs[-2], k.nbytes + v.nbytes))
 
 
-def _plain_mask(mask: Any, q: np.ndarray, k: np.ndarray) -> int:
+def _plain_mask(mask: Any, q: np.ndarray, k: np.ndarray, gqa: bool = False) -> int:
     """The C core's mask kind for the mask of a plain call (see _plain) that it can
     read as it is, else MASK_NONE (the general path then checks, converts or
     refuses it): an ndarray (not a subclass) of dtype bool or of q's dtype, of rank
     2 to q's, broadcastable to the scores (..., n_q, n_k) without adding to or
     growing q's leading dims, with strides in whole elements.  A float mask that
-    _mask_as_bool might turn into a bool one goes the general way too."""
+    _mask_as_bool might turn into a bool one goes the general way too.  With gqa
+    (a folded call), only a mask with a head axis of 1 (or none): one per query
+    head goes the general path's fold."""
     if type(mask) is not np.ndarray:
         return _core.MASK_NONE
     dt = mask.dtype
     kind = _core.MASK_BOOL if dt == _BOOL else _core.MASK_ADD if dt == q.dtype else _core.MASK_NONE
     ms, qs = mask.shape, q.shape
     n = len(ms)
-    if kind == _core.MASK_NONE or not 2 <= n <= len(qs):
+    if kind == _core.MASK_NONE or not 2 <= n <= len(qs) or (gqa and n >= 3 and ms[-3] != 1):
         return _core.MASK_NONE
     n_q, n_k = qs[-2], k.shape[-2]
     if not ((ms[-2] == 1 or ms[-2] == n_q) and (ms[-1] == 1 or ms[-1] == n_k)):
@@ -395,6 +402,27 @@ def _plain_mask(mask: Any, q: np.ndarray, k: np.ndarray) -> int:
     return kind
 
 
+def _plain_lengths(lengths: Any, lead: tuple, n_k: int, gqa: bool) -> Optional[np.ndarray]:
+    """kv_lengths of a plain call as the C core reads them (int64, as _lengths
+    gives them), else None (the general path then checks, converts or refuses
+    them): an integer ndarray (not a subclass) of rank at most len(lead) that
+    broadcasts to the leading dims `lead` (..., H) without growing them, with
+    values in [0, n_k].  With gqa (a folded call: lead (..., H_kv) for the C
+    core), one length for all the heads of a batch (a head axis of 1, or
+    none), as the fold needs."""
+    if type(lengths) is not np.ndarray or lengths.dtype.kind not in "iu":
+        return None
+    ls = lengths.shape
+    n = len(ls)
+    if n > len(lead) or (gqa and n and ls[-1] != 1):
+        return None
+    if n and not all(m == 1 or m == x for m, x in zip(ls, lead[len(lead) - n:])):
+        return None
+    if lengths.size and not (0 <= lengths.min() and lengths.max() <= n_k):
+        return None
+    return np.require(lengths, np.int64, ["C", "A"])
+
+
 def _plain_out(out: Any, q: Any, k: Any, v: Any) -> bool:
     """Can a plain call write into `out` as it is?  An ndarray (not a
     subclass) of q's dtype and the result's shape, C-contiguous, writeable and
@@ -407,32 +435,40 @@ def _plain_out(out: Any, q: Any, k: Any, v: Any) -> bool:
 
 def _attention_plain(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: Optional[np.ndarray], mask_kind: int,
                      causal: bool, scale: Any, num_threads: Any, out: Optional[np.ndarray],
-                     return_lse: bool) -> Any:
-    """attention() of a call that _plain (and _plain_out, _plain_mask) accepted:
-    the same result as through _prepare (the same C call on the same arrays),
-    without its general work."""
+                     return_lse: bool, kvl: Optional[np.ndarray] = None) -> Any:
+    """attention() of a call that _plain (and _plain_out, _plain_mask,
+    _plain_lengths) accepted: the same result as through _prepare (the same C
+    call on the same arrays), without its general work."""
     s, nthreads = _scale(scale, q.shape[-1]), _num_threads(num_threads)
     result = np.empty(q.shape[:-1] + v.shape[-1:], q.dtype) if out is None else out
     lse = np.empty(q.shape[:-1], q.dtype) if return_lse else None
     if result.size or lse is not None:
-        _core.attention(_core.Args(q, k, v, mask, mask_kind, q.shape[:-2], bool(causal), s, nthreads), result, lse)
+        _core.attention(_core.Args(q, k, v, mask, mask_kind, q.shape[:-2], bool(causal), s, nthreads, kvl=kvl),
+                        result, lse)
     return (result, lse) if return_lse else result
 
 
-def _attention_plain_gqa(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool, scale: Any,
-                         num_threads: Any, out: Optional[np.ndarray], return_lse: bool) -> Any:
-    """attention(..., enable_gqa=True) of a call that _plain_gqa (and _plain_out)
-    accepted: the folded C call that _prepare and _call would make (a group's g
-    query heads as the n_q * g rows of one item, position-major), without their
-    general work."""
+def _attention_plain_gqa(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: Optional[np.ndarray],
+                         mask_kind: int, causal: bool, scale: Any, num_threads: Any, out: Optional[np.ndarray],
+                         return_lse: bool, kvl: Optional[np.ndarray] = None) -> Any:
+    """attention(..., enable_gqa=True) of a call that _plain_gqa (and _plain_out,
+    _plain_mask, _plain_lengths) accepted: the folded C call that _prepare and
+    _call would make (a group's g query heads as the n_q * g rows of one item,
+    position-major; a mask and kv_lengths with a head axis of 1 serve the K and
+    V heads as they are, a mask's rows repeated for the group's heads),
+    without their general work."""
     H, Hkv, n_q = q.shape[-3], k.shape[-3], q.shape[-2]
     g, lead = H // Hkv, q.shape[:-3] + (Hkv,)
     s, nthreads = _scale(scale, q.shape[-1]), _num_threads(num_threads)
     result = np.empty(q.shape[:-1] + v.shape[-1:], q.dtype) if out is None else out
     lse = np.empty(q.shape[:-1], q.dtype) if return_lse else None
+    if mask is not None:   # (..., 1, n_q|1, n_k|1): row r of the folded rows is position r // g
+        mask = mask.reshape((1,) * (q.ndim - mask.ndim) + mask.shape)
+        if mask.shape[-2] != 1:
+            mask = np.repeat(mask, g, axis=-2)
     if result.size or lse is not None:
-        args = _core.Args(_rows(q.reshape(lead + (g, n_q, q.shape[-1])), 1), k, v, None, _core.MASK_NONE, lead,
-                          bool(causal), s, nthreads, row_group=g)
+        args = _core.Args(_rows(q.reshape(lead + (g, n_q, q.shape[-1])), 1), k, v, mask, mask_kind, lead,
+                          bool(causal), s, nthreads, kvl=kvl, row_group=g)
         _attention_rows(args, result.reshape(lead + (g, n_q, v.shape[-1])),
                         lse.reshape(lead + (g, n_q)) if lse is not None else None)
     return (result, lse) if return_lse else result

@@ -308,7 +308,134 @@ def test_plain_gqa_recognised(rng):
     for args in (not_plain[0], not_plain[2], not_plain[4], not_plain[5]):
         want = reference64(*args, enable_gqa=True)[0]
         assert_close(fastattn.attention(*args, enable_gqa=True), want, F32)
-    # a mask goes the general way (it folds the mask with the rows)
+    # a mask per query head goes the general way (it folds the mask with the rows)
     mask = rng.random((2, 8, 1, 40)) < 0.5
     got = fastattn.attention(q, k, v, mask=mask, enable_gqa=True)
     assert_close(got, reference64(q, k, v, mask=mask, enable_gqa=True)[0], F32)
+
+
+def _plain_only(monkeypatch, q, k, v, **kw):
+    """fastattn.attention(q, k, v, return_lse=True, **kw) with the general path's
+    _prepare made to fail: the call must take the plain path."""
+    def general(*args, **kwargs):
+        raise AssertionError("the general path (_prepare) was taken")
+    with monkeypatch.context() as m:
+        m.setattr(fastattn._attention, "_prepare", general)
+        return fastattn.attention(q, k, v, return_lse=True, **kw)
+
+
+def _general(q, k, v, **kw):
+    """The same call through the general path (q as a strided view)."""
+    from fastattn._attention import _plain, _plain_gqa
+    gq = _strided(q)
+    assert not _plain(gq, k, v) and not _plain_gqa(gq, k, v)
+    return fastattn.attention(gq, k, v, return_lse=True, **kw)
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("shape", [(), (1,), (3, 1), (3, 4), (4,)], ids=lambda s: f"kvl{s}")
+@pytest.mark.parametrize("int_dtype", [np.int64, np.int32, np.uint16])
+def test_plain_kv_lengths(isa, rng, monkeypatch, dtype, shape, int_dtype):
+    """kv_lengths of any integer dtype that broadcast to the leading dims (B=3, H=4)
+    take the plain call (_plain_lengths): the general path's result bit for bit,
+    the reference's, keys beyond a length hidden (0 keys: a zero row)."""
+    from fastattn._attention import _plain_lengths
+    B, H, nq, nk = 3, 4, 2, 70
+    q, k, v = rand(rng, (B, H, nq, 24), dtype), rand(rng, (B, H, nk, 24), dtype), rand(rng, (B, H, nk, 16), dtype)
+    kvl = rng.integers(0, nk + 1, shape).astype(int_dtype)
+    if kvl.size > 1:
+        kvl.flat[0], kvl.flat[1] = 0, nk
+    got_kvl = _plain_lengths(kvl, (B, H), nk, False)
+    assert got_kvl is not None and got_kvl.dtype == np.int64 and np.array_equal(got_kvl, kvl)
+    for causal in (False, True):
+        got, lse = check(q, k, v, dtype, causal=causal, kv_lengths=kvl, num_threads=[1, 2])
+        p_got, p_lse = _plain_only(monkeypatch, q, k, v, causal=causal, kv_lengths=kvl)
+        np.testing.assert_array_equal(p_got, got)
+        g_got, g_lse = _general(q, k, v, causal=causal, kv_lengths=kvl)
+        np.testing.assert_array_equal(got, g_got)
+        np.testing.assert_array_equal(lse, g_lse)
+        out = np.full(got.shape, np.nan, dtype)
+        assert fastattn.attention(q, k, v, causal=causal, kv_lengths=kvl, out=out) is out
+        np.testing.assert_array_equal(out, got)
+    if kvl.size > 1:   # (flat[0] is 0)
+        zero = np.broadcast_to(kvl, (B, H)) == 0
+        assert zero.any() and np.all(got[zero] == 0)
+
+
+@pytest.mark.parametrize("kv_dtype", [F32, F64, HALF[0]], ids=["float32", "float64", "float16"])
+@pytest.mark.parametrize("nq", [1, 3])
+@pytest.mark.parametrize("mask_shape,mask_dtype", [(None, None)] + [
+    (s, t) for s in [(2, 1, 1, 90), (2, 1, "nq", 90), ("nq", 90), (1, 90)] for t in (bool, "float")],
+    ids=lambda x: f"{x}" if not isinstance(x, type) else x.__name__)
+def test_plain_gqa_lengths_and_masks(isa, rng, monkeypatch, kv_dtype, nq, mask_shape, mask_dtype):
+    """Grouped-query decoding with kv_lengths one per batch and a mask with a
+    head axis of 1 (a key-padding mask, rows per position) is a plain call
+    (_plain_gqa, _plain_mask, _plain_lengths): the mask's rows repeated for the
+    group's folded heads, the general path's result bit for bit, and the
+    reference's."""
+    from fastattn._attention import _plain_mask
+    B, H, Hkv, nk = 2, 8, 2, 90
+    dtype = F64 if kv_dtype == F64 else F32
+    q = rand(rng, (B, H, nq, 32), dtype)
+    k, v = rand(rng, (B, Hkv, nk, 32), kv_dtype), rand(rng, (B, Hkv, nk, 24), kv_dtype)
+    mask = None
+    if mask_shape is not None:
+        shape = tuple(nq if x == "nq" else x for x in mask_shape)
+        seen = rng.random(shape) < 0.7
+        mask = seen if mask_dtype is bool else np.where(seen, rng.standard_normal(shape), -np.inf).astype(dtype)
+    kvl = np.array([[nk - 7], [31]])
+    for causal in (False, True):
+        got, lse = check(q, k, v, dtype, causal=causal, enable_gqa=True, mask=mask, kv_lengths=kvl,
+                         num_threads=[1, 2])
+        if mask is None or _plain_mask(mask, q, k, True) != _core.MASK_NONE:   # (a float mask read as bool: not)
+            p_got, p_lse = _plain_only(monkeypatch, q, k, v, causal=causal, enable_gqa=True, mask=mask,
+                                       kv_lengths=kvl)
+            np.testing.assert_array_equal(p_got, got)
+            np.testing.assert_array_equal(p_lse, lse)
+        g_got, g_lse = _general(q, k, v, causal=causal, enable_gqa=True, mask=mask, kv_lengths=kvl)
+        np.testing.assert_array_equal(got, g_got)
+        np.testing.assert_array_equal(lse, g_lse)
+        out = np.full(got.shape, np.nan, dtype)
+        assert fastattn.attention(q, k, v, causal=causal, enable_gqa=True, mask=mask, kv_lengths=kvl, out=out) is out
+        np.testing.assert_array_equal(out, got)
+
+
+def test_plain_lengths_recognised(rng):
+    """_plain_lengths takes integer arrays that broadcast to the leading dims
+    without growing them and lie in [0, n_k]; anything else goes the general
+    way, with its errors (or, for a fold, its per-head lengths) and the same
+    results."""
+    from fastattn._attention import _plain_lengths
+    lead, nk = (3, 4), 50
+    ok = [np.array(7), np.array([1, 2, 3, 4]), np.array([[1], [2], [3]]), np.zeros((3, 4), np.int8)]
+    for x in ok:
+        assert _plain_lengths(x, lead, nk, False) is not None
+    not_plain = [
+        7,                                     # a Python int (np.asarray in the general path)
+        np.int64(7),                           # a NumPy scalar, likewise
+        [[1], [2], [3]],                       # a list
+        np.array([[1.0], [2], [3]]),           # floats: a TypeError there
+        np.array([True, False, True, True]),   # bool: a TypeError there
+        np.array([[1], [2]]),                  # does not broadcast: a ValueError there
+        np.ones((2, 3, 4), np.int64),          # grows the leading dims: a ValueError there
+        np.array([1, 2, 3, nk + 1]),           # beyond n_k: a ValueError there
+        np.array([[-1], [2], [3]]),            # negative: a ValueError there
+    ]
+    for x in not_plain:
+        assert _plain_lengths(x, lead, nk, False) is None
+    assert _plain_lengths(np.array([1, 2, 3, 4]), lead, nk, True) is None   # per head: no fold
+    assert _plain_lengths(np.array([[1], [2], [3]]), lead, nk, True) is not None
+    q, k, v = rand(rng, lead + (1, 16)), rand(rng, lead + (nk, 16)), rand(rng, lead + (nk, 8))
+    for x, exc in [(not_plain[3], TypeError), (not_plain[4], TypeError), (not_plain[5], ValueError),
+                   (not_plain[6], ValueError), (not_plain[7], ValueError), (not_plain[8], ValueError)]:
+        with pytest.raises(exc, match="kv_lengths"):
+            fastattn.attention(q, k, v, kv_lengths=x)
+    for x in not_plain[:3]:
+        assert_close(fastattn.attention(q, k, v, kv_lengths=x), reference64(q, k, v, kv_lengths=x)[0], F32)
+    # GQA: lengths per query head, or a mask per query head, take the general path's fold
+    gq, gk, gv = rand(rng, (3, 8, 1, 16)), rand(rng, (3, 2, nk, 16)), rand(rng, (3, 2, nk, 8))
+    per_head = rng.integers(0, nk + 1, (3, 8))
+    mask = rng.random((3, 8, 1, nk)) < 0.6
+    for kw in (dict(kv_lengths=per_head), dict(mask=mask), dict(mask=mask, kv_lengths=per_head[:, :1])):
+        assert_close(fastattn.attention(gq, gk, gv, enable_gqa=True, **kw),
+                     reference64(gq, gk, gv, enable_gqa=True, **kw)[0], F32)
