@@ -31,6 +31,7 @@ from ._validate import (
     _check_out,
     _direct_out,
     _heads_first,
+    _lengths,
     _native_half,
     _num_threads,
     _overlaps,
@@ -403,24 +404,23 @@ def _plain_mask(mask: Any, q: np.ndarray, k: np.ndarray, gqa: bool = False) -> i
 
 
 def _plain_lengths(lengths: Any, lead: tuple, n_k: int, gqa: bool) -> Optional[np.ndarray]:
-    """kv_lengths of a plain call as the C core reads them (int64, as _lengths
-    gives them), else None (the general path then checks, converts or refuses
-    them): an integer ndarray (not a subclass) of rank at most len(lead) that
-    broadcasts to the leading dims `lead` (..., H) without growing them, with
-    values in [0, n_k].  With gqa (a folded call: lead (..., H_kv) for the C
-    core), one length for all the heads of a batch (a head axis of 1, or
-    none), as the fold needs."""
-    if type(lengths) is not np.ndarray or lengths.dtype.kind not in "iu":
+    """kv_lengths of a plain call as the C core reads them (int64, checked by
+    _lengths, which raises what the general path would: not integers, values
+    outside [0, n_k]), else None (the general path then takes them): an ndarray
+    (not a subclass) of rank at most len(lead) that broadcasts to the leading
+    dims `lead` (..., H) without growing them.  With gqa (a folded call: lead
+    (..., H_kv) for the C core), one length for all the heads of a batch (a
+    head axis of 1, or none), as the fold needs."""
+    if type(lengths) is not np.ndarray:
         return None
-    ls = lengths.shape
+    kvl = _lengths(lengths, "kv_lengths", "n_k", n_k)   # the general path's checks, errors and int64
+    ls = kvl.shape
     n = len(ls)
     if n > len(lead) or (gqa and n and ls[-1] != 1):
         return None
     if n and not all(m == 1 or m == x for m, x in zip(ls, lead[len(lead) - n:])):
         return None
-    if lengths.size and not (0 <= lengths.min() and lengths.max() <= n_k):
-        return None
-    return np.require(lengths, np.int64, ["C", "A"])
+    return kvl
 
 
 def _plain_out(out: Any, q: Any, k: Any, v: Any) -> bool:
@@ -462,10 +462,8 @@ def _attention_plain_gqa(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: Opti
     s, nthreads = _scale(scale, q.shape[-1]), _num_threads(num_threads)
     result = np.empty(q.shape[:-1] + v.shape[-1:], q.dtype) if out is None else out
     lse = np.empty(q.shape[:-1], q.dtype) if return_lse else None
-    if mask is not None:   # (..., 1, n_q|1, n_k|1): row r of the folded rows is position r // g
-        mask = mask.reshape((1,) * (q.ndim - mask.ndim) + mask.shape)
-        if mask.shape[-2] != 1:
-            mask = np.repeat(mask, g, axis=-2)
+    if mask is not None:   # (..., 1, n_q|1, n_k|1), the group's axis added as _prepare splits the heads
+        mask = _fold_rows_mask(mask[..., None, :, :], g, n_q)
     if result.size or lse is not None:
         args = _core.Args(_rows(q.reshape(lead + (g, n_q, q.shape[-1])), 1), k, v, mask, mask_kind, lead,
                           bool(causal), s, nthreads, kvl=kvl, row_group=g)
@@ -512,14 +510,17 @@ def _attention_rows(c: _core.Args, target: np.ndarray, lse: Optional[np.ndarray]
 
 
 def _fold_mask(p: _Prepared, g: int) -> Optional[np.ndarray]:
-    """The mask of a folded call (see _prepare) of g heads a group, (..., Hkv|1, n_q, g, n_k|1) as
-    (..., Hkv|1, n_q * g, n_k|1): a view where the rows' strides allow one (say a
-    key-padding mask, the same for every row), else a copy of at most n_q * g rows
-    of n_k per K and V head."""
-    if p.mask is None:
-        return None
-    mask = p.mask.reshape((1,) * (3 - p.mask.ndim) + p.mask.shape)
-    return _rows(np.broadcast_to(mask, mask.shape[:-3] + (g, p.n_q, mask.shape[-1])), 1)
+    """The mask of a folded call (see _prepare) of g heads a group (_fold_rows_mask), or None."""
+    return None if p.mask is None else _fold_rows_mask(p.mask, g, p.n_q)
+
+
+def _fold_rows_mask(mask: np.ndarray, g: int, n_q: int) -> np.ndarray:
+    """A mask (..., Hkv|1, g|1, n_q|1, n_k|1) of a call that folds g heads a group into
+    rows, as (..., Hkv|1, n_q * g, n_k|1), position-major: a view where the rows'
+    strides allow one (say a key-padding mask, the same for every row), else a copy
+    of at most n_q * g rows of n_k per K and V head."""
+    mask = mask.reshape((1,) * (3 - mask.ndim) + mask.shape)
+    return _rows(np.broadcast_to(mask, mask.shape[:-3] + (g, n_q, mask.shape[-1])), 1)
 
 
 def _call(p: _Prepared, target: np.ndarray, lse: Optional[np.ndarray], weights: bool = False,

@@ -421,8 +421,12 @@ def test_plain_lengths_recognised(rng):
         np.array([1, 2, 3, nk + 1]),           # beyond n_k: a ValueError there
         np.array([[-1], [2], [3]]),            # negative: a ValueError there
     ]
-    for x in not_plain:
+    for x in not_plain[:3] + not_plain[5:7]:
         assert _plain_lengths(x, lead, nk, False) is None
+    for x, exc in [(not_plain[3], TypeError), (not_plain[4], TypeError), (not_plain[7], ValueError),
+                   (not_plain[8], ValueError)]:   # _lengths's checks: the general path's errors
+        with pytest.raises(exc, match="kv_lengths"):
+            _plain_lengths(x, lead, nk, False)
     assert _plain_lengths(np.array([1, 2, 3, 4]), lead, nk, True) is None   # per head: no fold
     assert _plain_lengths(np.array([[1], [2], [3]]), lead, nk, True) is not None
     q, k, v = rand(rng, lead + (1, 16)), rand(rng, lead + (nk, 16)), rand(rng, lead + (nk, 8))
