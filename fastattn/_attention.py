@@ -109,7 +109,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, mask: Optional[ArrayL
         q, k, v = _heads_first((q, k, v), "qkv")
     if (not blhd and type(causal) is bool and window is None and softcap is None and alibi_slopes is None
             and q_lengths is None):
-        if not enable_gqa:
+        if not enable_gqa or _gqa_equal_heads(q, k):
             if _plain(q, k, v) and (out is None or _plain_out(out, q, k, v) and not _overlaps(out, mask)):
                 mask_kind = _core.MASK_NONE if mask is None else _plain_mask(mask, q, k)  # type: ignore[arg-type]
                 kvl = _plain_lengths(kv_lengths, q.shape[:-2], k.shape[-2], False)  # type: ignore[union-attr]
@@ -356,6 +356,15 @@ def _plain(q: Any, k: Any, v: Any) -> bool:
     qs, ks, vs = q.shape, k.shape, v.shape
     n = len(qs)
     return n >= 2 and n == len(ks) and qs[-1] == ks[-1] and qs[:-2] == ks[:-2] and ks[:-1] == vs[:-1]
+
+
+def _gqa_equal_heads(q: Any, k: Any) -> bool:
+    """enable_gqa with as many key/value heads as query heads (ndarrays with a
+    head axis): multi-head attention, which the plain call serves as it is (the
+    general path runs the same C call on (..., H, 1, n, d) views).  Zero heads
+    go the general way, to its error."""
+    return (type(q) is np.ndarray and type(k) is np.ndarray and q.ndim >= 3 and k.ndim >= 3
+            and q.shape[-3] == k.shape[-3] > 0)
 
 
 def _plain_gqa(q: Any, k: Any, v: Any) -> bool:

@@ -400,6 +400,58 @@ def test_plain_gqa_lengths_and_masks(isa, rng, monkeypatch, kv_dtype, nq, mask_s
         np.testing.assert_array_equal(out, got)
 
 
+@pytest.mark.parametrize("kv_dtype", [F32, F64, HALF[0]], ids=["float32", "float64", "float16"])
+@pytest.mark.parametrize("lead", [(2, 4), (3,)], ids=["B2H4", "H3"])
+@pytest.mark.parametrize("nq", [1, 5])
+@pytest.mark.parametrize("extra", ["none", "bool mask", "float mask", "kv_lengths"])
+def test_plain_gqa_equal_heads(isa, rng, monkeypatch, kv_dtype, lead, nq, extra):
+    """enable_gqa with as many key/value heads as query heads is multi-head
+    attention: a plain call (_gqa_equal_heads), the result of the same call
+    without enable_gqa and of the general path bit for bit, and the reference's."""
+    dtype = F64 if kv_dtype == F64 else F32
+    nk = 70
+    q = rand(rng, lead + (nq, 32), dtype)
+    k, v = rand(rng, lead + (nk, 32), kv_dtype), rand(rng, lead + (nk, 24), kv_dtype)
+    kw = {}
+    if extra == "bool mask":
+        kw["mask"] = rng.random(lead[:-1] + (1, 1, nk)) < 0.7
+    elif extra == "float mask":
+        kw["mask"] = np.where(rng.random((nq, nk)) < 0.7, rng.standard_normal((nq, nk)), -np.inf).astype(dtype)
+    elif extra == "kv_lengths":
+        kw["kv_lengths"] = rng.integers(0, nk + 1, lead[:-1] + (1,))
+    for causal in (False, True):
+        got, lse = check(q, k, v, dtype, causal=causal, enable_gqa=True, num_threads=[1, 2], **kw)
+        p_got, p_lse = _plain_only(monkeypatch, q, k, v, causal=causal, enable_gqa=True, **kw)
+        m_got, m_lse = fastattn.attention(q, k, v, causal=causal, return_lse=True, **kw)
+        g_got, g_lse = _general(q, k, v, causal=causal, enable_gqa=True, **kw)
+        for a, b in ((p_got, got), (p_lse, lse), (m_got, got), (m_lse, lse), (g_got, got), (g_lse, lse)):
+            np.testing.assert_array_equal(a, b)
+        out = np.full(got.shape, np.nan, dtype)
+        assert fastattn.attention(q, k, v, causal=causal, enable_gqa=True, out=out, **kw) is out
+        np.testing.assert_array_equal(out, got)
+
+
+def test_plain_gqa_equal_heads_errors(rng):
+    """The calls with enable_gqa that are not multi-head attention in disguise
+    still take the general path, to its errors: no head axis, zero heads, k and
+    v with different head counts."""
+    from fastattn._attention import _gqa_equal_heads
+    q2, k2 = rand(rng, (1, 16)), rand(rng, (5, 16))
+    assert not _gqa_equal_heads(q2, k2)
+    with pytest.raises(ValueError, match="needs a head axis"):
+        fastattn.attention(q2, k2, k2, enable_gqa=True)
+    q0, k0 = rand(rng, (2, 0, 1, 16)), rand(rng, (2, 0, 5, 16))
+    assert not _gqa_equal_heads(q0, k0)
+    with pytest.raises(ValueError, match="multiple of the key/value heads"):
+        fastattn.attention(q0, k0, k0, enable_gqa=True)
+    q, k, v = rand(rng, (2, 4, 1, 16)), rand(rng, (2, 4, 5, 16)), rand(rng, (2, 3, 5, 16))
+    assert _gqa_equal_heads(q, k)
+    with pytest.raises(ValueError, match="different head counts"):
+        fastattn.attention(q, k, v, enable_gqa=True)
+    assert not _gqa_equal_heads(q.tolist(), k)   # lists: the general path's conversion
+    assert_close(fastattn.attention(q.tolist(), k, k, enable_gqa=True), reference64(q, k, k)[0], F64)
+
+
 def test_plain_lengths_recognised(rng):
     """_plain_lengths takes integer arrays that broadcast to the leading dims
     without growing them and lie in [0, n_k]; anything else goes the general
