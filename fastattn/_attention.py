@@ -105,10 +105,19 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, mask: Optional[ArrayL
               q_lengths: Optional[ArrayLike] = None,
               layout: Layout = "bhld") -> NDArray[Any] | tuple[NDArray[Any], NDArray[Any]]:
     blhd = _blhd(layout)
+    plain_options = (type(causal) is bool and window is None and softcap is None and alibi_slopes is None
+                     and q_lengths is None)
     if blhd:   # (..., n, H, d): computed on (..., H, n, d) views, the result written in the caller's layout
+        if plain_options and _plain_blhd(q, k, v, enable_gqa) and (
+                out is None or _plain_out(out, q, k, v) and not _overlaps(out, mask)):
+            qv, kv, vv = _heads_first((q, k, v), "qkv")
+            mask_kind = _core.MASK_NONE if mask is None else _plain_mask(mask, qv, kv)
+            kvl = _plain_lengths(kv_lengths, qv.shape[:-2], kv.shape[-2], False)
+            if (mask is None or mask_kind != _core.MASK_NONE) and (kv_lengths is None or kvl is not None):
+                return _attention_plain(qv, kv, vv, mask, mask_kind, causal, scale,  # type: ignore[arg-type]
+                                        num_threads, out, return_lse, kvl, blhd=True)
         q, k, v = _heads_first((q, k, v), "qkv")
-    if (not blhd and type(causal) is bool and window is None and softcap is None and alibi_slopes is None
-            and q_lengths is None):
+    elif plain_options:
         if not enable_gqa or _gqa_equal_heads(q, k):
             if _plain(q, k, v) and (out is None or _plain_out(out, q, k, v) and not _overlaps(out, mask)):
                 mask_kind = _core.MASK_NONE if mask is None else _plain_mask(mask, q, k)  # type: ignore[arg-type]
@@ -358,6 +367,20 @@ def _plain(q: Any, k: Any, v: Any) -> bool:
     return n >= 2 and n == len(ks) and qs[-1] == ks[-1] and qs[:-2] == ks[:-2] and ks[:-1] == vs[:-1]
 
 
+def _plain_blhd(q: Any, k: Any, v: Any, enable_gqa: bool) -> bool:
+    """The plain call in layout "blhd": arrays that _plain_arrays accepts, shaped
+    (..., n_q, H, d_k), (..., n_k, H, d_k) and (..., n_k, H, d_v) with the same
+    leading dims and heads (with enable_gqa, at least one head: zero go the
+    general way, to its error), read through their (..., H, n, d) views as the
+    general path reads them."""
+    if not _plain_arrays(q, k, v):
+        return False
+    qs, ks, vs = q.shape, k.shape, v.shape
+    n = len(qs)
+    return (n >= 3 and n == len(ks) and qs[:-3] == ks[:-3] and qs[-2:] == ks[-2:]
+            and ks[:-1] == vs[:-1] and (qs[-2] > 0 or not enable_gqa))
+
+
 def _gqa_equal_heads(q: Any, k: Any) -> bool:
     """enable_gqa with as many key/value heads as query heads (ndarrays with a
     head axis): multi-head attention, which the plain call serves as it is (the
@@ -444,16 +467,21 @@ def _plain_out(out: Any, q: Any, k: Any, v: Any) -> bool:
 
 def _attention_plain(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: Optional[np.ndarray], mask_kind: int,
                      causal: bool, scale: Any, num_threads: Any, out: Optional[np.ndarray],
-                     return_lse: bool, kvl: Optional[np.ndarray] = None) -> Any:
+                     return_lse: bool, kvl: Optional[np.ndarray] = None, blhd: bool = False) -> Any:
     """attention() of a call that _plain (and _plain_out, _plain_mask,
     _plain_lengths) accepted: the same result as through _prepare (the same C
-    call on the same arrays), without its general work."""
+    call on the same arrays), without its general work.  blhd: q, k and v are
+    the (..., H, n, d) views of _plain_blhd's arrays, and the result (out, if
+    given) is (..., n_q, H, d_v), written through its (..., H, n_q, d_v) view."""
     s, nthreads = _scale(scale, q.shape[-1]), _num_threads(num_threads)
-    result = np.empty(q.shape[:-1] + v.shape[-1:], q.dtype) if out is None else out
+    shape = q.shape[:-1] + v.shape[-1:]
+    if blhd:
+        shape = shape[:-3] + (shape[-2], shape[-3], shape[-1])
+    result = np.empty(shape, q.dtype) if out is None else out
     lse = np.empty(q.shape[:-1], q.dtype) if return_lse else None
     if result.size or lse is not None:
         _core.attention(_core.Args(q, k, v, mask, mask_kind, q.shape[:-2], bool(causal), s, nthreads, kvl=kvl),
-                        result, lse)
+                        result.swapaxes(-3, -2) if blhd else result, lse)
     return (result, lse) if return_lse else result
 
 

@@ -452,6 +452,70 @@ def test_plain_gqa_equal_heads_errors(rng):
     assert_close(fastattn.attention(q.tolist(), k, k, enable_gqa=True), reference64(q, k, k)[0], F64)
 
 
+@pytest.mark.parametrize("kv_dtype", [F32, F64, HALF[0]], ids=["float32", "float64", "float16"])
+@pytest.mark.parametrize("lead", [(2,), (1, 2)], ids=["B2", "1x2"])
+@pytest.mark.parametrize("nq", [1, 5])
+@pytest.mark.parametrize("extra", ["none", "bool mask", "float mask", "kv_lengths", "enable_gqa"])
+def test_plain_blhd(isa, rng, monkeypatch, kv_dtype, lead, nq, extra):
+    """layout="blhd" with C-contiguous (..., n, H, d) arrays is a plain call
+    (_plain_blhd): read through the (..., H, n, d) views as the general path
+    reads them, the result (..., n_q, H, d_v) written through its view, the
+    general path's result bit for bit (out= and the head-major lse too), and
+    the reference's.  Masks and kv_lengths are head-major, as there."""
+    from fastattn._attention import _plain_blhd
+    dtype = F64 if kv_dtype == F64 else F32
+    H, nk = 3, 70
+    q = rand(rng, lead + (nq, H, 32), dtype)
+    k, v = rand(rng, lead + (nk, H, 32), kv_dtype), rand(rng, lead + (nk, H, 24), kv_dtype)
+    assert _plain_blhd(q, k, v, False)
+    kw = {"layout": "blhd"}
+    if extra == "bool mask":
+        kw["mask"] = rng.random(lead + (1, 1, nk)) < 0.7
+    elif extra == "float mask":
+        kw["mask"] = np.where(rng.random((H, nq, nk)) < 0.7, rng.standard_normal((H, nq, nk)),
+                              -np.inf).astype(dtype)
+    elif extra == "kv_lengths":
+        kw["kv_lengths"] = rng.integers(0, nk + 1, lead + (H,))
+    elif extra == "enable_gqa":
+        kw["enable_gqa"] = True
+    for causal in (False, True):
+        got, lse = check(q, k, v, dtype, causal=causal, num_threads=[1, 2], **kw)
+        assert got.shape == lead + (nq, H, 24) and lse.shape == lead + (H, nq)
+        p_got, p_lse = _plain_only(monkeypatch, q, k, v, causal=causal, **kw)
+        g_got, g_lse = fastattn.attention(_strided(q), k, v, causal=causal, return_lse=True, **kw)
+        assert not _plain_blhd(_strided(q), k, v, False)
+        for a, b in ((p_got, got), (p_lse, lse), (g_got, got), (g_lse, lse)):
+            np.testing.assert_array_equal(a, b)
+        out = np.full(got.shape, np.nan, dtype)
+        assert fastattn.attention(q, k, v, causal=causal, out=out, **kw) is out
+        np.testing.assert_array_equal(out, got)
+
+
+def test_plain_blhd_recognised(rng):
+    """_plain_blhd takes equal leading dims and heads; the rest goes the general
+    way, to its errors or its results (GQA, broadcast batch, views)."""
+    from fastattn._attention import _plain_blhd
+    q, k, v = rand(rng, (2, 1, 4, 16)), rand(rng, (2, 9, 4, 16)), rand(rng, (2, 9, 4, 8))
+    assert _plain_blhd(q, k, v, False) and _plain_blhd(q, k, v, True)
+    kv2 = rand(rng, (2, 9, 2, 16)), rand(rng, (2, 9, 2, 8))
+    assert not _plain_blhd(q, *kv2, True)   # GQA: the general path's fold
+    assert_close(fastattn.attention(q, *kv2, layout="blhd", enable_gqa=True),
+                 reference64(q, *kv2, layout="blhd", enable_gqa=True)[0], F32)
+    assert not _plain_blhd(q[:1], k, v, False)   # broadcast batch
+    assert_close(fastattn.attention(q[:1], k, v, layout="blhd"), reference64(q[:1], k, v, layout="blhd")[0], F32)
+    assert not _plain_blhd(q[..., 0, :], k[..., 0, :], v[..., 0, :], False)   # no head axis: an error there
+    with pytest.raises(ValueError, match="blhd"):
+        fastattn.attention(q[0, :, 0], k[0, :, 0], v[0, :, 0], layout="blhd")
+    q0, k0 = rand(rng, (2, 1, 0, 16)), rand(rng, (2, 9, 0, 16))
+    assert _plain_blhd(q0, k0, k0, False) and not _plain_blhd(q0, k0, k0, True)
+    assert fastattn.attention(q0, k0, k0, layout="blhd").shape == (2, 1, 0, 16)
+    with pytest.raises(ValueError, match="multiple of the key/value heads"):
+        fastattn.attention(q0, k0, k0, layout="blhd", enable_gqa=True)
+    bad_out = np.empty((2, 4, 1, 8), F32)   # bhld's shape: the general path's error
+    with pytest.raises(ValueError, match="out"):
+        fastattn.attention(q, k, v, layout="blhd", out=bad_out)
+
+
 def test_plain_lengths_recognised(rng):
     """_plain_lengths takes integer arrays that broadcast to the leading dims
     without growing them and lie in [0, n_k]; anything else goes the general
