@@ -28,6 +28,7 @@ from ._validate import (
     Layout,
     Window,
     _blhd,
+    _causal,
     _check_out,
     _direct_out,
     _heads_first,
@@ -37,6 +38,8 @@ from ._validate import (
     _overlaps,
     _readable,
     _scale,
+    _softcap,
+    _window,
 )
 
 __all__ = ["attention", "attention_weights"]
@@ -105,8 +108,9 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, mask: Optional[ArrayL
               q_lengths: Optional[ArrayLike] = None,
               layout: Layout = "bhld") -> NDArray[Any] | tuple[NDArray[Any], NDArray[Any]]:
     blhd = _blhd(layout)
-    plain_options = (type(causal) is bool and window is None and softcap is None and alibi_slopes is None
-                     and q_lengths is None)
+    # the plain calls: no per-head or per-row arrays beyond a mask and kv_lengths (and
+    # for folded GQA, no causal alignment string, window or softcap either)
+    plain_options = alibi_slopes is None and q_lengths is None
     if blhd:   # (..., n, H, d): computed on (..., H, n, d) views, the result written in the caller's layout
         if plain_options and _plain_blhd(q, k, v, enable_gqa) and (
                 out is None or _plain_out(out, q, k, v) and not _overlaps(out, mask)):
@@ -115,7 +119,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, mask: Optional[ArrayL
             kvl = _plain_lengths(kv_lengths, qv.shape[:-2], kv.shape[-2], False)
             if (mask is None or mask_kind != _core.MASK_NONE) and (kv_lengths is None or kvl is not None):
                 return _attention_plain(qv, kv, vv, mask, mask_kind, causal, scale,  # type: ignore[arg-type]
-                                        num_threads, out, return_lse, kvl, blhd=True)
+                                        num_threads, out, return_lse, kvl, window, softcap, blhd=True)
         q, k, v = _heads_first((q, k, v), "qkv")
     elif plain_options:
         if not enable_gqa or _gqa_equal_heads(q, k):
@@ -124,8 +128,9 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, mask: Optional[ArrayL
                 kvl = _plain_lengths(kv_lengths, q.shape[:-2], k.shape[-2], False)  # type: ignore[union-attr]
                 if (mask is None or mask_kind != _core.MASK_NONE) and (kv_lengths is None or kvl is not None):
                     return _attention_plain(q, k, v, mask, mask_kind, causal, scale,  # type: ignore[arg-type]
-                                            num_threads, out, return_lse, kvl)
-        elif _plain_gqa(q, k, v) and (out is None or _plain_out(out, q, k, v) and not _overlaps(out, mask)):
+                                            num_threads, out, return_lse, kvl, window, softcap)
+        elif (type(causal) is bool and window is None and softcap is None and _plain_gqa(q, k, v)
+              and (out is None or _plain_out(out, q, k, v) and not _overlaps(out, mask))):
             mask_kind = _core.MASK_NONE if mask is None else _plain_mask(mask, q, k, True)  # type: ignore[arg-type]
             kvl = _plain_lengths(kv_lengths, q.shape[:-2], k.shape[-2], True)  # type: ignore[union-attr]
             if (mask is None or mask_kind != _core.MASK_NONE) and (kv_lengths is None or kvl is not None):
@@ -466,21 +471,27 @@ def _plain_out(out: Any, q: Any, k: Any, v: Any) -> bool:
 
 
 def _attention_plain(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: Optional[np.ndarray], mask_kind: int,
-                     causal: bool, scale: Any, num_threads: Any, out: Optional[np.ndarray],
-                     return_lse: bool, kvl: Optional[np.ndarray] = None, blhd: bool = False) -> Any:
+                     causal: Any, scale: Any, num_threads: Any, out: Optional[np.ndarray],
+                     return_lse: bool, kvl: Optional[np.ndarray] = None, window: Any = None,
+                     softcap: Any = None, blhd: bool = False) -> Any:
     """attention() of a call that _plain (and _plain_out, _plain_mask,
     _plain_lengths) accepted: the same result as through _prepare (the same C
-    call on the same arrays), without its general work.  blhd: q, k and v are
-    the (..., H, n, d) views of _plain_blhd's arrays, and the result (out, if
-    given) is (..., n_q, H, d_v), written through its (..., H, n_q, d_v) view."""
+    call on the same arrays, its options checked by the same functions in the
+    same order), without its general work.  blhd: q, k and v are the (..., H, n,
+    d) views of _plain_blhd's arrays, and the result (out, if given) is (...,
+    n_q, H, d_v), written through its (..., H, n_q, d_v) view."""
     s, nthreads = _scale(scale, q.shape[-1]), _num_threads(num_threads)
+    on, top_left = _causal(causal)
+    win_left, win_right = _window(window, q.shape[-2] + k.shape[-2])
+    cap = _softcap(softcap)
     shape = q.shape[:-1] + v.shape[-1:]
     if blhd:
         shape = shape[:-3] + (shape[-2], shape[-3], shape[-1])
     result = np.empty(shape, q.dtype) if out is None else out
     lse = np.empty(q.shape[:-1], q.dtype) if return_lse else None
     if result.size or lse is not None:
-        _core.attention(_core.Args(q, k, v, mask, mask_kind, q.shape[:-2], bool(causal), s, nthreads, kvl=kvl),
+        _core.attention(_core.Args(q, k, v, mask, mask_kind, q.shape[:-2], on, s, nthreads, kvl=kvl, softcap=cap,
+                                   win_left=win_left, win_right=win_right, top_left=top_left),
                         result.swapaxes(-3, -2) if blhd else result, lse)
     return (result, lse) if return_lse else result
 

@@ -516,6 +516,41 @@ def test_plain_blhd_recognised(rng):
         fastattn.attention(q, k, v, layout="blhd", out=bad_out)
 
 
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("layout", ["bhld", "blhd"])
+@pytest.mark.parametrize("nq,nk", [(1, 70), (9, 40)])
+def test_plain_scalar_options(isa, rng, monkeypatch, dtype, layout, nq, nk):
+    """The plain call takes the scalar options too: causal as a bool, NumPy bool
+    or alignment string, a window, a softcap (with a mask and kv_lengths), each
+    checked by the general path's own function: its result bit for bit, the
+    reference's, and its errors."""
+    B, H = 2, 3
+    heads = (lambda n, d: (B, H, n, d)) if layout == "bhld" else (lambda n, d: (B, n, H, d))
+    q, k, v = rand(rng, heads(nq, 32), dtype), rand(rng, heads(nk, 32), dtype), rand(rng, heads(nk, 16), dtype)
+    mask = rng.random((B, 1, 1, nk)) < 0.8
+    kvl = np.array([[nk], [nk - 5]])
+    cases = [dict(causal="upper_left"), dict(causal="lower_right", window=(6, 0)), dict(causal=np.bool_(True)),
+             dict(window=(3, 2), softcap=5.0), dict(softcap=2.5, mask=mask, kv_lengths=kvl),
+             dict(causal="upper_left", window=(None, 4), softcap=30.0)]
+    for kw in cases:
+        kw = dict(kw, layout=layout)
+        got, lse = check(q, k, v, dtype, num_threads=[1, 2], **kw)
+        p_got, p_lse = _plain_only(monkeypatch, q, k, v, **kw)
+        g_got, g_lse = fastattn.attention(_strided(q), k, v, return_lse=True, **kw)
+        for a, b in ((p_got, got), (p_lse, lse), (g_got, got), (g_lse, lse)):
+            np.testing.assert_array_equal(a, b)
+    bad = [dict(window=(1, 2, 3)), dict(window=("a", 1)), dict(window=(True, 1)), dict(softcap=0),
+           dict(softcap=float("inf")), dict(softcap="1"), dict(causal="bottom_right"), dict(causal=2.0),
+           dict(causal="upper_left", window=5)]
+    for kw in bad:
+        kw = dict(kw, layout=layout)
+        with pytest.raises((TypeError, ValueError)) as general_err:
+            fastattn.attention(_strided(q), k, v, **kw)
+        with pytest.raises(type(general_err.value), match=None) as plain_err:
+            fastattn.attention(q, k, v, **kw)
+        assert str(plain_err.value) == str(general_err.value)
+
+
 def test_plain_lengths_recognised(rng):
     """_plain_lengths takes integer arrays that broadcast to the leading dims
     without growing them and lie in [0, n_k]; anything else goes the general
