@@ -112,30 +112,25 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, mask: Optional[ArrayL
     # for folded GQA, no causal alignment string, window or softcap either)
     plain_options = alibi_slopes is None and q_lengths is None
     if blhd:   # (..., n, H, d): computed on (..., H, n, d) views, the result written in the caller's layout
-        if plain_options and _plain_blhd(q, k, v, enable_gqa) and (
-                out is None or _plain_out(out, q, k, v) and not _overlaps(out, mask)):
-            qv, kv, vv = _heads_first((q, k, v), "qkv")
-            mask_kind = _core.MASK_NONE if mask is None else _plain_mask(mask, qv, kv)
-            kvl = _plain_lengths(kv_lengths, qv.shape[:-2], kv.shape[-2], False)
-            if (mask is None or mask_kind != _core.MASK_NONE) and (kv_lengths is None or kvl is not None):
-                return _attention_plain(qv, kv, vv, mask, mask_kind, causal, scale,  # type: ignore[arg-type]
-                                        num_threads, out, return_lse, kvl, window, softcap, blhd=True)
-        q, k, v = _heads_first((q, k, v), "qkv")
+        given = (q, k, v)
+        q, k, v = _heads_first(given, "qkv")
+        if plain_options and _plain_blhd(*given, enable_gqa) and _plain_out_ok(out, *given, mask):
+            got = _plain_extras(mask, kv_lengths, q, k, False)  # type: ignore[arg-type]
+            if got is not None:
+                return _attention_plain(q, k, v, mask, got[0], causal, scale,  # type: ignore[arg-type]
+                                        num_threads, out, return_lse, got[1], window, softcap, blhd=True)
     elif plain_options:
-        if not enable_gqa or _gqa_equal_heads(q, k):
-            if _plain(q, k, v) and (out is None or _plain_out(out, q, k, v) and not _overlaps(out, mask)):
-                mask_kind = _core.MASK_NONE if mask is None else _plain_mask(mask, q, k)  # type: ignore[arg-type]
-                kvl = _plain_lengths(kv_lengths, q.shape[:-2], k.shape[-2], False)  # type: ignore[union-attr]
-                if (mask is None or mask_kind != _core.MASK_NONE) and (kv_lengths is None or kvl is not None):
-                    return _attention_plain(q, k, v, mask, mask_kind, causal, scale,  # type: ignore[arg-type]
-                                            num_threads, out, return_lse, kvl, window, softcap)
-        elif (type(causal) is bool and window is None and softcap is None and _plain_gqa(q, k, v)
-              and (out is None or _plain_out(out, q, k, v) and not _overlaps(out, mask))):
-            mask_kind = _core.MASK_NONE if mask is None else _plain_mask(mask, q, k, True)  # type: ignore[arg-type]
-            kvl = _plain_lengths(kv_lengths, q.shape[:-2], k.shape[-2], True)  # type: ignore[union-attr]
-            if (mask is None or mask_kind != _core.MASK_NONE) and (kv_lengths is None or kvl is not None):
-                return _attention_plain_gqa(q, k, v, mask, mask_kind, causal, scale,  # type: ignore[arg-type]
-                                            num_threads, out, return_lse, kvl)
+        if (not enable_gqa or _gqa_equal_heads(q, k)) and _plain(q, k, v) and _plain_out_ok(out, q, k, v, mask):
+            got = _plain_extras(mask, kv_lengths, q, k, False)  # type: ignore[arg-type]
+            if got is not None:
+                return _attention_plain(q, k, v, mask, got[0], causal, scale,  # type: ignore[arg-type]
+                                        num_threads, out, return_lse, got[1], window, softcap)
+        elif (enable_gqa and type(causal) is bool and window is None and softcap is None and _plain_gqa(q, k, v)
+              and _plain_out_ok(out, q, k, v, mask)):
+            got = _plain_extras(mask, kv_lengths, q, k, True)  # type: ignore[arg-type]
+            if got is not None:
+                return _attention_plain_gqa(q, k, v, mask, got[0], causal, scale,  # type: ignore[arg-type]
+                                            num_threads, out, return_lse, got[1])
     p = _prepare(q, k, v, mask, causal, scale, enable_gqa, window, softcap, alibi_slopes, kv_lengths,
                  num_threads, q_lengths=q_lengths, blhd=blhd)
     full_shape = p.lead + (p.n_q, p.d_v)
@@ -468,6 +463,24 @@ def _plain_out(out: Any, q: Any, k: Any, v: Any) -> bool:
     return (type(out) is np.ndarray and out.dtype == q.dtype and out.shape == q.shape[:-1] + v.shape[-1:]
             and out.flags.c_contiguous and out.flags.writeable and out.flags.aligned
             and not (np.may_share_memory(out, q) or np.may_share_memory(out, k) or np.may_share_memory(out, v)))
+
+
+def _plain_out_ok(out: Any, q: Any, k: Any, v: Any, mask: Any) -> bool:
+    """No out=, or one that a plain call writes as it is (_plain_out) and that is
+    clear of the mask."""
+    return out is None or _plain_out(out, q, k, v) and not _overlaps(out, mask)
+
+
+def _plain_extras(mask: Any, kv_lengths: Any, q: np.ndarray, k: np.ndarray,
+                  gqa: bool) -> Optional[tuple[int, Optional[np.ndarray]]]:
+    """The mask kind and kv_lengths of a plain call (_plain_mask, _plain_lengths;
+    q and k as the C core reads them, gqa for a folded call), or None where
+    either needs the general path."""
+    mask_kind = _core.MASK_NONE if mask is None else _plain_mask(mask, q, k, gqa)
+    kvl = _plain_lengths(kv_lengths, q.shape[:-2], k.shape[-2], gqa)
+    if (mask is not None and mask_kind == _core.MASK_NONE) or (kv_lengths is not None and kvl is None):
+        return None
+    return mask_kind, kvl
 
 
 def _attention_plain(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: Optional[np.ndarray], mask_kind: int,
