@@ -38,7 +38,7 @@ cdef extern from "fastattn.h" nogil:
 
     ctypedef struct fa_overrides:
         int64_t bq, bk, rows_max
-        int fuse, stream, far, decode_pf, group, mask_pack, head_turns
+        int fuse, stream, far, decode_pf, group, group_touch, mask_pack, head_turns
         int64_t split_keys, parts_bytes
 
     ctypedef struct fa_stats:
@@ -156,7 +156,7 @@ cdef extern from "runtime.h" nogil:
 
     ctypedef struct fa_tiles:
         int64_t bq, bk, bqp, ld, q_main
-        int fuse, stream, far, decode_pf
+        int fuse, stream, far, decode_pf, group_touch
 
     ctypedef struct fa_plan:
         int kernel
@@ -178,7 +178,7 @@ cdef extern from "runtime.h" nogil:
         int rows_full[2]
         int tail_max[2]
         int decode_pf[2]
-        int fuse, stream, bk_tiled, bk_tiled_mem, bk_rows, bk_decode, group_bk_max
+        int fuse, stream, bk_tiled, bk_tiled_mem, bk_rows, bk_decode, group_bk_max, group_touch
         int fold_rows, fold_rows_big
         int64_t group_tile_bytes, fold_big_bytes, kv_mem_bytes, kv_far_bytes
         int bwd_bq, bwd_bk
@@ -753,8 +753,8 @@ def _stream_read(cnp.ndarray buf, int num_threads=0):
 
 _forcing_local = threading.local()
 cdef int _n_forcing = 0      # open forcing blocks on any thread: the calls look for theirs only then
-_OVERRIDES = ("bq", "bk", "rows_max", "fuse", "stream", "far", "decode_pf", "group", "mask_pack", "head_turns",
-              "split_keys", "parts_bytes")
+_OVERRIDES = ("bq", "bk", "rows_max", "fuse", "stream", "far", "decode_pf", "group", "group_touch", "mask_pack",
+              "head_turns", "split_keys", "parts_bytes")
 
 
 cdef class Forcing:
@@ -772,6 +772,8 @@ cdef class Forcing:
       decode_pf    decoding's prefetch of the K and V rows it reads (one row)
       group        the group kernel over the heads of a (B, n, H, d) cache (1:
                    wherever it can run, 0: never; -1: from memory only)
+      group_touch  the group kernel reads its next tile ahead by loads, not by
+                   software prefetch (1 on, 0 off)
       mask_pack    a bool mask packed to bits for the tiled kernel
       head_turns   the tiled kernel's items by query block, the heads in turn (a
                    float mask they share)
@@ -787,7 +789,7 @@ cdef class Forcing:
     def __cinit__(self):
         self.ov.bq = self.ov.bk = self.ov.rows_max = 0
         self.ov.fuse = self.ov.stream = self.ov.far = self.ov.decode_pf = self.ov.group = self.ov.mask_pack = -1
-        self.ov.head_turns = -1
+        self.ov.head_turns = self.ov.group_touch = -1
         self.ov.split_keys = self.ov.parts_bytes = 0
         self.st.group_runs = self.st.tail_rows = self.st.redo_rows = self.st.kv_widened = 0
 
@@ -818,6 +820,8 @@ cdef class Forcing:
                 self.ov.decode_pf = switch
             elif name == "group":
                 self.ov.group = switch
+            elif name == "group_touch":
+                self.ov.group_touch = switch
             elif name == "head_turns":
                 self.ov.head_turns = switch
             else:
@@ -828,7 +832,7 @@ cdef class Forcing:
     def overrides(self):
         return {"bq": self.ov.bq, "bk": self.ov.bk, "rows_max": self.ov.rows_max, "fuse": self.ov.fuse,
                 "stream": self.ov.stream, "far": self.ov.far, "decode_pf": self.ov.decode_pf, "group": self.ov.group,
-                "mask_pack": self.ov.mask_pack, "head_turns": self.ov.head_turns,
+                "group_touch": self.ov.group_touch, "mask_pack": self.ov.mask_pack, "head_turns": self.ov.head_turns,
                 "split_keys": self.ov.split_keys, "parts_bytes": self.ov.parts_bytes}
 
     @property
@@ -886,7 +890,7 @@ def plan(*args, **kwargs):
     """The plan of an attention call (src_c/plan.c) as a dict, computed and not
     run: attention(*args, plan_only=True, **kwargs).  Its fields: kernel
     ("tiled", "rows", "group", "weights"), the tiles (bq, bk, bqp, ld), the
-    switches (fuse, stream, far, decode_pf), the thresholds that applied (lanes, rows_max,
+    switches (fuse, stream, far, decode_pf, group_touch), the thresholds that applied (lanes, rows_max,
     rows_full, tail_max), the tail (tail, q_main), K and V (kv_bytes,
     from_memory), the work (n_lead, n_qb, n_items, group, n_groups, n_splits,
     long_splits, chunk, wave, few), mask_pack, head_turns, threads and scratch_elems."""
@@ -903,7 +907,7 @@ def gqa_fold(int64_t n_q, int64_t kv_bytes):
 TUNING_PAIRS = ("rows_max", "rows_max_big", "rows_max_dk", "rows_full", "tail_max", "decode_pf")   # two int each
 # the other fields and the bits of their C types
 _TUNING_BITS = {"fuse": 32, "stream": 32, "bk_tiled": 32, "bk_tiled_mem": 32, "bk_rows": 32, "bk_decode": 32,
-                "group_bk_max": 32, "group_tile_bytes": 64, "fold_rows": 32, "fold_rows_big": 32,
+                "group_bk_max": 32, "group_tile_bytes": 64, "group_touch": 32, "fold_rows": 32, "fold_rows_big": 32,
                 "fold_big_bytes": 64, "kv_mem_bytes": 64, "kv_far_bytes": 64, "bwd_bq": 32, "bwd_bk": 32}
 TUNING_FIELDS = TUNING_PAIRS + tuple(_TUNING_BITS)
 
@@ -913,7 +917,7 @@ cdef dict _tuning_dict(const fa_tuning *t):
     d["name"] = d["name"].decode(errors="replace")
     for key in TUNING_PAIRS:
         d[key] = tuple(d[key])
-    d["fuse"], d["stream"] = bool(d["fuse"]), bool(d["stream"])
+    d["fuse"], d["stream"], d["group_touch"] = bool(d["fuse"]), bool(d["stream"]), bool(d["group_touch"])
     return d
 
 
@@ -1016,7 +1020,7 @@ cdef dict _plan_dict(const fa_plan *p):
         "isa": fa_isa_name().decode(),
         "bq": p.tiles.bq, "bk": p.tiles.bk, "bqp": p.tiles.bqp, "ld": p.tiles.ld,
         "fuse": bool(p.tiles.fuse), "stream": bool(p.tiles.stream), "far": bool(p.tiles.far),
-        "decode_pf": bool(p.tiles.decode_pf),
+        "decode_pf": bool(p.tiles.decode_pf), "group_touch": bool(p.tiles.group_touch),
         "lanes": p.lanes, "rows_max": p.rows_max,
         "rows_full": (p.full_lo, p.full_hi) if p.full_lo <= p.full_hi else None,
         "tail_max": p.tail_max,

@@ -23,8 +23,9 @@ What it measures (the fields of src_c/internal.h's fa_tuning; docs/tuning.md):
   bk_tiled, bk_tiled_mem, bk_rows, bk_decode
         the tiled kernel's keys a tile, in cache and (few rows) from memory; the
         row kernel's, for several rows and for one (decoding);
-  group_tile_bytes, group_bk_max
-        the group kernel's key tiles (heads of a (B, n, H, d) cache from memory).
+  group_tile_bytes, group_bk_max, group_touch
+        the group kernel's key tiles (heads of a (B, n, H, d) cache from memory),
+        and how it reads the next tile ahead (loads or software prefetch).
   bwd_bq, bwd_bk
         the backward's query rows a block and keys a unit (float32, d64 and d128).
 The GQA fold and kv_mem_bytes keep the built-in table's values (kv_far_bytes
@@ -315,6 +316,7 @@ def _measure_tiles(b: _Bench, chosen: Dict[str, Any]) -> None:
     chosen["group_tile_bytes"], chosen["group_bk_max"] = _pick_combo(
         b, ("group_tile_bytes", "group_bk_max"), [(256 << 10, 64), (512 << 10, 128), (1 << 20, 256), (2 << 20, 256)],
         group_calls)
+    chosen["group_touch"] = bool(_pick_size(b, "group_touch", (0, 1), group_calls))
     del kb, vb, kg, vg
     combos = [(s, f) for s in (1, 0) for f in (1, 0)]
     cost = dict.fromkeys(combos, 0.0)

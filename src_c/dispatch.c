@@ -56,6 +56,8 @@
  *                 switches between the K and V streams);
  *   group_tile_bytes, group_bk_max  the group kernel's key tiles for items of several
  *                 rows: about that many bytes of the group's K and V, 8 to group_bk_max keys;
+ *   group_touch   the group kernel reads its next tile ahead by loads in address order,
+ *                 where software prefetch at the heads' stride falls behind (Zen 3);
  *   fold_rows, fold_rows_big, fold_big_bytes  the GQA fold (fa_gqa_fold): a group's
  *                 heads as one item's rows, where the row kernel then reads K and V
  *                 once for them; more rows with large K and V on the SIMD paths;
@@ -68,21 +70,21 @@
 #define TUNE_GENERIC(nm)                                                                                   \
     {.name = nm, .rows_max = {10, 10}, .rows_max_big = {10, 10}, .rows_max_dk = {10, 10}, .rows_full = {0, 0}, \
      .tail_max = {3, 1}, .decode_pf = {1, 1}, .fuse = 0, .stream = 1, .bk_tiled = 64, .bk_tiled_mem = 32,    \
-     .bk_rows = 128, .bk_decode = 256, .group_bk_max = 64, .group_tile_bytes = 256 << 10, .fold_rows = 8,   \
-     .fold_rows_big = 8, .fold_big_bytes = INT64_MAX, .kv_mem_bytes = (int64_t)48 << 20,                    \
+     .bk_rows = 128, .bk_decode = 256, .group_bk_max = 64, .group_tile_bytes = 256 << 10, .group_touch = 0, \
+     .fold_rows = 8, .fold_rows_big = 8, .fold_big_bytes = INT64_MAX, .kv_mem_bytes = (int64_t)48 << 20,    \
      .kv_far_bytes = (int64_t)16 << 20, .bwd_bq = 64, .bwd_bk = 256}
 #define TUNE_AVX2(nm)                                                                                      \
     {.name = nm, .rows_max = {6, 3}, .rows_max_big = {5, 5}, .rows_max_dk = {6, 3}, .rows_full = {0, 0},      \
      .tail_max = {4, 2}, .decode_pf = {1, 1}, .fuse = 0, .stream = 1, .bk_tiled = 64, .bk_tiled_mem = 32,    \
-     .bk_rows = 128, .bk_decode = 256, .group_bk_max = 64, .group_tile_bytes = 256 << 10, .fold_rows = 8,   \
-     .fold_rows_big = 12, .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20,                     \
+     .bk_rows = 128, .bk_decode = 256, .group_bk_max = 64, .group_tile_bytes = 256 << 10, .group_touch = 1, \
+     .fold_rows = 8, .fold_rows_big = 12, .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20,     \
      .kv_far_bytes = (int64_t)16 << 20, .bwd_bq = 64, .bwd_bk = 256}
 #define TUNE_AVX512(nm)                                                                                    \
     {.name = nm, .rows_max = {12, 12}, .rows_max_big = {24, 20}, .rows_max_dk = {24, 20},                     \
      .rows_full = {14, 0}, .tail_max = {8, 4}, .decode_pf = {1, 1}, .fuse = 1, .stream = 1, .bk_tiled = 64,  \
      .bk_tiled_mem = 32, .bk_rows = 128, .bk_decode = 256, .group_bk_max = 64, .group_tile_bytes = 256 << 10, \
-     .fold_rows = 8, .fold_rows_big = 12, .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20,     \
-     .kv_far_bytes = (int64_t)16 << 20, .bwd_bq = 32, .bwd_bk = 64}
+     .group_touch = 0, .fold_rows = 8, .fold_rows_big = 12, .fold_big_bytes = 4 << 20,                      \
+     .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = (int64_t)16 << 20, .bwd_bq = 32, .bwd_bk = 64}
 
 static fa_isa_table table_generic = {.name = "generic", .tune = TUNE_GENERIC("generic"), FA_KERNELS(generic)};
 #ifdef FA_HAVE_AVX2_BUILD
@@ -97,8 +99,8 @@ static fa_isa_table table_avx512 = {.name = "avx512", .tune = TUNE_AVX512("avx51
     {.name = "zen5", .rows_max = {12, 10}, .rows_max_big = {24, 20}, .rows_max_dk = {24, 12},                 \
      .rows_full = {14, 0}, .tail_max = {8, 4}, .decode_pf = {0, 0}, .fuse = 1, .stream = 0, .bk_tiled = 64,  \
      .bk_tiled_mem = 16, .bk_rows = 512, .bk_decode = 1024, .group_bk_max = 256, .group_tile_bytes = 1 << 20, \
-     .fold_rows = 8, .fold_rows_big = 12, .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20,     \
-     .kv_far_bytes = INT64_MAX, .bwd_bq = 32, .bwd_bk = 64}
+     .group_touch = 0, .fold_rows = 8, .fold_rows_big = 12, .fold_big_bytes = 4 << 20,                      \
+     .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = INT64_MAX, .bwd_bq = 32, .bwd_bk = 64}
 
 /* The CPUs with tables of their own, by CPUID vendor, family and model ranges
  * (as Linux's arch/x86/kernel/cpu/amd.c names them), for one ISA: the defaults
@@ -324,7 +326,7 @@ int fa_tuning_check(const fa_tuning *t)
             return FA_EINVAL;
     if (!in(t->fuse, 0, 1) || !in(t->stream, 0, 1) || !in(t->bk_tiled, 8, 512) || !in(t->bk_tiled_mem, 8, 512) ||
         !in(t->bk_rows, 8, 4096) || !in(t->bk_decode, 8, 4096) || !in(t->group_bk_max, 8, 1024) ||
-        !in(t->group_tile_bytes, 1, (int64_t)1 << 30) ||
+        !in(t->group_tile_bytes, 1, (int64_t)1 << 30) || !in(t->group_touch, 0, 1) ||
         !in(t->fold_rows, 0, 1024) || !in(t->fold_rows_big, 0, 1024) || t->fold_big_bytes < 0 ||
         t->kv_mem_bytes < 0 || t->kv_far_bytes < 0 || !in(t->bwd_bq, 8, 256) || !in(t->bwd_bk, 16, 1024))
         return FA_EINVAL;

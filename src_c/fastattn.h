@@ -74,6 +74,7 @@ typedef struct {
     int decode_pf;       /* decoding's (one row's) prefetch of K and V rows */
     int group;           /* the group kernel over interleaved heads: 1 wherever it
                           * can run, 0 never (-1: from memory only) */
+    int group_touch;     /* the group kernel's tiles read ahead by loads: 1 on, 0 off */
     int mask_pack;       /* a bool mask packed to bits for the tiled kernel */
     int head_turns;      /* the tiled kernel's items by query block, the heads in turn */
     int64_t split_keys;  /* rows of more keys are split (0: FA_SPLIT_KEYS) */

@@ -13,7 +13,7 @@
 #include "internal.h"
 #include "runtime.h"
 
-static const fa_overrides no_overrides = {.fuse = -1, .stream = -1, .far = -1, .decode_pf = -1, .group = -1,
+static const fa_overrides no_overrides = {.fuse = -1, .stream = -1, .far = -1, .decode_pf = -1, .group = -1, .group_touch = -1,
                                            .mask_pack = -1, .head_turns = -1};
 
 /* Bytes of K and V that a call reads (broadcast leading dims counted once). */
@@ -214,6 +214,7 @@ int fa_attention_plan(const fa_attention_args *a, int weights, fa_plan *p)
     p->tiles.stream = f->stream >= 0 ? f->stream : p->from_memory && tu->stream;
     p->tiles.far = f->far >= 0 ? f->far : f->stream >= 0 ? f->stream : p->kv_bytes > tu->kv_far_bytes;
     p->tiles.decode_pf = f->decode_pf >= 0 ? f->decode_pf : a->kv_dtype != FA_KV_SAME || tu->decode_pf[dt];
+    p->tiles.group_touch = f->group_touch >= 0 ? f->group_touch : tu->group_touch;
 
     const int64_t split_keys = f->split_keys ? f->split_keys : FA_SPLIT_KEYS;
     p->long_splits = !weights && a->nk > split_keys ? (a->nk + split_keys - 1) / split_keys : 1;

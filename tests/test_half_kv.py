@@ -104,18 +104,25 @@ def test_row_kernel_four_rows_at_a_time(isa, rng, force, dtype, nq):
 
 @pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
 @pytest.mark.parametrize("nq", [1, 4, 40])
-def test_gqa_and_blhd_cache(isa, rng, force, dtype, nq):
+@pytest.mark.parametrize("touch", [0, 1])
+def test_gqa_and_blhd_cache(isa, rng, force, dtype, nq, touch):
     """GQA (the fold: a group's heads as one item's rows) and a (B, n, H, d) cache (the
-    group kernel, items interleaved), decoding and a few rows, from 16-bit caches."""
+    group kernel, items interleaved), decoding and a few rows, from 16-bit caches;
+    the group kernel's next tile read ahead by loads or software prefetch, and one
+    row with a mask (the tiles, not the chunks)."""
     B, H, Hkv, nk, d = 2, 8, 2, 600, 64
     q = rand(rng, (B, H, nq, d))
     k, v = half(rng, (B, Hkv, nk, d), dtype), half(rng, (B, Hkv, nk, d), dtype)
     check(q, k, v, F32, num_threads=(1, 2), enable_gqa=True, causal=True)
     check(q.astype(dtype), k, v, F32, enable_gqa=True, kv_lengths=np.array([[nk // 2], [nk]]))
     qb, kb, vb = heads_last(q), heads_last(half(rng, (B, H, nk, d), dtype)), heads_last(half(rng, (B, H, nk, d), dtype))
-    force.set(group=1).reset_counts()
+    force.set(group=1, group_touch=touch).reset_counts()
     got = fastattn.attention(qb, kb, vb, layout="blhd")
     want = reference64(q, np.swapaxes(kb, 1, 2), np.swapaxes(vb, 1, 2))[0]
+    assert_close(got, heads_last(want), F32)
+    mask = rng.random((B, 1, nq, nk)) < 0.7
+    got = fastattn.attention(qb, kb, vb, layout="blhd", mask=mask, num_threads=2)
+    want = reference64(q, np.swapaxes(kb, 1, 2), np.swapaxes(vb, 1, 2), mask=mask)[0]
     assert_close(got, heads_last(want), F32)
     got = fastattn.attention(qb.astype(dtype), kb, vb, layout="blhd")   # 16-bit q too
     want = reference64(q.astype(dtype), np.swapaxes(kb, 1, 2), np.swapaxes(vb, 1, 2))[0]

@@ -51,7 +51,8 @@ def test_group_chunks(isa, rng, group, dtype, B, nk, threads, prefetch, force):
 @pytest.mark.parametrize("dtype", [F32, F64])
 @pytest.mark.parametrize("B,nk", [(1, 2), (2, 7), (1, 150), (1, 1030), (3, 1100)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_group_rows(isa, rng, group, dtype, B, nk, threads, force):
+@pytest.mark.parametrize("touch", [0, 1])
+def test_group_rows(isa, rng, group, dtype, B, nk, threads, touch, force):
     """Decoding from a (B, n, H, d) cache with the heads of a batch entry taken
     together, key tile by key tile (forced on: by default only from memory):
     against the reference with every option that moves a row's keys (causal, a
@@ -63,8 +64,10 @@ def test_group_rows(isa, rng, group, dtype, B, nk, threads, force):
     130 heads run as three groups (at most 64 a group), whose keys two threads
     split when there are 1024 or more.  Not with more than 8 query rows an
     item (test_group_rows_several), nor head-major K and V: counted by
-    force.group_runs."""
+    force.group_runs.  The next key tile read ahead by loads or by software
+    prefetch (group_touch)."""
     group(1)
+    force.set(group_touch=touch)
     H, d, dv = 5, 24, 12
     qh, kh, vh = rand(rng, (B, H, 1, d), dtype), rand(rng, (B, H, nk, d), dtype), rand(rng, (B, H, nk, dv), dtype)
     q, k, v = heads_last(qh), heads_last(kh), heads_last(vh)
@@ -110,7 +113,8 @@ def test_group_rows(isa, rng, group, dtype, B, nk, threads, force):
 @pytest.mark.parametrize("dtype", [F32, F64])
 @pytest.mark.parametrize("B,nk", [(1, 2), (2, 7), (1, 150), (1, 1030), (3, 1100)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_group_rows_several(isa, rng, group, rows_max, dtype, B, nk, threads, force):
+@pytest.mark.parametrize("touch", [0, 1])
+def test_group_rows_several(isa, rng, group, rows_max, dtype, B, nk, threads, touch, force):
     """The group row kernel (forced on) for items of several query rows: a few
     new tokens a head (2, 3 and 8, the most it takes; causal, so that the rows
     see different keys) and GQA's heads folded into one item's rows (2 and 4
@@ -119,9 +123,11 @@ def test_group_rows_several(isa, rng, group, rows_max, dtype, B, nk, threads, fo
     row sees.  Its key tiles hold 64 keys here: nk 150, 1030 and 1100 end in a
     partial one.  The heads go into groups of at most 64 rows: 40 heads of 3
     rows run as two groups.  The row kernel is forced up to 8 rows (some paths
-    give 8 rows the tiled kernel by default)."""
+    give 8 rows the tiled kernel by default).  The next key tile read ahead by
+    loads or by software prefetch (group_touch)."""
     group(1)
     rows_max(8)
+    force.set(group_touch=touch)
     H, d, dv = 5, 24, 12
 
     def run(nq, hq=H, nkv=nk, **kw):

@@ -121,12 +121,31 @@ def test_group_kernel_tiles_from_the_table(isa, rng, tuning, force, dtype):
         check(qg, k, v, layout="blhd", enable_gqa=True, causal=True, num_threads=2)
 
 
+def test_group_touch_from_the_table(rng, tuning, force):
+    """group_touch (the group kernel reads its next tile ahead by loads) comes from
+    the table unless forced, and the plan says which; the same results either way."""
+    k, v = rand(rng, (1, 300, 4, 16)), rand(rng, (1, 300, 4, 16))
+    q = rand(rng, (1, 2, 4, 16))
+    force.set(group=1)
+    outs = []
+    for on in (0, 1):
+        tuning(group_touch=on)
+        assert _core.isa_table()["group_touch"] is bool(on)
+        assert _plan(q, k, v, layout="blhd")["group_touch"] is bool(on)
+        force.set(group_touch=1 - on)
+        assert _plan(q, k, v, layout="blhd")["group_touch"] is bool(1 - on)
+        force.set(group_touch=-1)
+        outs.append(check(q, k, v, layout="blhd", causal=True)[0])
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
 @pytest.mark.parametrize("fields, word", [
     ({"rows_max": (0, 4)}, "out of range"), ({"rows_max": (25, 4)}, "out of range"),
     ({"tail_max": (-1, 0)}, "out of range"), ({"rows_full": (17, 0)}, "out of range"),
     ({"bk_tiled": 4}, "out of range"), ({"bk_rows": 5000}, "out of range"),
     ({"bk_decode": 0}, "out of range"), ({"group_bk_max": 4}, "out of range"),
-    ({"group_tile_bytes": 0}, "out of range"), ({"bk_tiled_mem": 1024}, "out of range"), ({"fuse": 2}, "out of range"),
+    ({"group_tile_bytes": 0}, "out of range"), ({"group_touch": 2}, "out of range"),
+    ({"bk_tiled_mem": 1024}, "out of range"), ({"fuse": 2}, "out of range"),
     ({"kv_mem_bytes": -1}, "out of range"), ({"rows_max": (4,)}, "pair"), ({"rows_maxx": (4, 4)}, "rows_maxx"),
     ({"bk_rows": 12.5}, "bk_rows must be an integer"), ({"bk_rows": 2 ** 40}, "bk_rows is out of range"),
     ({"kv_mem_bytes": float("inf")}, "kv_mem_bytes must be an integer"), ({"rows_max": (4, "8")}, "integer"),

@@ -13,7 +13,8 @@
  * key tile of tl->bk keys (a few: a longer tile read as rows of pieces was no
  * faster than item by item), so that K and V stream through in address order;
  * each item keeps its own state.  The rows GROUP_PF_BYTES of K and V ahead
- * are prefetched into L2 in step with the tiles.  One-row items with plain
+ * are prefetched into L2 in step with the tiles, or (tl->group_touch) the next
+ * tile is read ahead by loads in address order (group_touch).  One-row items with plain
  * scores take chunks of keys instead, with one softmax step a chunk for all
  * of them (group_chunks).
  * Items of several rows (GQA's folded heads, a few new tokens) take longer
@@ -192,6 +193,30 @@ static void group_chunks(const fa_attention_args *a, const fa_item *its, int64_t
     }
 }
 
+/* Reads the key rows [r0, r1) of the group's items ahead of their use: a load
+ * a cache line (its value unused), key by key and the items in turn, K then V,
+ * so that memory serves them in address order, as one stream (the heads of a
+ * key abut), and the hardware's prefetchers join in; each item within its
+ * band.  Where software prefetch at the heads' stride falls behind (a load
+ * stalls only its own work; tl->group_touch, the tuning's group_touch).
+ * Spread over the items' work on the tile before (fa_attn_group_rows):
+ * touching a whole tile in one burst was slower (docs/tuning.md, group_touch). */
+INLINE void touch_row(const KT *p, int64_t n)
+{
+    for (int64_t c = 0; c < n; c += 64 / (int64_t)sizeof(KT)) (void)*(const volatile unsigned char *)(p + c);
+    if (n > 0) (void)*(const volatile unsigned char *)(p + n - 1); /* a row may end in one more line */
+}
+static void group_touch(const fa_attention_args *a, const fa_item *its, const band_t *band, int64_t n, int64_t r0,
+                        int64_t r1)
+{
+    for (int64_t r = r0; r < r1; r++) {
+        for (int64_t g = 0; g < n; g++)
+            if (r >= band[g].j_lo && r < band[g].j_hi) touch_row((const KT *)its[g].k + r * a->k_rs, a->dk);
+        for (int64_t g = 0; g < n; g++)
+            if (r >= band[g].j_lo && r < band[g].j_hi) touch_row((const KT *)its[g].v + r * a->v_rs, a->dv);
+    }
+}
+
 void FN(fa_attn_group_rows)(const fa_attention_args *a, const fa_tiles *tl, const fa_item *its, int64_t n,
                             void *scratch)
 {
@@ -210,7 +235,8 @@ void FN(fa_attn_group_rows)(const fa_attention_args *a, const fa_tiles *tl, cons
             hi = band[g].j_hi > hi ? band[g].j_hi : hi;
         }
     }
-    int chunks = plain && FA_KV != 1; /* (float16: group_step, below) */
+    /* (float16 K and V: group_step, below, but with AVX2: docs/tuning.md, group_chunks) */
+    int chunks = plain && (FA_KV != 1 || FA_VB == 32);
     for (int64_t g = 0; g < n && chunks; g++)
         chunks = its[g].bq == 1 && its[g].slope == 0 && band[g].j_lo == band[0].j_lo && band[g].j_hi == band[0].j_hi;
     if (chunks) {
@@ -220,6 +246,8 @@ void FN(fa_attn_group_rows)(const fa_attention_args *a, const fa_tiles *tl, cons
     /* keys ahead for the prefetch: GROUP_PF_BYTES of the group's K and V rows */
     int64_t ahead = GROUP_PF_BYTES / (n * (dk + dv) * (int64_t)sizeof(T) + 1);
     ahead = ahead < bk ? bk : ahead;
+    const int touch = tl->group_touch;
+    if (touch && lo < hi) group_touch(a, its, band, n, lo, lo + bk < hi ? lo + bk : hi); /* the first tile */
     int64_t block = 0; /* keys in the items' blocks A (FOLD_KEYS) */
     for (int64_t j0 = lo; j0 < hi; j0 += bk) {
         for (int64_t g = 0; g < n; g++) {
@@ -228,8 +256,11 @@ void FN(fa_attn_group_rows)(const fa_attention_args *a, const fa_tiles *tl, cons
             const KT *K = it->k, *V = it->v;
             const int64_t jl = j0 > b->j_lo ? j0 : b->j_lo, jh = j0 + bk < b->j_hi ? j0 + bk : b->j_hi;
             const int64_t ja = j0 + ahead, na = b->j_hi - ja < bk ? b->j_hi - ja : bk; /* rows ahead */
-            const int in_step = it->bq > 1 && jl < jh; /* several rows: prefetch in step */
-            if (!in_step)
+            const int in_step = it->bq > 1 && jl < jh && !touch; /* several rows: prefetch in step */
+            if (touch) { /* the next tile, a share before each item */
+                const int64_t t0 = j0 + bk + g * bk / n, t1 = j0 + bk + (g + 1) * bk / n;
+                group_touch(a, its, band, n, t0, t1 < hi ? t1 : hi);
+            } else if (!in_step)
                 for (int64_t r = ja; r < ja + na; r++) {
                     prefetch_l2(K + r * a->k_rs, dk, 1);
                     prefetch_l2(V + r * a->v_rs, dv, 1);
