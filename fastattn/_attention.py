@@ -4,7 +4,8 @@ attention takes the plain path where it can (_plain: three C-contiguous float32 
 float64 arrays of one dtype, or float32 q with 16-bit k and v, a mask the C core
 reads as it is, no options beyond causal, scale, num_threads and out=: straight to
 the C core, the overhead-sensitive call; _plain_gqa: the same for grouped-query
-decoding without a mask); otherwise _prepare (in _prepare.py) checks and converts
+decoding, a group's heads folded into one item's rows; both in layout "blhd" too,
+through the arrays' (..., H, n, d) views); otherwise _prepare (in _prepare.py) checks and converts
 the arguments and _call hands them to the C core, folding a GQA group's query heads
 into the rows of one work item when decoding.
 """
@@ -119,6 +120,12 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, mask: Optional[ArrayL
             if got is not None:
                 return _attention_plain(q, k, v, mask, got[0], causal, scale,  # type: ignore[arg-type]
                                         num_threads, out, return_lse, got[1], window, softcap, blhd=True)
+        elif (plain_options and enable_gqa and type(causal) is bool and window is None and softcap is None
+              and _plain_arrays(*given) and _gqa_fold_shapes(q, k, v) and _plain_out_ok(out, *given, mask)):
+            got = _plain_extras(mask, kv_lengths, q, k, True)  # type: ignore[arg-type]
+            if got is not None:
+                return _attention_plain_gqa(q, k, v, mask, got[0], causal, scale,  # type: ignore[arg-type]
+                                            num_threads, out, return_lse, got[1], blhd=True)
     elif plain_options:
         if (not enable_gqa or _gqa_equal_heads(q, k)) and _plain(q, k, v) and _plain_out_ok(out, q, k, v, mask):
             got = _plain_extras(mask, kv_lengths, q, k, False)  # type: ignore[arg-type]
@@ -396,8 +403,14 @@ def _plain_gqa(q: Any, k: Any, v: Any) -> bool:
     (..., H_kv, n_k, d_v) with the same leading dims and H a multiple of H_kv,
     and few enough rows that the plan folds each group's query heads into the
     rows of one item (_prepare's fold; _core.gqa_fold)."""
-    if not _plain_arrays(q, k, v):
-        return False
+    return _plain_arrays(q, k, v) and _gqa_fold_shapes(q, k, v)
+
+
+def _gqa_fold_shapes(q: Any, k: Any, v: Any) -> bool:
+    """_plain_gqa's shapes: q (..., H, n_q, d_k), k (..., H_kv, n_k, d_k) and v
+    (..., H_kv, n_k, d_v) with the same leading dims, H a multiple of H_kv, and
+    few enough rows for the fold (in layout "blhd": the arrays' heads-first
+    views)."""
     qs, ks, vs = q.shape, k.shape, v.shape
     n = len(qs)
     return (n >= 3 and n == len(ks) and qs[-1] == ks[-1] and qs[:-3] == ks[:-3] and ks[:-1] == vs[:-1]
@@ -511,24 +524,31 @@ def _attention_plain(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: Optional
 
 def _attention_plain_gqa(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: Optional[np.ndarray],
                          mask_kind: int, causal: bool, scale: Any, num_threads: Any, out: Optional[np.ndarray],
-                         return_lse: bool, kvl: Optional[np.ndarray] = None) -> Any:
+                         return_lse: bool, kvl: Optional[np.ndarray] = None, blhd: bool = False) -> Any:
     """attention(..., enable_gqa=True) of a call that _plain_gqa (and _plain_out,
     _plain_mask, _plain_lengths) accepted: the folded C call that _prepare and
     _call would make (a group's g query heads as the n_q * g rows of one item,
     position-major; a mask and kv_lengths with a head axis of 1 serve the K and
     V heads as they are, a mask's rows repeated for the group's heads),
-    without their general work."""
+    without their general work.  blhd: q, k and v are the (..., H, n, d) views
+    of (..., n, H, d) arrays, and the result (out, if given) is (..., n_q, H,
+    d_v), written through its (..., H, n_q, d_v) view."""
     H, Hkv, n_q = q.shape[-3], k.shape[-3], q.shape[-2]
     g, lead = H // Hkv, q.shape[:-3] + (Hkv,)
     s, nthreads = _scale(scale, q.shape[-1]), _num_threads(num_threads)
-    result = np.empty(q.shape[:-1] + v.shape[-1:], q.dtype) if out is None else out
+    shape = q.shape[:-1] + v.shape[-1:]
+    if blhd:
+        shape = shape[:-3] + (n_q, H, shape[-1])
+    result = np.empty(shape, q.dtype) if out is None else out
+    target = result.swapaxes(-3, -2) if blhd else result
     lse = np.empty(q.shape[:-1], q.dtype) if return_lse else None
     if mask is not None:   # (..., 1, n_q|1, n_k|1), the group's axis added as _prepare splits the heads
         mask = _fold_rows_mask(mask[..., None, :, :], g, n_q)
     if result.size or lse is not None:
         args = _core.Args(_rows(q.reshape(lead + (g, n_q, q.shape[-1])), 1), k, v, mask, mask_kind, lead,
                           bool(causal), s, nthreads, kvl=kvl, row_group=g)
-        _attention_rows(args, result.reshape(lead + (g, n_q, v.shape[-1])),
+        # (splitting the head axis in two is a view, of a swapped view too: the C call writes result)
+        _attention_rows(args, target.reshape(lead + (g, n_q, v.shape[-1])),
                         lse.reshape(lead + (g, n_q)) if lse is not None else None)
     return (result, lse) if return_lse else result
 

@@ -491,6 +491,74 @@ def test_plain_blhd(isa, rng, monkeypatch, kv_dtype, lead, nq, extra):
         np.testing.assert_array_equal(out, got)
 
 
+@pytest.mark.parametrize("kv_dtype", [F32, F64] + HALF, ids=["float32", "float64", "float16", "bfloat16"])
+@pytest.mark.parametrize("lead,heads", [((2,), (6, 3)), ((1, 2), (4, 1)), ((), (8, 2))])
+@pytest.mark.parametrize("nq", [1, 3])
+@pytest.mark.parametrize("extra", ["none", "bool mask", "float mask", "kv_lengths"])
+def test_plain_gqa_blhd(isa, rng, monkeypatch, kv_dtype, lead, heads, nq, extra):
+    """layout="blhd" with enable_gqa and C-contiguous (..., n, H, d) arrays is a
+    plain call (_plain_arrays, _gqa_fold_shapes on the heads-first views): the
+    folded C call of the general path on the same views, the result (..., n_q,
+    H, d_v) written through its view (rows copied back where n_q > 1 leaves no
+    view of them): the general path's result bit for bit (out= and the
+    head-major lse too), and the reference's.  Masks (a head axis of 1) and
+    kv_lengths (one per batch entry) as there."""
+    H, Hkv = heads
+    dtype = F64 if kv_dtype == F64 else F32
+    nk = 90
+    q = rand(rng, lead + (nq, H, 24), dtype)
+    k, v = rand(rng, lead + (nk, Hkv, 24), kv_dtype), rand(rng, lead + (nk, Hkv, 16), kv_dtype)
+    kw = {"layout": "blhd", "enable_gqa": True}
+    if extra == "bool mask":
+        kw["mask"] = rng.random(lead + (1, 1, nk)) < 0.7
+    elif extra == "float mask":
+        kw["mask"] = np.where(rng.random((1, nq, nk)) < 0.7, rng.standard_normal((1, nq, nk)), -np.inf).astype(dtype)
+    elif extra == "kv_lengths":
+        kw["kv_lengths"] = rng.integers(0, nk + 1, lead + (1,))
+    for causal, scale in ((False, None), (True, 0.3)):
+        got, lse = check(q, k, v, dtype, causal=causal, scale=scale, num_threads=[1, 2], **kw)
+        assert got.shape == lead + (nq, H, 16) and lse.shape == lead + (H, nq)
+        p_got, p_lse = _plain_only(monkeypatch, q, k, v, causal=causal, scale=scale, **kw)
+        g_got, g_lse = fastattn.attention(_strided(q), k, v, causal=causal, scale=scale, return_lse=True, **kw)
+        for a, b in ((p_got, got), (p_lse, lse), (g_got, got), (g_lse, lse)):
+            np.testing.assert_array_equal(a, b)
+        out = np.full(got.shape, np.nan, dtype)
+        res, lse2 = fastattn.attention(q, k, v, causal=causal, scale=scale, out=out, return_lse=True, **kw)
+        assert res is out
+        np.testing.assert_array_equal(out, got)
+        np.testing.assert_array_equal(lse2, lse)
+
+
+def test_plain_gqa_blhd_recognised(rng, monkeypatch):
+    """GQA in layout "blhd" takes the plain call where the arrays and options
+    allow; the rest goes the general way, to its errors or its results: a mask
+    per query head, kv_lengths per head, causal strings, a window, softcap,
+    broadcast batch, mixed dtypes, non-contiguous views, rows beyond the fold."""
+    q, k, v = rand(rng, (2, 1, 8, 16)), rand(rng, (2, 40, 2, 16)), rand(rng, (2, 40, 2, 8))
+    kw = {"layout": "blhd", "enable_gqa": True}
+    _plain_only(monkeypatch, q, k, v, **kw)
+    general = [
+        (dict(mask=rng.random((2, 8, 1, 40)) < 0.5), (q, k, v)),
+        (dict(kv_lengths=rng.integers(0, 41, (2, 8))), (q, k, v)),
+        (dict(causal="upper_left"), (q, k, v)),
+        (dict(window=(5, 0)), (q, k, v)),
+        (dict(softcap=2.0), (q, k, v)),
+        ({}, (q[:1], k, v)),
+        ({}, (q, k, v.astype(F64))),
+        ({}, (q, np.asfortranarray(k), v)),
+        ({}, (rand(rng, (2, 600, 8, 16)), k, v)),
+    ]
+    for extra, args in general:
+        with pytest.raises(AssertionError, match="general path"):
+            _plain_only(monkeypatch, *args, **kw, **extra)
+        want = reference64(*args, **kw, **extra)[0]
+        assert_close(fastattn.attention(*args, **kw, **extra), want, F64 if args[2].dtype == F64 else F32)
+    with pytest.raises(ValueError, match="multiple of the key/value heads"):
+        fastattn.attention(q, rand(rng, (2, 40, 3, 16)), rand(rng, (2, 40, 3, 8)), **kw)
+    with pytest.raises(ValueError, match="out"):
+        fastattn.attention(q, k, v, out=np.empty((2, 8, 1, 8), F32), **kw)   # bhld's shape
+
+
 def test_plain_blhd_recognised(rng):
     """_plain_blhd takes equal leading dims and heads; the rest goes the general
     way, to its errors or its results (GQA, broadcast batch, views)."""
