@@ -39,6 +39,7 @@ from ._validate import (
     _overlaps,
     _readable,
     _scale,
+    _slopes,
     _softcap,
     _window,
 )
@@ -109,32 +110,34 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, mask: Optional[ArrayL
               q_lengths: Optional[ArrayLike] = None,
               layout: Layout = "bhld") -> NDArray[Any] | tuple[NDArray[Any], NDArray[Any]]:
     blhd = _blhd(layout)
-    # the plain calls: no per-head or per-row arrays beyond a mask and kv_lengths (and
-    # for folded GQA, no causal alignment string, window or softcap either)
-    plain_options = alibi_slopes is None and q_lengths is None
+    # the plain calls: no per-row arrays (q_lengths); ALiBi slopes only without the GQA
+    # fold (which needs one slope for a group's heads), nor a causal alignment string,
+    # window or softcap there
+    plain_options = q_lengths is None
+    fold_options = plain_options and alibi_slopes is None and type(causal) is bool and window is None \
+        and softcap is None
     if blhd:   # (..., n, H, d): computed on (..., H, n, d) views, the result written in the caller's layout
         given = (q, k, v)
         q, k, v = _heads_first(given, "qkv")
         if plain_options and _plain_blhd(*given, enable_gqa) and _plain_out_ok(out, *given, mask):
-            got = _plain_extras(mask, kv_lengths, q, k, False)  # type: ignore[arg-type]
+            got = _plain_extras(mask, kv_lengths, q, k, False, alibi_slopes, out)  # type: ignore[arg-type]
             if got is not None:
                 return _attention_plain(q, k, v, mask, got[0], causal, scale,  # type: ignore[arg-type]
-                                        num_threads, out, return_lse, got[1], window, softcap, blhd=True)
-        elif (plain_options and enable_gqa and type(causal) is bool and window is None and softcap is None
-              and _plain_arrays(*given) and _gqa_fold_shapes(q, k, v) and _plain_out_ok(out, *given, mask)):
-            got = _plain_extras(mask, kv_lengths, q, k, True)  # type: ignore[arg-type]
+                                        num_threads, out, return_lse, got[1], window, softcap, got[2], blhd=True)
+        elif (fold_options and enable_gqa and _plain_arrays(*given) and _gqa_fold_shapes(q, k, v)
+              and _plain_out_ok(out, *given, mask)):
+            got = _plain_extras(mask, kv_lengths, q, k, True, None, out)  # type: ignore[arg-type]
             if got is not None:
                 return _attention_plain_gqa(q, k, v, mask, got[0], causal, scale,  # type: ignore[arg-type]
                                             num_threads, out, return_lse, got[1], blhd=True)
     elif plain_options:
         if (not enable_gqa or _gqa_equal_heads(q, k)) and _plain(q, k, v) and _plain_out_ok(out, q, k, v, mask):
-            got = _plain_extras(mask, kv_lengths, q, k, False)  # type: ignore[arg-type]
+            got = _plain_extras(mask, kv_lengths, q, k, False, alibi_slopes, out)  # type: ignore[arg-type]
             if got is not None:
                 return _attention_plain(q, k, v, mask, got[0], causal, scale,  # type: ignore[arg-type]
-                                        num_threads, out, return_lse, got[1], window, softcap)
-        elif (enable_gqa and type(causal) is bool and window is None and softcap is None and _plain_gqa(q, k, v)
-              and _plain_out_ok(out, q, k, v, mask)):
-            got = _plain_extras(mask, kv_lengths, q, k, True)  # type: ignore[arg-type]
+                                        num_threads, out, return_lse, got[1], window, softcap, got[2])
+        elif fold_options and enable_gqa and _plain_gqa(q, k, v) and _plain_out_ok(out, q, k, v, mask):
+            got = _plain_extras(mask, kv_lengths, q, k, True, None, out)  # type: ignore[arg-type]
             if got is not None:
                 return _attention_plain_gqa(q, k, v, mask, got[0], causal, scale,  # type: ignore[arg-type]
                                             num_threads, out, return_lse, got[1])
@@ -484,22 +487,45 @@ def _plain_out_ok(out: Any, q: Any, k: Any, v: Any, mask: Any) -> bool:
     return out is None or _plain_out(out, q, k, v) and not _overlaps(out, mask)
 
 
-def _plain_extras(mask: Any, kv_lengths: Any, q: np.ndarray, k: np.ndarray,
-                  gqa: bool) -> Optional[tuple[int, Optional[np.ndarray]]]:
-    """The mask kind and kv_lengths of a plain call (_plain_mask, _plain_lengths;
-    q and k as the C core reads them, gqa for a folded call), or None where
-    either needs the general path."""
+def _plain_extras(mask: Any, kv_lengths: Any, q: np.ndarray, k: np.ndarray, gqa: bool, alibi_slopes: Any = None,
+                  out: Optional[np.ndarray] = None
+                  ) -> Optional[tuple[int, Optional[np.ndarray], Optional[np.ndarray]]]:
+    """The mask kind, kv_lengths and ALiBi slopes of a plain call (_plain_mask,
+    _plain_lengths, _plain_slopes; q and k as the C core reads them, gqa for a
+    folded call), or None where any of them needs the general path, or where
+    out might share memory with the lengths or slopes (the general path then
+    writes through a temporary).  In _prepare's order, so that the first bad
+    argument raises its error: the mask (the general path's errors), the
+    slopes, the lengths."""
     mask_kind = _core.MASK_NONE if mask is None else _plain_mask(mask, q, k, gqa)
-    kvl = _plain_lengths(kv_lengths, q.shape[:-2], k.shape[-2], gqa)
-    if (mask is not None and mask_kind == _core.MASK_NONE) or (kv_lengths is not None and kvl is None):
+    if mask is not None and mask_kind == _core.MASK_NONE:
         return None
-    return mask_kind, kvl
+    slopes = _plain_slopes(alibi_slopes, q)
+    kvl = _plain_lengths(kv_lengths, q.shape[:-2], k.shape[-2], gqa)
+    if ((kv_lengths is not None and kvl is None) or (alibi_slopes is not None and slopes is None)
+            or (out is not None and _overlaps(out, kvl, slopes))):
+        return None
+    return mask_kind, kvl, slopes
+
+
+def _plain_slopes(alibi_slopes: Any, q: np.ndarray) -> Optional[np.ndarray]:
+    """alibi_slopes of a plain call as the C core reads them (_slopes: the general
+    path's check, error and conversion to q's dtype), else None (the general
+    path then takes them): values that broadcast to q's leading dims (..., H)
+    without growing them."""
+    if alibi_slopes is None:
+        return None
+    s = _slopes(alibi_slopes, q.dtype)
+    lead, n = q.shape[:-2], s.ndim
+    if n > len(lead) or (n and not all(m == 1 or m == x for m, x in zip(s.shape, lead[len(lead) - n:]))):
+        return None
+    return s
 
 
 def _attention_plain(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: Optional[np.ndarray], mask_kind: int,
                      causal: Any, scale: Any, num_threads: Any, out: Optional[np.ndarray],
                      return_lse: bool, kvl: Optional[np.ndarray] = None, window: Any = None,
-                     softcap: Any = None, blhd: bool = False) -> Any:
+                     softcap: Any = None, slopes: Optional[np.ndarray] = None, blhd: bool = False) -> Any:
     """attention() of a call that _plain (and _plain_out, _plain_mask,
     _plain_lengths) accepted: the same result as through _prepare (the same C
     call on the same arrays, its options checked by the same functions in the
@@ -517,7 +543,7 @@ def _attention_plain(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: Optional
     lse = np.empty(q.shape[:-1], q.dtype) if return_lse else None
     if result.size or lse is not None:
         _core.attention(_core.Args(q, k, v, mask, mask_kind, q.shape[:-2], on, s, nthreads, kvl=kvl, softcap=cap,
-                                   win_left=win_left, win_right=win_right, top_left=top_left),
+                                   win_left=win_left, win_right=win_right, top_left=top_left, slopes=slopes),
                         result.swapaxes(-3, -2) if blhd else result, lse)
     return (result, lse) if return_lse else result
 

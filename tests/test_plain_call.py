@@ -619,6 +619,56 @@ def test_plain_scalar_options(isa, rng, monkeypatch, dtype, layout, nq, nk):
         assert str(plain_err.value) == str(general_err.value)
 
 
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("layout", ["bhld", "blhd"])
+@pytest.mark.parametrize("nq,nk", [(1, 70), (9, 40)])
+def test_plain_alibi(isa, rng, monkeypatch, dtype, layout, nq, nk):
+    """The plain call takes ALiBi slopes that broadcast to the leading dims (B, H)
+    without growing them (_plain_slopes; any real dtype, converted as the general
+    path converts them), with the other options: the general path's result bit
+    for bit, the reference's; slopes that grow the leading dims, a GQA fold, or
+    out= sharing their memory go the general way; bad slopes raise its errors,
+    after a bad mask's."""
+    from fastattn._attention import _plain_slopes
+    B, H = 2, 3
+    heads = (lambda n, d: (B, H, n, d)) if layout == "bhld" else (lambda n, d: (B, n, H, d))
+    q, k, v = rand(rng, heads(nq, 32), dtype), rand(rng, heads(nk, 32), dtype), rand(rng, heads(nk, 16), dtype)
+    slopes = [np.linspace(0.05, 0.6, H), np.array(0.25, F32), np.array([[0.1], [0.7]]),
+              rng.random((B, H)).astype(dtype), np.array([1, 2, 3], np.int16)]
+    for s in slopes:
+        assert _plain_slopes(s, q if layout == "bhld" else np.swapaxes(q, 1, 2)) is not None
+        for kw in (dict(causal=True), dict(causal="upper_left", window=(5, 0), softcap=4.0),
+                   dict(mask=rng.random((B, 1, 1, nk)) < 0.8, kv_lengths=np.array([[nk], [nk - 3]]))):
+            kw = dict(kw, layout=layout, alibi_slopes=s)
+            got, lse = check(q, k, v, dtype, num_threads=[1, 2], **kw)
+            p_got, p_lse = _plain_only(monkeypatch, q, k, v, **kw)
+            g_got, g_lse = fastattn.attention(_strided(q), k, v, return_lse=True, **kw)
+            for a, b in ((p_got, got), (p_lse, lse), (g_got, got), (g_lse, lse)):
+                np.testing.assert_array_equal(a, b)
+    with pytest.raises(AssertionError, match="general path"):        # slopes that grow the leading dims
+        _plain_only(monkeypatch, q, k, v, layout=layout, alibi_slopes=np.ones((3, B, H)))
+    with pytest.raises(ValueError, match="alibi_slopes of shape"):    # or do not broadcast: its error
+        fastattn.attention(q, k, v, layout=layout, alibi_slopes=np.ones((4,)))
+    qg = rand(rng, heads(nq, 32)[:-3] + ((2 * H, nq) if layout == "bhld" else (nq, 2 * H)) + (32,), dtype)
+    with pytest.raises(AssertionError, match="general path"):        # a GQA fold: per-head slopes
+        _plain_only(monkeypatch, qg, k, v, layout=layout, enable_gqa=True, alibi_slopes=np.ones(2 * H))
+    buf = np.zeros(q.shape[:-1] + (16,), dtype)      # out= over the slopes: the general path's temporary
+    s = buf.reshape(-1)[:H]
+    with pytest.raises(AssertionError, match="general path"):
+        _plain_only(monkeypatch, q, k, v, layout=layout, alibi_slopes=s, out=buf)
+    want = fastattn.attention(q, k, v, layout=layout, alibi_slopes=s.copy())
+    np.testing.assert_array_equal(fastattn.attention(q, k, v, layout=layout, alibi_slopes=s, out=buf), want)
+    bad = [dict(alibi_slopes="x"), dict(alibi_slopes=np.array([1j, 2j, 3j])),
+           dict(alibi_slopes="x", mask=np.ones((B, H, nq, nk), np.int8)), dict(alibi_slopes="x", kv_lengths=1.5)]
+    for kw in bad:
+        kw = dict(kw, layout=layout)
+        with pytest.raises((TypeError, ValueError)) as general_err:
+            fastattn.attention(_strided(q), k, v, **kw)
+        with pytest.raises(type(general_err.value)) as plain_err:
+            fastattn.attention(q, k, v, **kw)
+        assert str(plain_err.value) == str(general_err.value)
+
+
 def test_plain_lengths_recognised(rng):
     """_plain_lengths takes integer arrays that broadcast to the leading dims
     without growing them and lie in [0, n_k]; anything else goes the general
