@@ -130,18 +130,19 @@ def _prepare(q, k, v, mask, causal, scale, enable_gqa, window, softcap, alibi_sl
             raise ValueError(f"k and v have different head counts: k {sh(k)}, v {sh(v)}")
         if Hkv == 0 or H % Hkv:
             raise ValueError(f"enable_gqa: the query heads ({H}) must be a multiple of the key/value heads ({Hkv})")
-        gqa = (H, Hkv)
-        qq = qq.reshape(qq.shape[:-3] + (Hkv, H // Hkv) + qq.shape[-2:])     # a view
-        k = np.expand_dims(k, -3)                                            # stride 0 over the group
-        vv = np.expand_dims(vv, -3)
-        if mm is not None:
-            mm = _split_heads(mm, "mask", H, Hkv, 2)
-        if slopes is not None:
-            slopes = _split_heads(slopes, "alibi_slopes", H, Hkv, 0)
-        if kvl is not None:
-            kvl = _split_heads(kvl, "kv_lengths", H, Hkv, 0)
-        if qln is not None:
-            qln = _split_heads(qln, "q_lengths", H, Hkv, 0)
+        if H > Hkv:   # (as many heads: multi-head attention, as the plain call runs it)
+            gqa = (H, Hkv)
+            qq = qq.reshape(qq.shape[:-3] + (Hkv, H // Hkv) + qq.shape[-2:])     # a view
+            k = np.expand_dims(k, -3)                                            # stride 0 over the group
+            vv = np.expand_dims(vv, -3)
+            if mm is not None:
+                mm = _split_heads(mm, "mask", H, Hkv, 2)
+            if slopes is not None:
+                slopes = _split_heads(slopes, "alibi_slopes", H, Hkv, 0)
+            if kvl is not None:
+                kvl = _split_heads(kvl, "kv_lengths", H, Hkv, 0)
+            if qln is not None:
+                qln = _split_heads(qln, "q_lengths", H, Hkv, 0)
 
     try:
         lq, lk, lv = qq.shape[:-2], k.shape[:-2], vv.shape[:-2]

@@ -31,6 +31,33 @@ def test_gqa(isa, rng, dtype, hkv, path):
     assert out.shape == (2, 6, nq, 12)
 
 
+@pytest.mark.parametrize("layout", ["bhld", "blhd"])
+@pytest.mark.parametrize("group", [0, 1])
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_gqa_equal_heads_is_multi_head(isa, rng, force, layout, group, contiguous):
+    """enable_gqa with as many key/value heads as query heads is multi-head
+    attention on every path: the same plan and the same bits as without the
+    flag, with K and V contiguous (the plain call) or views of a (B, n, H, d)
+    cache (the general path; the group kernel forced on or off), with a mask,
+    softcap and kv_lengths per batch entry on three threads (split keys)."""
+    from fastattn._attention import _plan
+    force.set(group=group)
+    B, H, nk = 4, 4, 255
+    q, k, v = rand(rng, (B, H, 1, 64)), rand(rng, (B, H, nk, 64)), rand(rng, (B, H, nk, 64))
+    if not contiguous:   # (B, H, n, d) views of (B, n, H, d) caches
+        k, v = (np.swapaxes(np.ascontiguousarray(np.swapaxes(a, 1, 2)), 1, 2) for a in (k, v))
+    if layout == "blhd":
+        q, k, v = (np.swapaxes(a, 1, 2) for a in (q, k, v))
+    kw = dict(layout=layout, mask=np.ones((1, 1, 1), bool), softcap=1.0, kv_lengths=np.array([[79], [62], [83], [174]]),
+              scale=0.01, num_threads=3, return_lse=True)
+    got = fastattn.attention(q, k, v, enable_gqa=True, **kw)
+    want = fastattn.attention(q, k, v, **kw)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+    plan_kw = {x: kw[x] for x in ("layout", "mask", "softcap", "kv_lengths", "scale", "num_threads")}
+    assert _plan(q, k, v, enable_gqa=True, **plan_kw) == _plan(q, k, v, **plan_kw)
+
+
 def test_gqa_out_lse_and_broadcast(rng):
     q, k, v = rand(rng, (4, 5, 8)), rand(rng, (2, 7, 8)), rand(rng, (2, 7, 3))
     out = np.empty((4, 5, 3), F32)
