@@ -5,8 +5,8 @@ float64 arrays of one dtype, or float32 q with 16-bit k and v, a mask the C core
 reads as it is, no options beyond causal, scale, num_threads and out=: straight to
 the C core, the overhead-sensitive call; _plain_gqa: the same for grouped-query
 decoding, a group's heads folded into one item's rows; both in layout "blhd" too,
-through the arrays' (..., H, n, d) views); otherwise _prepare (in _prepare.py) checks and converts
-the arguments and _call hands them to the C core, folding a GQA group's query heads
+through the arrays' (..., H, n, d) views); otherwise _prepare (in _prepare.py)
+checks and converts the arguments and _call hands them to the C core, folding a GQA group's query heads
 into the rows of one work item when decoding.
 """
 

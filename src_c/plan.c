@@ -13,8 +13,8 @@
 #include "internal.h"
 #include "runtime.h"
 
-static const fa_overrides no_overrides = {.fuse = -1, .stream = -1, .far = -1, .decode_pf = -1, .group = -1, .group_touch = -1,
-                                           .mask_pack = -1, .head_turns = -1};
+static const fa_overrides no_overrides = {.fuse = -1, .stream = -1, .far = -1, .decode_pf = -1, .group = -1,
+                                           .group_touch = -1, .mask_pack = -1, .head_turns = -1};
 
 /* Bytes of K and V that a call reads (broadcast leading dims counted once). */
 static int64_t kv_bytes(const fa_attention_args *a)

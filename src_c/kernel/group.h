@@ -13,10 +13,10 @@
  * key tile of tl->bk keys (a few: a longer tile read as rows of pieces was no
  * faster than item by item), so that K and V stream through in address order;
  * each item keeps its own state.  The rows GROUP_PF_BYTES of K and V ahead
- * are prefetched into L2 in step with the tiles, or (tl->group_touch) the next
- * tile is read ahead by loads in address order (group_touch).  One-row items with plain
- * scores take chunks of keys instead, with one softmax step a chunk for all
- * of them (group_chunks).
+ * are prefetched into L2 in step with the tiles, or (tl->group_touch) the
+ * next tile is loaded ahead in address order (group_touch).  One-row items
+ * with plain scores take chunks of keys instead, with one softmax step a
+ * chunk for all of them (group_chunks).
  * Items of several rows (GQA's folded heads, a few new tokens) take longer
  * tiles (attention.c), and their work on a tile is long enough that a burst
  * of prefetches at its start stalls it: there the rows of the tile ahead are
@@ -193,14 +193,14 @@ static void group_chunks(const fa_attention_args *a, const fa_item *its, int64_t
     }
 }
 
-/* Reads the key rows [r0, r1) of the group's items ahead of their use: a load
- * a cache line (its value unused), key by key and the items in turn, K then V,
- * so that memory serves them in address order, as one stream (the heads of a
- * key abut), and the hardware's prefetchers join in; each item within its
- * band.  Where software prefetch at the heads' stride falls behind (a load
- * stalls only its own work; tl->group_touch, the tuning's group_touch).
- * Spread over the items' work on the tile before (fa_attn_group_rows):
- * touching a whole tile in one burst was slower (docs/tuning.md, group_touch). */
+/* Loads the key rows [r0, r1) of the group's items into the caches ahead of
+ * their use (tl->group_touch): one byte a cache line, its value unused, key by
+ * key with the items in turn, K then V, so that memory is read in address
+ * order (a key's heads abut) and the hardware's prefetchers can follow it,
+ * where software prefetch at the heads' stride does not keep up.  Only bytes
+ * of each item's rows within its band are read.  The caller spreads a tile's
+ * loads over the items' work on the tile before, not in one burst, which
+ * would stall that work (docs/tuning.md, group_touch). */
 INLINE void touch_row(const KT *p, int64_t n)
 {
     for (int64_t c = 0; c < n; c += 64 / (int64_t)sizeof(KT)) (void)*(const volatile unsigned char *)(p + c);
