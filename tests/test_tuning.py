@@ -271,9 +271,8 @@ def quick_tune(monkeypatch, tmp_path):
     def use(measure=lambda chosen: None):
         calls["measure"] = measure
     monkeypatch.setattr(_tune, "_measure_tiles", lambda b, chosen: calls["measure"](chosen))
-    for name in ("_measure_rows", "_measure_tail", "_measure_decode_pf"):
+    for name in ("_measure_rows", "_measure_tail", "_measure_decode_pf", "_measure_fuse", "_measure_backward"):
         monkeypatch.setattr(_tune, name, lambda *a: None)
-    monkeypatch.setattr(_tune, "_measure_fuse", lambda *a: None)
     use()
     yield use
     _core.set_tuning(before)
