@@ -100,7 +100,7 @@ static fa_isa_table table_avx512 = {.name = "avx512", .tune = TUNE_AVX512("avx51
      .rows_full = {14, 0}, .tail_max = {8, 4}, .decode_pf = {0, 0}, .fuse = 1, .stream = 0, .bk_tiled = 64,  \
      .bk_tiled_mem = 16, .bk_rows = 512, .bk_decode = 1024, .group_bk_max = 256, .group_tile_bytes = 1 << 20, \
      .group_touch = 0, .fold_rows = 8, .fold_rows_big = 12, .fold_big_bytes = 4 << 20,                      \
-     .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = INT64_MAX, .bwd_bq = 32, .bwd_bk = 64}
+     .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = INT64_MAX, .bwd_bq = 64, .bwd_bk = 256}
 
 /* The CPUs with tables of their own, by CPUID vendor, family and model ranges
  * (as Linux's arch/x86/kernel/cpu/amd.c names them), for one ISA: the defaults
