@@ -87,7 +87,7 @@ def attention_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike, 
     if blhd:
         do_a, out_a = _heads_first((do_a, out_a), ("do", "out"))
     p = _prepare(qh, kh, vh, mask, causal, scale, enable_gqa, window, softcap, alibi_slopes, kv_lengths, num_threads,
-                 q_lengths=q_lengths, blhd=blhd, mask_as_bool=False, half_kv=False)
+                 q_lengths=q_lengths, blhd=blhd, mask_as_bool=False, half_q=False)
     # the output's leading dims as the caller sees them (GQA: (..., H), not (..., H_kv, g))
     lead = p.lead[:-2] + (p.gqa[0],) if p.gqa else p.lead
     o_shape = lead + ((p.n_q,) if not p.q1 else ()) + ((p.d_v,) if not p.v1 else ())
@@ -170,7 +170,7 @@ def attention_varlen_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: Arra
             raise ValueError(f"lse has shape {lse_a.shape}; the forward's lse has shape (H, total_q) = ({H}, {T_q})")
 
     pk = _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, num_threads, window, softcap,
-                         alibi_slopes, half_kv=False, check=check)
+                         alibi_slopes, check=check)
     (T_q, H, _), (T_k, Hkv, _), d_v, G = pk.q.shape, pk.k.shape, pk.v.shape[2], pk.G
     do_c, out_c = _as_compute(do_a, pk.comp), _as_compute(out_a, pk.comp)
     lse_c = np.ascontiguousarray(lse_a, dtype=pk.comp)

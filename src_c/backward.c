@@ -158,12 +158,14 @@ static void bwd_team(void *arg)
 int fa_attention_backward(const fa_attention_args *a, const fa_backward_args *b)
 {
     fa_team_none();
+    /* 16-bit K and V: float32, q in the compute dtype */
+    const int kv = a->kv_dtype != FA_KV_SAME;
     if (a->row_group != 1 || (a->mask_kind != FA_MASK_NONE && (a->q_start || a->kv_start)) || !a->lse ||
-        a->kv_dtype != FA_KV_SAME)
+        (kv && (a->dtype != FA_F32 || a->q_kv || (a->kv_dtype != FA_KV_F16 && a->kv_dtype != FA_KV_BF16))))
         return FA_EINVAL;
     const fa_isa_table *isa = fa_isa_current();
     const int dt = a->dtype;
-    bwd_state st = {.a = a, .b = b, .fn = isa->bwd_unit[dt], .status = FA_OK};
+    bwd_state st = {.a = a, .b = b, .fn = kv ? isa->bwd_unit_kv[a->kv_dtype - 1] : isa->bwd_unit[dt], .status = FA_OK};
     st.esz = dt == FA_F32 ? sizeof(float) : sizeof(double);
     st.msz = a->mask_kind == FA_MASK_BOOL ? 1 : st.esz;
     st.n_lead = 1;
@@ -185,7 +187,7 @@ int fa_attention_backward(const fa_attention_args *a, const fa_backward_args *b)
     st.n_qb = (a->nq + st.t.bq - 1) / st.t.bq;
     st.n_kb = (a->nk + st.t.bk - 1) / st.t.bk;
     st.dkp = (a->dk + lanes - 1) / lanes * lanes;
-    st.scratch_bytes = ((size_t)fa_bwd_scratch_elems(&st.t, a->dk, a->dv) * st.esz + 63) / 64 * 64;
+    st.scratch_bytes = ((size_t)fa_bwd_scratch_elems(&st.t, a->dk, a->dv, kv) * st.esz + 63) / 64 * 64;
     st.dq_bytes = ((size_t)(a->nq * st.dkp) * st.esz + 63) / 64 * 64;
     st.items_bytes = (size_t)(st.n_qb > 0 ? st.n_qb : 1) * sizeof(fa_item);
     /* work: 5 products of nq nk (dk or dv) multiply-adds a leading index */

@@ -86,7 +86,7 @@ typedef struct {
     int64_t group_runs;  /* item groups the group kernel ran */
     int64_t tail_rows;   /* query rows the row kernel ran as the tiled kernel's tails */
     int64_t redo_rows;   /* rows recomputed carefully (a result came out non-finite) */
-    int64_t kv_widened;  /* 16-bit key rows the tiled and weights kernels widened */
+    int64_t kv_widened;  /* 16-bit key rows the tiled, weights and backward kernels widened */
 } fa_stats;
 
 /* Arguments of fa_attention.
@@ -134,7 +134,8 @@ typedef struct {
     void *out, *lse;
     int dtype;                          /* FA_F32 or FA_F64 */
     int kv_dtype;                       /* FA_KV_*: how k and v are stored (16-bit:
-                                         * FA_F32 only; not the backward pass) */
+                                         * FA_F32 only; the backward pass too, with q
+                                         * in float32) */
     int q_kv;                           /* q stored as k and v (16-bit kv_dtype only) */
     int mask_kind;                      /* FA_MASK_* */
     int causal;                         /* key j visible to query i iff j <= p (above) */

@@ -242,6 +242,7 @@ typedef struct {
     fa_kv_widen_fn kv_widen[2];        /* ... and their widening to float32 */
     fa_attn_merge_fn attn_merge[2];
     fa_bwd_unit_fn bwd_unit[2];        /* the backward kernel (kernel/backward.h) */
+    fa_bwd_unit_fn bwd_unit_kv[2];     /* ... float32 over 16-bit K and V (index kv_dtype - 1) */
     fa_attn_item_fn weights_item[2];   /* probabilities (attention_weights) */
     fa_softmax_row_fn softmax_row[2];
     fa_exp_fn exp[2];
@@ -285,12 +286,14 @@ static inline int64_t fa_group_scratch_elems(const fa_tiles *t, int64_t dk, int6
     const int64_t dkp = (dk + FA_LANES_MAX - 1) / FA_LANES_MAX * FA_LANES_MAX;
     return n * t->bq * (dkp + 3 * dv + 3) + t->bq * t->bk;
 }
-/* The backward kernel's scratch (kernel/backward.h), without the dQ rows. */
-static inline int64_t fa_bwd_scratch_elems(const fa_tiles *t, int64_t dk, int64_t dv)
+/* The backward kernel's scratch (kernel/backward.h), without the dQ rows;
+ * widened: K and V of 16 bits, the unit's rows widened (Kw, Vw). */
+static inline int64_t fa_bwd_scratch_elems(const fa_tiles *t, int64_t dk, int64_t dv, int widened)
 {
     const int64_t dkp = (dk + FA_LANES_MAX - 1) / FA_LANES_MAX * FA_LANES_MAX;
     const int64_t dvp = (dv + FA_LANES_MAX - 1) / FA_LANES_MAX * FA_LANES_MAX;
-    return t->ld * (dk + dv + 2 * t->bk + 2 + (t->bk + 31) / 32) + t->bq * (dkp + dvp) + t->bk * (2 * dkp + dvp);
+    return t->ld * (dk + dv + 2 * t->bk + 2 + (t->bk + 31) / 32) + t->bq * (dkp + dvp) + t->bk * (2 * dkp + dvp) +
+           (widened ? t->bk * (dk + dv) : 0);
 }
 static inline int64_t fa_softmax_scratch_elems(int64_t n)
 {
@@ -348,6 +351,10 @@ static inline int64_t fa_softmax_scratch_elems(int64_t n)
                                         const fa_item *, void *);                     \
     void fa_attn_group_rows_##kv##_##isa(const fa_attention_args *, const fa_tiles *, \
                                          const fa_item *, int64_t, void *);           \
+    void fa_bwd_unit_##kv##_##isa(const fa_attention_args *, const fa_tiles *,        \
+                                  const fa_item *, int64_t, const void *, int64_t,    \
+                                  int64_t, int64_t, void *, int64_t, void *, int64_t, \
+                                  void *, void *);                                    \
     void fa_kv_widen_##kv##_##isa(const void *, float *, int64_t);
 
 FA_DECLARE_ISA(generic)

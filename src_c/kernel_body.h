@@ -11,8 +11,8 @@
  *   FA_KV    (optional) K and V stored as 1 float16 or 2 bfloat16, widened
  *            as they are loaded (simd.h: KT, vload_kv; the tiled kernel into
  *            rows kept in its scratch: kv_rows_widened), float32 only
- *            (kernels_h16_<isa>.c, kernels_b16_<isa>.c); not the softmax or
- *            the backward pass
+ *            (kernels_h16_<isa>.c, kernels_b16_<isa>.c; the backward pass: each
+ *            unit's rows widened once into its scratch); not the softmax
  *
  * The AVX2 file sets `#pragma GCC target("avx2,fma")` first, so the same code
  * becomes 256-bit AVX2 with FMA there; the AVX-512 files make it 512-bit code
@@ -56,8 +56,8 @@
 #include "kernel/group.h"
 #if !FA_KV
 #include "kernel/softmax_row.h"
-#include "kernel/backward.h"
 #endif
+#include "kernel/backward.h"
 
 #if FA_KV
 /* fa_kv_widen_fn: 16-bit floats to float32 (the Python layer's conversions) */

@@ -188,17 +188,43 @@ def test_mixed_and_refused_dtypes(rng, force):
     np.testing.assert_array_equal(k.view(np.uint16), before.view(np.uint16))
 
 
-def test_backward_of_half_inputs(rng):
-    """The backward pass takes 16-bit inputs (widened in Python): float32 gradients."""
-    q, k, v = rand(rng, (1, 2, 5, 8)), half(rng, (1, 2, 30, 8), BF16), half(rng, (1, 2, 30, 8), BF16)
-    out, lse = fastattn.attention(q, k, v, return_lse=True, causal=True)
+BACKWARD_OPTS = [
+    {}, {"causal": True}, {"softcap": 4.0}, {"window": (9, 3)}, {"kv_lengths": np.array([[0], [23]])},
+    {"mask": "bool"}, {"alibi_slopes": np.array([0.5, 0.25])}, {"enable_gqa": True, "causal": True},
+]
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
+@pytest.mark.parametrize("q16", [False, True], ids=["q32", "q16"])
+@pytest.mark.parametrize("tiles", [(0, 0), (16, 16), (64, 256)], ids=["table", "16x16", "64x256"])
+@pytest.mark.parametrize("opt", BACKWARD_OPTS, ids=lambda o: "-".join(o) or "plain")
+def test_backward_reads_half_kv(isa, rng, force, dtype, q16, tiles, opt):
+    """The backward pass reads 16-bit K and V as stored (each unit's rows widened once
+    into its scratch: kv_widened counts every key of every leading index once), q in
+    float32 (a 16-bit q is widened first): float32 gradients, bitwise those of the same
+    values in float32, and the float64 reference's within float32's tolerance."""
+    B, H, nq, nk, d = 2, 2, 37, 45, 24
+    kw = dict(opt)
+    Hk = 1 if kw.get("enable_gqa") else H
+    q = rand(rng, (B, H, nq, d)).astype(dtype if q16 else F32)
+    k, v = half(rng, (B, Hk, nk, d), dtype), half(rng, (B, Hk, nk, 20), dtype)
+    if kw.get("mask") == "bool":
+        kw["mask"] = rng.random((B, 1, nq, nk)) < 0.7
+    out, lse = fastattn.attention(q, k, v, return_lse=True, **kw)
     do = rand(rng, out.shape)
-    got = fastattn.attention_backward(do, q, k, v, out, lse, causal=True)
+    force.set(bq=tiles[0], bk=tiles[1])
+    for threads in (1, 2):
+        force.reset_counts()
+        got = fastattn.attention_backward(do, q, k, v, out, lse, num_threads=threads, **kw)
+        assert force.kv_widened == B * H * nk   # every unit's keys, once (GQA: each query head's leading index)
+        q32, k32, v32 = (a.astype(F32) for a in (q, k, v))
+        same = fastattn.attention_backward(do, q32, k32, v32, out, lse, num_threads=threads, **kw)
+        for g, s, a in zip(got, same, (q, k, v)):
+            assert g.dtype == F32 and g.shape == a.shape
+            np.testing.assert_array_equal(g, s)
     q64, k64, v64 = (a.astype(F64) for a in (q, k, v))
-    want = ref.attention_backward(do.astype(F64), q64, k64, v64, ref.attention(q64, k64, v64, causal=True),
-                                  causal=True)
+    want = ref.attention_backward(do.astype(F64), q64, k64, v64, ref.attention(q64, k64, v64, **kw), **kw)
     for g, w in zip(got, want):
-        assert g.dtype == F32
         assert_close(g, w, F32)
 
 

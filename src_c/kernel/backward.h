@@ -25,6 +25,8 @@
  *   Dl  (2 ld)     D of the block's rows, then their lse (+inf past bq, so
  *                  that padding lanes get P = 0)
  *   W   (ceil(bk / 32), ld)  a bool mask tile as bits (tile_scores)
+ *   Kw  (nb, dk), Vw (nb, dv)  16-bit K and V (FA_KV): the unit's rows widened
+ *                  once, read by every query block in place of K and V
  *   dq  (nq, dkp)  the thread's dQ rows of this leading index (/ scale)
  * dkp and dvp are dk and dv rounded up to whole vectors.
  * ------------------------------------------------------------------------- */
@@ -108,7 +110,20 @@ void FN(fa_bwd_unit)(const fa_attention_args *a, const fa_tiles *tl, const fa_it
     T *Qp = Dl + 2 * ld, *dOp = Qp + tl->bq * dkp, *Kp = dOp + tl->bq * dvp, *dKb = Kp + bk * dkp;
     T *dVb = dKb + bk * dkp;
     IT *W = (IT *)(dVb + bk * dvp);
+    /* the unit's K and V rows (key j0 first) as the products read them, row strides krs and vrs */
+#if FA_KV
+    T *Kw = (T *)(W + (bk + 31) / 32 * ld), *Vw = Kw + bk * dk;
+    for (int64_t j = 0; j < nb; j++) {
+        widen_row(Kw + j * dk, (const KT *)its[0].k + (j0 + j) * a->k_rs, dk);
+        widen_row(Vw + j * dv, (const KT *)its[0].v + (j0 + j) * a->v_rs, dv);
+    }
+    if (a->stats) __atomic_fetch_add(&a->stats->kv_widened, nb, __ATOMIC_RELAXED);
+    const T *K = Kw, *V = Vw;
+    const int64_t krs = dk, vrs = dv;
+#else
     const T *K = (const T *)its[0].k + j0 * a->k_rs, *V = (const T *)its[0].v + j0 * a->v_rs;
+    const int64_t krs = a->k_rs, vrs = a->v_rs;
+#endif
     memset(dKb, 0, (size_t)(bk * dkp) * sizeof(T));
     memset(dVb, 0, (size_t)(bk * dvp) * sizeof(T));
     /* K for dQ += dS . K: inf and NaN as 0, so that a key hidden from a row
@@ -116,7 +131,7 @@ void FN(fa_bwd_unit)(const fa_attention_args *a, const fa_tiles *tl, const fa_it
      * (a row that sees such a key has a NaN score, lse and dS already) */
     for (int64_t j = 0; j < nb; j++) {
         for (int64_t c = 0; c < dk; c++) {
-            const T x = K[j * a->k_rs + c];
+            const T x = K[j * krs + c];
             Kp[j * dkp + c] = x - x == 0 ? x : 0;
         }
         for (int64_t c = dk; c < dkp; c++) Kp[j * dkp + c] = 0;
@@ -132,8 +147,7 @@ void FN(fa_bwd_unit)(const fa_attention_args *a, const fa_tiles *tl, const fa_it
         pack_queries(a, tl, it, scratch, Qt, ld, bqp);
         T qmax = -1;
         key_runs kr;
-        const int bits = tile_scores(a, it, &b, St, Qt, &qmax, W, ld, bqp, jl, n, (const T *)it->k + jl * a->k_rs,
-                                     a->k_rs, NULL, NULL, &kr);
+        const int bits = tile_scores(a, it, &b, St, Qt, &qmax, W, ld, bqp, jl, n, K + o * krs, krs, NULL, NULL, &kr);
         if (bits < 0) continue;
         if (bits) apply_bits(St, W, ld, bqp, n);
         /* dO of the block, D = rowsum(dO * out) and lse */
@@ -147,7 +161,7 @@ void FN(fa_bwd_unit)(const fa_attention_args *a, const fa_tiles *tl, const fa_it
             Dl[ld + i] = i < bq ? ((const T *)it->lse)[i * a->lse_rs] : (T)INFINITY;
         }
         /* dP = V . dO^T (transposed: key rows), then P and dS in place */
-        qk_block(dPt, V + o * a->v_rs, a->v_rs, dOt, ld, bqp, dv, n, NULL, NULL);
+        qk_block(dPt, V + o * vrs, vrs, dOt, ld, bqp, dv, n, NULL, NULL);
         for (int64_t j = 0; j < n; j++)
             for (int64_t i = 0; i < bqp; i += L) {
                 const vec lse = vload(Dl + ld + i), x = vload(St + j * ld + i) - lse;
@@ -163,7 +177,7 @@ void FN(fa_bwd_unit)(const fa_attention_args *a, const fa_tiles *tl, const fa_it
         acc_products(dVb + o * dvp, dvp, n, dvp, St, ld, 1, dOp, dvp, bq);
         if (a->softcap > 0) { /* x = K . Qt (Qt: the queries times scale), dS *= 1 - tanh(x / c)^2 */
             const T ic = 1 / (T)a->softcap;
-            qk_block(St, K + o * a->k_rs, a->k_rs, Qt, ld, bqp, dk, n, NULL, NULL);
+            qk_block(St, K + o * krs, krs, Qt, ld, bqp, dk, n, NULL, NULL);
             for (int64_t j = 0; j < n; j++)
                 for (int64_t i = 0; i < bqp; i += L) {
                     const vec t = vtanh(vload(St + j * ld + i) * ic);
