@@ -150,11 +150,13 @@ def main(threads: Optional[int], with_torch: bool, as_json: bool, quick: bool, r
         tcol = f"{r['torch_ms']:.1f} | {r['x_torch']:.2f}" if "torch_ms" in r else "- | -"
         print(f"| {r['name']} | {r['forward_ms']:.1f} | {r['backward_ms']:.1f} | {r['backward_gflops']:.0f} | "
               f"{r['pct_mm']:.0f} | {tcol} |")
+    from .bench import blas_note
     nb = res["numpy_backward"]
     mm = ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in res["matmul_gflops"].items())
     print(f"x torch: PyTorch {res['torch'] or 'not installed'} autograd of scaled_dot_product_attention "
           f"(forward and backward) over fastattn's forward with lse plus backward, same arrays. GFLOP/s: "
-          f"2.5x the forward's flops over the backward's time; % mm: of NumPy's matrix product ({mm}).")
+          f"2.5x the forward's flops over the backward's time; % mm: of NumPy's matrix product ({mm})"
+          f"{blas_note()}.")
     print(f"NumPy materialised backward (reference.attention_backward), {nb['workload']}: {nb['numpy_ms']:.0f} ms, "
           f"fastattn's {nb['fastattn_ms']:.1f} ms: {nb['speedup']:.1f}x")
     return 0

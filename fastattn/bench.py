@@ -508,6 +508,18 @@ PyTorch's scaled_dot_product_attention on the same arrays and threads.  Peers ar
 interleaved with fastattn, in this process."""
 
 
+def blas_note():
+    """A note for the matrix-product line where OPENBLAS_CORETYPE is set (as on some
+    shared machines, for old OpenBLAS builds): OpenBLAS then runs that core's kernels,
+    not this CPU's, and its rate understates the ceiling (Zen 5 with "Haswell":
+    117 against 204 GFLOP/s in float64); else ""."""
+    core = os.environ.get("OPENBLAS_CORETYPE")
+    if not core:
+        return ""
+    return (f"; OPENBLAS_CORETYPE={core} is set, so NumPy's OpenBLAS runs {core}'s kernels, which may be slower "
+            f"than this CPU's own: unset it (and OPENBLAS_L2_SIZE) for the ceiling")
+
+
 def _ms(x, width=9):
     return f"{x:{width}.3f}" if x < 1 else f"{x:{width}.2f}"
 
@@ -665,7 +677,7 @@ def main(argv: "list[str] | None" = None) -> int:
                   f"16 bits beside 16-bit K and V), rows without a mask or causal")
         mm = ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in result["matmul_gflops"].items())
         print(f"NumPy matrix product (2048^2) in this run: {mm} (the better of its start and end); "
-              f"PyTorch: {result['torch'] or 'not installed'}")
+              f"PyTorch: {result['torch'] or 'not installed'}{blas_note()}")
         rows = {r["name"]: r for r in result["rows"]}
         full, win = rows.get("B1 H8 N8192 d64 causal"), rows.get("  ...window (256, 0)")
         if full and win:

@@ -339,3 +339,19 @@ def test_bench_backward(monkeypatch, capsys):
     bench.main(["--backward", "--quick", "--no-torch", "--repeats", "1"])
     out = capsys.readouterr().out
     assert out.startswith("| workload | forward ms |") and "NumPy materialised backward" in out
+
+
+def test_bench_blas_note(monkeypatch, capsys):
+    """The matrix-product line says when OPENBLAS_CORETYPE is set: OpenBLAS then runs
+    that core's kernels and its rate (the ceiling of "% mm") may understate this CPU's."""
+    from fastattn import _bench_backward, bench
+    monkeypatch.delenv("OPENBLAS_CORETYPE", raising=False)
+    assert bench.blas_note() == ""
+    monkeypatch.setenv("OPENBLAS_CORETYPE", "Nehalem")
+    assert "OPENBLAS_CORETYPE=Nehalem is set" in bench.blas_note()
+    monkeypatch.setattr(_bench_backward, "ROWS", [("small", (1, 2, 1, 96, 16), "float32", True, False)])
+    monkeypatch.setattr(_bench_backward, "QUICK", [0])
+    monkeypatch.setattr(_bench_backward, "NUMPY_SHAPE", (1, 2, 64, 16))
+    monkeypatch.setattr(bench, "_matmul_rate", lambda dtype, repeats: 100.0)
+    bench.main(["--backward", "--quick", "--no-torch", "--repeats", "1"])
+    assert "OPENBLAS_CORETYPE=Nehalem is set" in capsys.readouterr().out
