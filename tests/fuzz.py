@@ -11,8 +11,9 @@ rows of it), causal ones, key padding, column-major and reversed), causal
 aligned either way, window, softcap, ALiBi, kv_lengths, q_lengths, scale (0
 too), float16 to float64, NaN and inf planted in q, k and v, transposed (B, N,
 H, d) views, out=, attention_weights, layout="blhd" on the same arrays (bit
-for bit), and the batch again as packed sequences of random lengths
-(attention_varlen); on a random SIMD path and thread count, with
+for bit), the batch again as packed sequences of random lengths
+(attention_varlen), and the backward pass of cases with finite inputs
+(attention_backward, with the same options and tiles); on a random SIMD path and thread count, with
 the tiles, the fused exp, the far prefetch, the row kernel's limit, the bool
 mask's packing and the row kernel over a (B, n, H, d) cache's heads forced at random.
 Each failure prints its seed; a seed reproduces its case exactly.  Three bugs
@@ -189,6 +190,14 @@ def run_case(seed, verbose=False):
             pq, pk, pv, cq, ck, options = packed_problem(rng, q, k, v, kw)
             p_out, p_lse = fastattn.attention_varlen(pq, pk, pv, cq, ck, return_lse=True,
                                                      num_threads=s["threads"], **options)
+        # the backward pass, drawn apart (the case's own draws stay those of earlier
+        # versions), of cases whose inputs are finite (NaN and inf spread through the
+        # gradients as the order of the sums has it)
+        brng = np.random.default_rng([seed, 2])
+        backward = brng.random() < 0.35 and all(np.isfinite(a).all() for a in (q, k, v))
+        if backward:
+            do = brng.standard_normal(out.shape).astype(out.dtype)
+            grads = fastattn.attention_backward(do, q, k, v, out, lse, num_threads=s["threads"], **kw)
     finally:
         _core.set_isa(before)
         force.__exit__(None, None, None)
@@ -209,6 +218,16 @@ def run_case(seed, verbose=False):
         with np.errstate(all="ignore"):
             want_w = ref.attention_weights(q.astype(np.float64), k.astype(np.float64), mask=mask, **score_kw)
         assert_close(w, want_w, dtype, "weights", rtol=rtol)
+    if backward:   # against the materialised formula, on the reference's own output
+        with warnings.catch_warnings(), np.errstate(all="ignore"):
+            warnings.simplefilter("ignore")
+            c64 = lambda a: np.asarray(a).astype(np.float64)  # noqa: E731
+            want_g = ref.attention_backward(c64(do), c64(q), c64(k), c64(v), want,
+                                            **dict(kw, mask=mask) if "mask" in kw else kw)
+        gdt = np.result_type(dtype, np.float32)   # 16-bit inputs: float32 gradients
+        for g, wg, a, name in zip(grads, want_g, (q, k, v), ("dq", "dk", "dv")):
+            assert g.shape == a.shape and g.dtype == gdt, (name, g.shape, g.dtype)
+            assert_close(g, wg, gdt, name, rtol=8 * tolerance(scores, gdt))
     if s["varlen"]:
         c = lambda a: a.astype(np.float64)  # noqa: E731
         with warnings.catch_warnings(), np.errstate(all="ignore"):
