@@ -190,6 +190,9 @@ typedef struct {
                                        * and V from memory (rows.h, item_rows) */
     int bk_tiled, bk_tiled_mem;       /* the tiled kernel's keys a tile; the same
                                        * for blocks of up to 32 rows from memory */
+    int q_tile_bytes;                 /* the tiled kernel's query block: halved from 128
+                                       * rows (down to 32) while its transposed queries
+                                       * (dk bq elements) exceed this many bytes */
     int bk_rows, bk_decode;           /* the row kernel's keys a tile; the same for
                                        * one row (decoding) */
     int group_bk_max;                 /* the group kernel's keys a tile for items of

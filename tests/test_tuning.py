@@ -66,6 +66,21 @@ def test_tuning_sizes_and_switches_reach_the_plan(rng, tuning):
 
 
 @pytest.mark.parametrize("dtype", [F32, F64])
+def test_query_block_from_the_table(rng, tuning, dtype):
+    """q_tile_bytes: the tiled kernel's query rows a block, 128 halved (down to 32)
+    while its transposed queries (dk rows of them) exceed that many bytes; results
+    agree with the reference at every size."""
+    esz = np.dtype(dtype).itemsize
+    q, k, v = (rand(rng, (4, 300, 128), dtype) for _ in range(3))
+    for q_tile, bq in ((128 * 128 * esz, 128), (128 * 128 * esz - 1, 64), (64 * 128 * esz, 64), (4096, 32)):
+        tuning(q_tile_bytes=q_tile)
+        assert _plan(q, k, v)["bq"] == bq, (q_tile, bq)
+        check(q, k, v, dtype)
+        check(q, k, v, dtype, causal=True)
+    assert _plan(rand(rng, (4, 300, 4), dtype), k[..., :4], v)["bq"] == 128   # 4 x 128 x 8 bytes: within 4096
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
 def test_decode_prefetch_from_the_table(rng, tuning, dtype):
     """decode_pf turns decoding's prefetch of float32 or float64 K and V on or off
     (the pair by dtype); 16-bit K and V prefetch whatever it says; results agree
@@ -152,6 +167,7 @@ def test_group_touch_from_the_table(rng, tuning, force):
     ({"kv_far_bytes": 2 ** 63}, "kv_far_bytes is out of range"), ({"tail_max": (0, 99)}, "tail_max is out of range"),
     ({"decode_pf": (2, 0)}, "decode_pf is out of range"), ({"decode_pf": (1, -1)}, "decode_pf is out of range"),
     ({"bwd_bq": 4}, "out of range"), ({"bwd_bk": 2048}, "out of range"),
+    ({"q_tile_bytes": 1024}, "out of range"), ({"q_tile_bytes": 1 << 23}, "out of range"),
 ])
 def test_set_tuning_rejects_bad_fields(fields, word):
     before = _core.isa_table()
