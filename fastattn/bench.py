@@ -511,8 +511,8 @@ interleaved with fastattn, in this process."""
 def blas_note():
     """A note for the matrix-product line where OPENBLAS_CORETYPE is set (as on some
     shared machines, for old OpenBLAS builds): OpenBLAS then runs that core's kernels,
-    not this CPU's, and its rate understates the ceiling (Zen 5 with "Haswell":
-    117 against 204 GFLOP/s in float64); else ""."""
+    not this CPU's, so its rate can understate the ceiling (docs/benchmarks.md);
+    else ""."""
     core = os.environ.get("OPENBLAS_CORETYPE")
     if not core:
         return ""

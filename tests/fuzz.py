@@ -222,8 +222,8 @@ def run_case(seed, verbose=False):
         with warnings.catch_warnings(), np.errstate(all="ignore"):
             warnings.simplefilter("ignore")
             c64 = lambda a: np.asarray(a).astype(np.float64)  # noqa: E731
-            want_g = ref.attention_backward(c64(do), c64(q), c64(k), c64(v), want,
-                                            **dict(kw, mask=mask) if "mask" in kw else kw)
+            bwd_kw = dict(kw, mask=mask) if "mask" in kw else kw   # the mask as the scores took it
+            want_g = ref.attention_backward(c64(do), c64(q), c64(k), c64(v), want, **bwd_kw)
         gdt = np.result_type(dtype, np.float32)   # 16-bit inputs: float32 gradients
         for g, wg, a, name in zip(grads, want_g, (q, k, v), ("dq", "dk", "dv")):
             assert g.shape == a.shape and g.dtype == gdt, (name, g.shape, g.dtype)

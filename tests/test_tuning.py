@@ -66,7 +66,7 @@ def test_tuning_sizes_and_switches_reach_the_plan(rng, tuning):
 
 
 @pytest.mark.parametrize("dtype", [F32, F64])
-def test_query_block_from_the_table(rng, tuning, dtype):
+def test_query_block_from_the_table(isa, rng, tuning, dtype):
     """q_tile_bytes: the tiled kernel's query rows a block, 128 halved (down to 32)
     while its transposed queries (dk rows of them) exceed that many bytes; results
     agree with the reference at every size."""
