@@ -87,7 +87,7 @@ def attention_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike, 
     if blhd:
         do_a, out_a = _heads_first((do_a, out_a), ("do", "out"))
     p = _prepare(qh, kh, vh, mask, causal, scale, enable_gqa, window, softcap, alibi_slopes, kv_lengths, num_threads,
-                 q_lengths=q_lengths, blhd=blhd, mask_as_bool=False, half_q=False)
+                 q_lengths=q_lengths, blhd=blhd, mask_as_bool=False)
     # the output's leading dims as the caller sees them (GQA: (..., H), not (..., H_kv, g))
     lead = p.lead[:-2] + (p.gqa[0],) if p.gqa else p.lead
     o_shape = lead + ((p.n_q,) if not p.q1 else ()) + ((p.d_v,) if not p.v1 else ())

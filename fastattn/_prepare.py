@@ -54,15 +54,13 @@ _Prepared = _core.Prepared
 
 
 def _prepare(q, k, v, mask, causal, scale, enable_gqa, window, softcap, alibi_slopes, kv_lengths,
-             num_threads, weights=False, q_lengths=None, blhd=False, mask_as_bool=True,
-             half_q=True) -> _Prepared:
+             num_threads, weights=False, q_lengths=None, blhd=False, mask_as_bool=True) -> _Prepared:
     """Check and convert the arguments of attention and attention_weights (q, k, v
     as (..., H, n, d); blhd: the caller's arrays were (..., n, H, d), and the errors
     name their shapes as given).  mask_as_bool=False keeps a float mask float (the
     backward pass, which reads it as the forward's scores took it).  K and V of one
     16-bit dtype stay so for a float32 call (the C core widens them as it reads
-    them); half_q: so does a 16-bit q of K's dtype (False converts it: the backward
-    pass, whose kernel reads q in float32)."""
+    them), and so does a 16-bit q of K's dtype."""
     def sh(a):
         return a.swapaxes(-3, -2).shape if blhd else a.shape
 
@@ -181,7 +179,7 @@ def _prepare(q, k, v, mask, causal, scale, enable_gqa, window, softcap, alibi_sl
     softcap_ = _softcap(softcap)
     # mask, pad and fold are set below: _mask_as_bool and _fold_rows read p
     kv_store = k.dtype if comp == np.float32 and k.dtype == vv.dtype and _native_half(k.dtype) else comp
-    q_store = kv_store if half_q and qq.dtype == kv_store else comp   # 16-bit q of K's dtype: read as stored too
+    q_store = kv_store if qq.dtype == kv_store else comp   # 16-bit q of K's dtype: read as stored too
     p = _Prepared(q=_as_compute(qq, q_store), k=_as_compute(k, kv_store), v=_as_compute(vv, kv_store), mask=None,
                   mask_kind=mask_kind, pad=None, slopes=slopes, kvl=kvl, qln=qln, lead=lead, n_q=n_q, n_k=n_k,
                   d_v=d_v, q1=q1, v1=v1, gqa=gqa, fold=False, res=res, comp=comp, scale=scale_,

@@ -158,10 +158,11 @@ static void bwd_team(void *arg)
 int fa_attention_backward(const fa_attention_args *a, const fa_backward_args *b)
 {
     fa_team_none();
-    /* 16-bit K and V: float32, q in the compute dtype */
+    /* 16-bit K and V: float32, q in float32 or stored as K (q_kv) */
     const int kv = a->kv_dtype != FA_KV_SAME;
     if (a->row_group != 1 || (a->mask_kind != FA_MASK_NONE && (a->q_start || a->kv_start)) || !a->lse ||
-        (kv && (a->dtype != FA_F32 || a->q_kv || (a->kv_dtype != FA_KV_F16 && a->kv_dtype != FA_KV_BF16))))
+        (a->q_kv && !kv) ||
+        (kv && (a->dtype != FA_F32 || (a->kv_dtype != FA_KV_F16 && a->kv_dtype != FA_KV_BF16))))
         return FA_EINVAL;
     const fa_isa_table *isa = fa_isa_current();
     const int dt = a->dtype;
@@ -187,7 +188,10 @@ int fa_attention_backward(const fa_attention_args *a, const fa_backward_args *b)
     st.n_qb = (a->nq + st.t.bq - 1) / st.t.bq;
     st.n_kb = (a->nk + st.t.bk - 1) / st.t.bk;
     st.dkp = (a->dk + lanes - 1) / lanes * lanes;
-    st.scratch_bytes = ((size_t)fa_bwd_scratch_elems(&st.t, a->dk, a->dv, kv) * st.esz + 63) / 64 * 64;
+    /* a 16-bit q's rows widened after the kernel's scratch, 64-byte aligned (pack_queries) */
+    const int64_t q_at = (fa_bwd_scratch_elems(&st.t, a->dk, a->dv, kv) + FA_KV_HEAD - 1) / FA_KV_HEAD * FA_KV_HEAD;
+    st.t.q_off = a->q_kv ? q_at : 0;
+    st.scratch_bytes = ((size_t)(q_at + (a->q_kv ? st.t.bq * a->dk : 0)) * st.esz + 63) / 64 * 64;
     st.dq_bytes = ((size_t)(a->nq * st.dkp) * st.esz + 63) / 64 * 64;
     st.items_bytes = (size_t)(st.n_qb > 0 ? st.n_qb : 1) * sizeof(fa_item);
     /* work: 5 products of nq nk (dk or dv) multiply-adds a leading index */

@@ -289,8 +289,9 @@ static inline int64_t fa_group_scratch_elems(const fa_tiles *t, int64_t dk, int6
     const int64_t dkp = (dk + FA_LANES_MAX - 1) / FA_LANES_MAX * FA_LANES_MAX;
     return n * t->bq * (dkp + 3 * dv + 3) + t->bq * t->bk;
 }
-/* The backward kernel's scratch (kernel/backward.h), without the dQ rows;
- * widened: K and V of 16 bits, the unit's rows widened (Kw, Vw). */
+/* The backward kernel's scratch (kernel/backward.h), without the dQ rows and
+ * a 16-bit q's widened rows (after these, at t->q_off); widened: K and V of 16
+ * bits, the unit's rows widened (Kw, Vw). */
 static inline int64_t fa_bwd_scratch_elems(const fa_tiles *t, int64_t dk, int64_t dv, int widened)
 {
     const int64_t dkp = (dk + FA_LANES_MAX - 1) / FA_LANES_MAX * FA_LANES_MAX;

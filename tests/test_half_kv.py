@@ -200,9 +200,10 @@ BACKWARD_OPTS = [
 @pytest.mark.parametrize("opt", BACKWARD_OPTS, ids=lambda o: "-".join(o) or "plain")
 def test_backward_reads_half_kv(isa, rng, force, dtype, q16, tiles, opt):
     """The backward pass reads 16-bit K and V as stored (each unit's rows widened once
-    into its scratch: kv_widened counts every key of every leading index once), q in
-    float32 (a 16-bit q is widened first): float32 gradients, bitwise those of the same
-    values in float32, and the float64 reference's within float32's tolerance."""
+    into its scratch: kv_widened counts every key of every leading index once), and a
+    16-bit q too (each query block's rows widened as it is packed): float32 gradients,
+    bitwise those of the same values in float32, and the float64 reference's within
+    float32's tolerance."""
     B, H, nq, nk, d = 2, 2, 37, 45, 24
     kw = dict(opt)
     Hk = 1 if kw.get("enable_gqa") else H
@@ -226,6 +227,27 @@ def test_backward_reads_half_kv(isa, rng, force, dtype, q16, tiles, opt):
     want = ref.attention_backward(do.astype(F64), q64, k64, v64, ref.attention(q64, k64, v64, **kw), **kw)
     for g, w in zip(got, want):
         assert_close(g, w, F32)
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
+def test_backward_copies_no_half_input(rng, dtype):
+    """The backward pass over 16-bit q, K and V makes no float32 copy of them: the
+    NumPy memory it allocates (tracemalloc sees NumPy's buffers, not the C core's
+    scratch) is the gradients, with a margin well under a copy of q."""
+    import tracemalloc
+    q = half(rng, (1, 2, 4096, 64), dtype)
+    k, v = half(rng, (1, 2, 64, 64), dtype), half(rng, (1, 2, 64, 64), dtype)
+    out, lse = fastattn.attention(q, k, v, return_lse=True)
+    do = rand(rng, out.shape)
+    tracemalloc.start()
+    try:
+        dq, dk, dv = fastattn.attention_backward(do, q, k, v, out, lse)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    grads = dq.nbytes + dk.nbytes + dv.nbytes
+    assert dq.dtype == F32 and dq.shape == q.shape
+    assert grads <= peak < grads + q.size * 4 // 2, (peak, grads)
 
 
 def test_threads_and_layouts(rng):

@@ -27,6 +27,8 @@
  *   W   (ceil(bk / 32), ld)  a bool mask tile as bits (tile_scores)
  *   Kw  (nb, dk), Vw (nb, dv)  16-bit K and V (FA_KV): the unit's rows widened
  *                  once, read by every query block in place of K and V
+ *   qw  (bq, dk)   16-bit q (a->q_kv): the block's rows widened (pack_queries,
+ *                  at tl->q_off), which Qp is packed from
  *   dq  (nq, dkp)  the thread's dQ rows of this leading index (/ scale)
  * dkp and dvp are dk and dv rounded up to whole vectors.
  * ------------------------------------------------------------------------- */
@@ -184,7 +186,15 @@ void FN(fa_bwd_unit)(const fa_attention_args *a, const fa_tiles *tl, const fa_it
                     vstore(dPt + j * ld + i, vload(dPt + j * ld + i) * (vset1(1) - t * t));
                 }
         }
-        pack_both((const T *)it->q, a->q_rs, bq, bqp, dk, dkp, (T)a->scale, NULL, ld, Qp);
+#if FA_KV
+        /* 16-bit q: the rows pack_queries widened into the scratch (tl->q_off) */
+        const T *qr = a->q_kv ? (const T *)scratch + tl->q_off : (const T *)it->q;
+        const int64_t qrs = a->q_kv ? dk : a->q_rs;
+#else
+        const T *qr = (const T *)it->q;
+        const int64_t qrs = a->q_rs;
+#endif
+        pack_both(qr, qrs, bq, bqp, dk, dkp, (T)a->scale, NULL, ld, Qp);
         acc_products(dKb + o * dkp, dkp, n, dkp, dPt, ld, 1, Qp, dkp, bq);
         acc_products(dq + it->i0 * dkp, dkp, bq, dkp, dPt, 1, ld, Kp + o * dkp, dkp, n);
     }
