@@ -88,7 +88,7 @@ def _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, num_thre
                     alibi_slopes, max_seqlen_q=None, max_seqlen_k=None,
                     check: Optional[Callable[[int, int, int, np.dtype[Any]], None]] = None) -> _Packed:
     """Check and convert the arguments of attention_varlen and of its backward (K and V
-    of one 16-bit dtype stay so for a float32 call; q in the compute dtype).  check(T_q, H, d_v,
+    of one 16-bit dtype stay so for a float32 call, and so does a q of their dtype).  check(T_q, H, d_v,
     result dtype) runs with the other checks, before any conversion (the caller's
     out=, or the backward's do, out and lse)."""
     q = _as_array(q, "q")
@@ -134,7 +134,8 @@ def _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, num_thre
         check(T_q, H, v.shape[2], res)
     kv_store = k.dtype if (comp == np.float32 and k.dtype == v.dtype
                            and _native_half(k.dtype)) else comp   # 16-bit K and V: as stored
-    return _Packed(_as_compute(q, comp), _as_compute(k, kv_store), _as_compute(v, kv_store), res, comp, B, G,
+    q_store = kv_store if q.dtype == kv_store else comp   # 16-bit q of K's dtype: as stored too
+    return _Packed(_as_compute(q, q_store), _as_compute(k, kv_store), _as_compute(v, kv_store), res, comp, B, G,
                    cq, ck, max_q, max_k, slopes, args, (q, k, v))
 
 

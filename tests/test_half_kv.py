@@ -145,6 +145,7 @@ def test_weights_varlen_and_strided(rng, force, dtype):
         qv, kv_, vv, cq, ck = packed(rng, lq, [40, 90, 7], 4, 2, F32)
         kv_, vv = kv_.astype(dtype), vv.astype(dtype)
         check_varlen(qv, kv_, vv, cq, ck, F32, num_threads=(1, 2), causal=True)
+        check_varlen(qv.astype(dtype), kv_, vv, cq, ck, F32, num_threads=(1, 2), causal=True)
 
     cache = half(rng, (2, 2, 300, 2, 32), dtype)   # a K and V cache side by side: strided views
     k_view, v_view = cache[:, :, :250, 0], cache[:, :, :250, 1]
@@ -230,24 +231,66 @@ def test_backward_reads_half_kv(isa, rng, force, dtype, q16, tiles, opt):
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
+@pytest.mark.parametrize("q16", [False, True], ids=["q32", "q16"])
+@pytest.mark.parametrize("opt", [{}, {"causal": True}, {"window": (9, 3), "softcap": 4.0}],
+                         ids=["plain", "causal", "window-softcap"])
+def test_varlen_reads_half(isa, rng, dtype, q16, opt):
+    """attention_varlen and its backward over 16-bit K and V, and q of their dtype or
+    float32, read as stored: the results of float32 copies (whose agreement with the
+    reference test_backward and test_varlen hold), within float32's rounding forward
+    (a row's dot products may sum in another order) and bitwise backward, on 1 and 2
+    threads; sequences with tails past a query block and a key block, one without keys."""
+    len_q, len_k = [70, 1, 33, 5], [130, 1, 64, 0]
+    cq, ck = np.cumsum([0] + len_q), np.cumsum([0] + len_k)
+    q = half(rng, (cq[-1], 4, 24), dtype) if q16 else rand(rng, (cq[-1], 4, 24))
+    k, v = half(rng, (ck[-1], 2, 24), dtype), half(rng, (ck[-1], 2, 16), dtype)
+    q32, k32, v32 = (a.astype(F32) for a in (q, k, v))
+    for threads in (1, 2):
+        out, lse = fastattn.attention_varlen(q, k, v, cq, ck, return_lse=True, num_threads=threads, **opt)
+        out32, lse32 = fastattn.attention_varlen(q32, k32, v32, cq, ck, return_lse=True, num_threads=threads, **opt)
+        assert out.dtype == lse.dtype == F32
+        assert_close(out, out32, F32)
+        assert_close(lse, lse32, F32)
+        do = rand(rng, out.shape)
+        got = fastattn.attention_varlen_backward(do, q, k, v, out, lse, cq, ck, num_threads=threads, **opt)
+        same = fastattn.attention_varlen_backward(do, q32, k32, v32, out, lse, cq, ck, num_threads=threads, **opt)
+        for g, s_, a in zip(got, same, (q, k, v)):
+            assert g.dtype == F32 and g.shape == a.shape
+            np.testing.assert_array_equal(g, s_)
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
 def test_backward_copies_no_half_input(rng, dtype):
-    """The backward pass over 16-bit q, K and V makes no float32 copy of them: the
-    NumPy memory it allocates (tracemalloc sees NumPy's buffers, not the C core's
-    scratch) is the gradients, with a margin well under a copy of q."""
+    """The backward pass over 16-bit q, K and V makes no float32 copy of them (nor
+    does attention_varlen's): the NumPy memory it allocates (tracemalloc sees NumPy's
+    buffers, not the C core's scratch) is the gradients (the output), with a margin
+    well under a copy of q."""
     import tracemalloc
+
+    def peak_of(fn):
+        tracemalloc.start()
+        try:
+            res = fn()
+            return res, tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
     q = half(rng, (1, 2, 4096, 64), dtype)
     k, v = half(rng, (1, 2, 64, 64), dtype), half(rng, (1, 2, 64, 64), dtype)
     out, lse = fastattn.attention(q, k, v, return_lse=True)
     do = rand(rng, out.shape)
-    tracemalloc.start()
-    try:
-        dq, dk, dv = fastattn.attention_backward(do, q, k, v, out, lse)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    (dq, dk, dv), peak = peak_of(lambda: fastattn.attention_backward(do, q, k, v, out, lse))
     grads = dq.nbytes + dk.nbytes + dv.nbytes
     assert dq.dtype == F32 and dq.shape == q.shape
     assert grads <= peak < grads + q.size * 4 // 2, (peak, grads)
+
+    qp, kp, vp = (np.ascontiguousarray(a[0].swapaxes(0, 1)) for a in (q, k, v))   # one packed sequence
+    cq, ck = np.array([0, 4096]), np.array([0, 64])
+    (out, lse), peak = peak_of(lambda: fastattn.attention_varlen(qp, kp, vp, cq, ck, return_lse=True))
+    assert out.dtype == F32 and out.nbytes + lse.nbytes <= peak < out.nbytes + lse.nbytes + qp.size * 2, peak
+    (dq, dk, dv), peak = peak_of(lambda: fastattn.attention_varlen_backward(do[0].swapaxes(0, 1), qp, kp, vp,
+                                                                            out, lse, cq, ck))
+    grads = dq.nbytes + dk.nbytes + dv.nbytes
+    assert grads <= peak < grads + qp.size * 4 // 2, (peak, grads)
 
 
 def test_threads_and_layouts(rng):
