@@ -10,9 +10,9 @@ pipeline's next step would read them) or gathered to the client (out computed: o
 32 MiB array concatenated and sent).  Each figure is the median of the
 repeats; "x one process" is the one-process time over the cluster's (above 1: the
 cluster is faster).  Two rows bound what any chunking can reach on the cluster: a
-graph of four trivial tasks (the scheduling alone), and one chunk a batch (four
-tasks, no key splits and no merges: only the scheduling, the inputs' transfers and
-the two workers side by side)."""
+trivial graph (four one-element chunks summed: the scheduling alone), and one chunk
+a batch (four pair tasks, no key splits and no merges: only the scheduling, the
+inputs' transfers and the two workers side by side)."""
 
 import argparse
 import statistics
@@ -38,6 +38,12 @@ def median_time(fn, repeats):
     return statistics.median(ts)
 
 
+def pair_tasks(out):
+    """The (query block, key block) tasks of a fastattn.dask result's graph."""
+    return sum(1 for key in dict(out.__dask_graph__())
+               if isinstance(key, tuple) and key[0].startswith("fastattn-part-"))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=5)
@@ -53,18 +59,19 @@ def main():
         ones = client.persist(da.ones((4,), chunks=1))
         distributed.wait(ones)
         t = median_time(lambda: client.compute(ones.sum()).result(), args.repeats)
-        rows.append(("LocalCluster 2x1, a graph of four trivial tasks", "-", t))
+        rows.append(("LocalCluster 2x1, a trivial graph (four one-element chunks summed)", "-", t))
         qd, kd, vd = (client.persist(da.from_array(x, chunks=(1, H, N, D))) for x in (q, k, v))
         distributed.wait([qd, kd, vd])
-        total = fdask.attention(qd, kd, vd, causal=True).sum()
+        out = fdask.attention(qd, kd, vd, causal=True)
+        total = out.sum()
         t = median_time(lambda total=total: client.compute(total).result(), args.repeats)
-        rows.append(("LocalCluster 2x1, one chunk a batch (no key splits), result kept on the workers", B, t))
+        rows.append(("LocalCluster 2x1, one chunk a batch (no key splits), result kept on the workers",
+                     pair_tasks(out), t))
         for c in (int(x) for x in args.chunks.split(",")):
             qd, kd, vd = (client.persist(da.from_array(x, chunks=(B, H, c, D))) for x in (q, k, v))
             distributed.wait([qd, kd, vd])
             out = fdask.attention(qd, kd, vd, causal=True)
-            tasks = sum(1 for key in dict(out.__dask_graph__())
-                        if isinstance(key, tuple) and key[0].startswith("fastattn-part-"))
+            tasks = pair_tasks(out)
             total = out.sum()   # the result stays on the workers; one number comes back
             t = median_time(lambda total=total: client.compute(total).result(), args.repeats)
             rows.append((f"LocalCluster 2x1, chunks of {c} rows, result kept on the workers", tasks, t))

@@ -249,7 +249,8 @@ attention_varlen.__doc__ = """Attention over packed sequences of different lengt
     -------
     out : ndarray, shape (total_q, H, d_v)
         dtype np.result_type(q, k, v) (16-bit floats compute in and give
-        float32, integers and bool float64; 16-bit K and V are read as stored).  A query that sees no key (an empty key
+        float32, integers and bool float64; 16-bit K and V, and a q of their
+        dtype, are read as stored).  A query that sees no key (an empty key
         sequence, an empty window) gives zeros, lse -inf.
     lse : ndarray, shape (H, total_q)
         Only with return_lse=True.

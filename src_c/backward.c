@@ -189,9 +189,9 @@ int fa_attention_backward(const fa_attention_args *a, const fa_backward_args *b)
     st.n_kb = (a->nk + st.t.bk - 1) / st.t.bk;
     st.dkp = (a->dk + lanes - 1) / lanes * lanes;
     /* a 16-bit q's rows widened after the kernel's scratch, 64-byte aligned (pack_queries) */
-    const int64_t q_at = (fa_bwd_scratch_elems(&st.t, a->dk, a->dv, kv) + FA_KV_HEAD - 1) / FA_KV_HEAD * FA_KV_HEAD;
-    st.t.q_off = a->q_kv ? q_at : 0;
-    st.scratch_bytes = ((size_t)(q_at + (a->q_kv ? st.t.bq * a->dk : 0)) * st.esz + 63) / 64 * 64;
+    const int64_t elems = fa_bwd_scratch_elems(&st.t, a->dk, a->dv, kv);
+    st.t.q_off = a->q_kv ? (elems + FA_KV_HEAD - 1) / FA_KV_HEAD * FA_KV_HEAD : 0;
+    st.scratch_bytes = ((size_t)(a->q_kv ? st.t.q_off + st.t.bq * a->dk : elems) * st.esz + 63) / 64 * 64;
     st.dq_bytes = ((size_t)(a->nq * st.dkp) * st.esz + 63) / 64 * 64;
     st.items_bytes = (size_t)(st.n_qb > 0 ? st.n_qb : 1) * sizeof(fa_item);
     /* work: 5 products of nq nk (dk or dv) multiply-adds a leading index */

@@ -234,17 +234,20 @@ def test_backward_reads_half_kv(isa, rng, force, dtype, q16, tiles, opt):
 @pytest.mark.parametrize("q16", [False, True], ids=["q32", "q16"])
 @pytest.mark.parametrize("opt", [{}, {"causal": True}, {"window": (9, 3), "softcap": 4.0}],
                          ids=["plain", "causal", "window-softcap"])
-def test_varlen_reads_half(isa, rng, dtype, q16, opt):
+@pytest.mark.parametrize("tiles", [(0, 0), (16, 32)], ids=["table", "16x32"])
+def test_varlen_reads_half(isa, rng, force, dtype, q16, opt, tiles):
     """attention_varlen and its backward over 16-bit K and V, and q of their dtype or
     float32, read as stored: the results of float32 copies (whose agreement with the
     reference test_backward and test_varlen hold), within float32's rounding forward
     (a row's dot products may sum in another order) and bitwise backward, on 1 and 2
-    threads; sequences with tails past a query block and a key block, one without keys."""
+    threads, with the table's tiles and small ones; sequences with tails past a query
+    block and a key block, one without keys."""
     len_q, len_k = [70, 1, 33, 5], [130, 1, 64, 0]
     cq, ck = np.cumsum([0] + len_q), np.cumsum([0] + len_k)
     q = half(rng, (cq[-1], 4, 24), dtype) if q16 else rand(rng, (cq[-1], 4, 24))
     k, v = half(rng, (ck[-1], 2, 24), dtype), half(rng, (ck[-1], 2, 16), dtype)
     q32, k32, v32 = (a.astype(F32) for a in (q, k, v))
+    force.set(bq=tiles[0], bk=tiles[1])   # the table's tiles, or tails past 16-row and 32-key blocks
     for threads in (1, 2):
         out, lse = fastattn.attention_varlen(q, k, v, cq, ck, return_lse=True, num_threads=threads, **opt)
         out32, lse32 = fastattn.attention_varlen(q32, k32, v32, cq, ck, return_lse=True, num_threads=threads, **opt)
