@@ -134,8 +134,7 @@ typedef struct {
     void *out, *lse;
     int dtype;                          /* FA_F32 or FA_F64 */
     int kv_dtype;                       /* FA_KV_*: how k and v are stored (16-bit:
-                                         * FA_F32 only; the backward pass too, with q
-                                         * in float32) */
+                                         * FA_F32 only; the backward pass too) */
     int q_kv;                           /* q stored as k and v (16-bit kv_dtype only) */
     int mask_kind;                      /* FA_MASK_* */
     int causal;                         /* key j visible to query i iff j <= p (above) */
