@@ -92,10 +92,13 @@ INLINE void rows_scores_rx4(const int R, T *restrict S, int64_t ls, const T *res
             acc[i][2] += qv * x2; acc[i][3] += qv * x3;
         }
     }
+#if FA_HSUM4X4
+    if (R == 4) hsum4x4(acc, S, ls);
+#endif
     UNROLL(4) for (int i = 0; i < R; i++) {
         T *si = S + i * ls;
         const T *qi = Qs + i * dkp;
-        hsum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3], si);
+        if (!FA_HSUM4X4 || R != 4) hsum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3], si);
         for (int64_t c = dkv; c < dk; c++) {
             si[0] += qi[c] * kv_s(k0[c]); si[1] += qi[c] * kv_s(k1[c]);
             si[2] += qi[c] * kv_s(k2[c]); si[3] += qi[c] * kv_s(k3[c]);

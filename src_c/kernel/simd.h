@@ -258,6 +258,38 @@ INLINE T hsum(vec x)
     return s;
 }
 
+/* The horizontal sums of a 4 x 4 tile of vectors at once, AVX-512 float32:
+ * s[i * ls + x] = sum of the lanes of a[i][x].  One tree for all sixteen
+ * (128-bit block swaps, then in-block swaps; 45 instructions) in place of four
+ * hsum4 trees (about 80): the row kernel's score tiles end with it
+ * (docs/tuning.md, hsum4x4). */
+#if (defined(__x86_64__) || defined(_M_X64)) && FA_VB == 64 && !FA_IS_F64
+#define FA_HSUM4X4 1
+INLINE void hsum4x4(vec a[4][4], T *restrict s, int64_t ls)
+{
+    __m512 x[4];
+    UNROLL(4) for (int k = 0; k < 4; k++)
+    {
+        /* rows (0, 1) and (2, 3) of key k: each folded to two blocks, side by side */
+        const __m512 a0 = (__m512)a[0][k], a1 = (__m512)a[1][k], a2 = (__m512)a[2][k], a3 = (__m512)a[3][k];
+        const __m512 w01 = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44), _mm512_shuffle_f32x4(a0, a1, 0xee));
+        const __m512 w23 = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44), _mm512_shuffle_f32x4(a2, a3, 0xee));
+        /* block i: row i's four partial sums of key k */
+        x[k] = _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, 0x88), _mm512_shuffle_f32x4(w01, w23, 0xdd));
+    }
+    /* in each block i: lanes (k0, k1, k0, k1) halved, then (k0, k1, k2, k3) */
+    const __m512 y01 = _mm512_add_ps(_mm512_unpacklo_ps(x[0], x[1]), _mm512_unpackhi_ps(x[0], x[1]));
+    const __m512 y23 = _mm512_add_ps(_mm512_unpacklo_ps(x[2], x[3]), _mm512_unpackhi_ps(x[2], x[3]));
+    const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(y01, y23, 0x44), _mm512_shuffle_ps(y01, y23, 0xee));
+    _mm_storeu_ps(s, _mm512_castps512_ps128(z));
+    _mm_storeu_ps(s + ls, _mm512_extractf32x4_ps(z, 1));
+    _mm_storeu_ps(s + 2 * ls, _mm512_extractf32x4_ps(z, 2));
+    _mm_storeu_ps(s + 3 * ls, _mm512_extractf32x4_ps(z, 3));
+}
+#else
+#define FA_HSUM4X4 0
+#endif
+
 /* The horizontal sums of four vectors: s[r] = sum of the lanes of ar.  On
  * AVX2/AVX-512 by a tree of adds and hadds (about 13 instructions for 16
  * float32 lanes, in place of 60 scalar adds): the row kernel ends every four
