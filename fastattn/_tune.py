@@ -30,7 +30,7 @@ What it measures (the fields of src_c/internal.h's fa_tuning; docs/tuning.md):
         and how it reads the next tile ahead (loads or software prefetch).
   bwd_bq, bwd_bk
         the backward's query rows a block and keys a unit (float32, d64 and d128).
-The GQA fold and kv_mem_bytes keep the built-in table's values (kv_far_bytes
+The GQA fold, rows_full_dk and kv_mem_bytes keep the built-in table's values (kv_far_bytes
 is only turned off or on: on, the built-in size or 16 MiB).
 
 A choice replaces the built-in one only where it measured at least TIE (2 %)
@@ -187,15 +187,17 @@ def _tuned(call: Callable[[], Any], fields: Dict[str, Any], base: Dict[str, Any]
 # the choices
 
 def _rows_choice(times: Dict[str, Dict[int, Tuple[float, float]]], lanes: int, builtin: Dict[str, int],
-                 full_builtin: int) -> Tuple[Dict[str, int], int, float, float]:
+                 full_builtin: int, full_off: Sequence[str] = ()) -> Tuple[Dict[str, int], int, float, float]:
     """The row thresholds (one rows_max per regime) and rows_full that take the least
     total time over the measured rows, each row's time relative to its faster kernel.
-    times[regime][n] = (row kernel, tiled kernel) seconds.  Returns the choice, its
+    times[regime][n] = (row kernel, tiled kernel) seconds; full_off: the regimes where
+    rows_full does not apply (the table's rows_full_dk).  Returns the choice, its
     rows_full, its cost and the built-in table's cost."""
     def cost(regime: str, rows_max: int, full: int) -> float:
         total = 0.0
+        applies = regime not in full_off
         for n, (t_rows, t_tiled) in times[regime].items():
-            rows = n <= rows_max and not (full and full <= n <= lanes)   # (d128: the plan's full range)
+            rows = n <= rows_max and not (applies and full and full <= n <= lanes)   # (d128: the plan's full range)
             total += (t_rows if rows else t_tiled) / min(t_rows, t_tiled)
         return total
 
@@ -254,7 +256,9 @@ def _measure_rows(b: _Bench, dt, lanes: int, chosen: Dict[str, Any], notes: Dict
         b.say(f"  rows, {dt.name}, {regime}: tiled / row kernel at {ROWS[0]}-{ROWS[-1]} rows: "
               + " ".join(f"{t[1] / t[0]:.2f}" for t in times[regime].values()))
     built = {r: int(b.base[f][x]) for r, f in names.items()}
-    pick, full, c_new, c_base = _rows_choice(times, lanes, built, int(b.base["rows_full"][x]))
+    full_dk = int(b.base["rows_full_dk"])   # (kept from the built-in table: d128 regimes, head-major)
+    full_off = [r for r in names if r != "cache"] if 0 < full_dk <= 128 else []
+    pick, full, c_new, c_base = _rows_choice(times, lanes, built, int(b.base["rows_full"][x]), full_off)
     notes[f"rows_{dt.name}"] = {"cost": c_new, "builtin_cost": c_base}
     if c_new < c_base * (1 - TIE / 4):   # many rows, each normalised: a smaller margin
         for r, f in names.items():

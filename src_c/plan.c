@@ -84,6 +84,17 @@ int64_t fa_live_items(const fa_attention_args *a, int64_t n_lead_total, int64_t 
     return n;
 }
 
+/* Whether the last leading dim's K and V rows interleave key by key (the heads
+ * of a (B, n, H, d) cache), where the group kernel can take the heads. */
+static int heads_interleave(const fa_attention_args *a)
+{
+    if (a->n_lead < 1) return 0;
+    const int d = a->n_lead - 1;
+    const int64_t hn = a->lead_shape[d];
+    return hn >= 2 && a->k_lead[d] > 0 && a->k_lead[d] * hn == a->k_rs && a->v_lead[d] > 0 &&
+           a->v_lead[d] * hn == a->v_rs;
+}
+
 /* Decoding from a (B, n, H, d) cache: the last leading dim's indices h (the
  * heads) have their K and V rows at h k_lead (v_lead) within key rows that
  * hold all of them (k_rs = H k_lead).  With up to FA_GROUP_ROWS query rows an
@@ -98,11 +109,8 @@ static void plan_group(const fa_attention_args *a, const fa_overrides *f, const 
     if (p->kernel != FA_KERNEL_ROWS || a->nq > FA_GROUP_ROWS || a->q_start || a->kv_start || a->n_lead < 1 ||
         f->group == 0 || p->long_splits > 1)
         return;
-    const int d = a->n_lead - 1;
-    const int64_t hn = a->lead_shape[d];
-    if (!(hn >= 2 && a->k_lead[d] > 0 && a->k_lead[d] * hn == a->k_rs && a->v_lead[d] > 0 &&
-          a->v_lead[d] * hn == a->v_rs && (f->group == 1 || p->from_memory)))
-        return;
+    if (!heads_interleave(a) || !(f->group == 1 || p->from_memory)) return;
+    const int64_t hn = a->lead_shape[a->n_lead - 1];
     const int64_t n_sub = (hn * a->nq + FA_GROUP_MAX - 1) / FA_GROUP_MAX; /* rows a group */
     p->group = (hn + n_sub - 1) / n_sub;
     p->n_groups = p->n_lead / hn * n_sub;
@@ -193,14 +201,18 @@ int fa_attention_plan(const fa_attention_args *a, int weights, fa_plan *p)
      * which fill one vector of the tiled kernel, take that one; not where
      * dk > FA_ROWS_DK_BIG with K and V from memory, nor for 16-bit K and V
      * from dk = FA_ROWS_DK_BIG on, which the tiled kernel widens first and the
-     * row kernel reads as stored (docs/tuning.md, rows_full). */
+     * row kernel reads as stored; nor, where the table's rows_full_dk says so,
+     * from that dk on or for 16-bit K and V from memory, unless the heads
+     * interleave (docs/tuning.md, rows_full, rows_full_dk). */
     p->rows_max = f->rows_max          ? (f->rows_max < FA_ROWS_CAP ? f->rows_max : FA_ROWS_CAP)
                   : p->from_memory     ? tu->rows_max_big[dt]
                   : a->dk >= FA_ROWS_DK_BIG ? tu->rows_max_dk[dt]
                                             : tu->rows_max[dt];
     p->full_lo = 1, p->full_hi = 0; /* (empty) */
+    const int full_dk = tu->rows_full_dk > 0 && !heads_interleave(a) &&
+                        (a->dk >= tu->rows_full_dk || (a->kv_dtype != FA_KV_SAME && p->from_memory));
     if (!f->rows_max && tu->rows_full[dt] > 0 && !(p->from_memory && a->dk > FA_ROWS_DK_BIG) &&
-        !(a->kv_dtype != FA_KV_SAME && a->dk >= FA_ROWS_DK_BIG)) {
+        !(a->kv_dtype != FA_KV_SAME && a->dk >= FA_ROWS_DK_BIG) && !full_dk) {
         p->full_lo = tu->rows_full[dt];
         p->full_hi = isa->lanes[dt];
     }

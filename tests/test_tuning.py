@@ -154,9 +154,43 @@ def test_group_touch_from_the_table(rng, tuning, force):
     np.testing.assert_array_equal(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("half", [False, True])
+def test_rows_full_dk_from_the_table(rng, tuning, rows_max, half):
+    """rows_full_dk: where set, rows_full's rows keep the row kernel from that dk on,
+    and for 16-bit K and V from memory at any dk, unless the heads of K and V
+    interleave (a (B, n, H, d) cache); 0: rows_full everywhere.  Each result bit for
+    bit that of the kernel the plan names, forced, and against the reference."""
+    lanes = _core.isa_table()["lanes"][0]
+    full = max(lanes - 2, 2)
+    kv = (lambda a: a.astype(np.float16)) if half else (lambda a: a)
+    cases = []   # (q, k, v, layout, from memory, dk)
+    for d, nk in ((64, 300), (128, 300)):
+        k, v = rand(rng, (2, nk, d)), rand(rng, (2, nk, 32))
+        cases.append((rand(rng, (2, full, d)), kv(k), kv(v), "bhld", False, d))
+        k4, v4 = rand(rng, (1, nk, 2, d)), rand(rng, (1, nk, 2, 32))
+        cases.append((rand(rng, (1, full, 2, d)), kv(k4), kv(v4), "blhd", False, d))
+    for c in list(cases):   # the same from memory (the line moved below their bytes)
+        cases.append(c[:4] + (True, c[5]))
+    for on in (0, 128):
+        for q, k, v, layout, mem, d in cases:
+            tuning(rows_max=(lanes, lanes), rows_max_big=(lanes, lanes), rows_max_dk=(lanes, lanes),
+                   rows_full=(full, 0), rows_full_dk=on, kv_mem_bytes=(1 << 10) if mem else (1 << 40))
+            assert _core.isa_table()["rows_full_dk"] == on
+            p = _plan(q, k, v, layout=layout)
+            keeps_rows = on and layout == "bhld" and (d >= on or (half and mem))
+            skips_full = (mem and d > 128) or (half and d >= 128)   # the plan's own exceptions
+            want = "rows" if keeps_rows or skips_full else "tiled"
+            assert p["kernel"] in ((want,) if want == "tiled" else ("rows", "group")), (on, layout, mem, d, p["kernel"])
+            out = check(q, k, v, layout=layout)[0]
+            rows_max(lanes if want != "tiled" else 1)
+            np.testing.assert_array_equal(out, fastattn.attention(q, k, v, layout=layout))
+            rows_max(0)
+
+
 @pytest.mark.parametrize("fields, word", [
     ({"rows_max": (0, 4)}, "out of range"), ({"rows_max": (25, 4)}, "out of range"),
     ({"tail_max": (-1, 0)}, "out of range"), ({"rows_full": (17, 0)}, "out of range"),
+    ({"rows_full_dk": -1}, "out of range"),
     ({"bk_tiled": 4}, "out of range"), ({"bk_rows": 5000}, "out of range"),
     ({"bk_decode": 0}, "out of range"), ({"group_bk_max": 4}, "out of range"),
     ({"group_tile_bytes": 0}, "out of range"), ({"group_touch": 2}, "out of range"),
@@ -188,6 +222,14 @@ def test_rows_choice_takes_the_faster_kernel_per_regime():
     times = {"cache": {n: (1.0, 0.5 if 13 <= n <= 16 else 2.0) for n in rows}}
     pick, full, cost, base = _tune._rows_choice(times, 16, {"cache": 12}, 0)
     assert pick == {"cache": 24} and full == 13 and cost == len(rows)
+    # ... and in a regime where rows_full does not apply (rows_full_dk) as well: there
+    # the row kernel keeps 13-16 rows (twice the time of the tiled kernel at 4 rows, less
+    # than giving it 13-24), and rows_full comes from the other regime's times
+    times = {"cache": {n: (1.0, 0.5 if 13 <= n <= 16 else 2.0) for n in rows},
+             "mem_wide": {n: (1.0, 0.5 if 13 <= n <= 16 else 2.0) for n in rows}}
+    pick, full, cost, base = _tune._rows_choice(times, 16, {"cache": 12, "mem_wide": 24}, 14, ["mem_wide"])
+    assert pick == {"cache": 24, "mem_wide": 24} and full == 13
+    assert cost == 2 * len(rows) + 4 and base == len(rows) + 8 + (len(rows) + 4)
 
 
 def _saved(tmp_path, tuning, **extra):

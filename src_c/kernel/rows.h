@@ -7,7 +7,8 @@
  * Few query rows (decode, speculative verification): bq <= rows_max rows
  * (the tuning table in dispatch.c: rows_max; rows_max_big when K and V come from
  * memory, rows_max_dk when dk >= 128; but not from rows_full rows up to one
- * vector's lanes, which fill one vector of the tiled kernel) against
+ * vector's lanes, which fill one vector of the tiled kernel, unless plan.c's
+ * exceptions to rows_full apply: rows_full_dk and others) against
  * a long key range; also the few rows past the tiled kernel's last whole
  * vector (attention.c, run: the tail), with the tiled kernel's tiles.
  * Per key tile: scores by dot products along dk (register tiles of up to 4
@@ -93,12 +94,15 @@ INLINE void rows_scores_rx4(const int R, T *restrict S, int64_t ls, const T *res
         }
     }
 #if FA_HSUM4X4
-    if (R == 4) hsum4x4(acc, S, ls);
+    if (R >= 3) {
+        if (R == 3) acc[3][0] = acc[3][1] = acc[3][2] = acc[3][3] = vset1(0);
+        hsum4x4(acc, S, ls, R);
+    }
 #endif
     UNROLL(4) for (int i = 0; i < R; i++) {
         T *si = S + i * ls;
         const T *qi = Qs + i * dkp;
-        if (!FA_HSUM4X4 || R != 4) hsum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3], si);
+        if (!FA_HSUM4X4 || R < 3) hsum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3], si);
         for (int64_t c = dkv; c < dk; c++) {
             si[0] += qi[c] * kv_s(k0[c]); si[1] += qi[c] * kv_s(k1[c]);
             si[2] += qi[c] * kv_s(k2[c]); si[3] += qi[c] * kv_s(k3[c]);

@@ -258,14 +258,15 @@ INLINE T hsum(vec x)
     return s;
 }
 
-/* The horizontal sums of a 4 x 4 tile of vectors at once, AVX-512 float32:
- * s[i * ls + x] = sum of the lanes of a[i][x].  One tree for all sixteen
+/* The horizontal sums of an R x 4 tile of vectors at once (R 3 or 4; a[3] is
+ * read, and must be zeros when R is 3), AVX-512 float32:
+ * s[i * ls + x] = sum of the lanes of a[i][x], i < R.  One tree for all sixteen
  * (128-bit block swaps, then in-block swaps; 45 instructions) in place of four
  * hsum4 trees (about 80): the row kernel's score tiles end with it
  * (docs/tuning.md, hsum4x4). */
 #if (defined(__x86_64__) || defined(_M_X64)) && FA_VB == 64 && !FA_IS_F64
 #define FA_HSUM4X4 1
-INLINE void hsum4x4(vec a[4][4], T *restrict s, int64_t ls)
+INLINE void hsum4x4(vec a[4][4], T *restrict s, int64_t ls, const int R)
 {
     __m512 x[4];
     UNROLL(4) for (int k = 0; k < 4; k++)
@@ -284,7 +285,7 @@ INLINE void hsum4x4(vec a[4][4], T *restrict s, int64_t ls)
     _mm_storeu_ps(s, _mm512_castps512_ps128(z));
     _mm_storeu_ps(s + ls, _mm512_extractf32x4_ps(z, 1));
     _mm_storeu_ps(s + 2 * ls, _mm512_extractf32x4_ps(z, 2));
-    _mm_storeu_ps(s + 3 * ls, _mm512_extractf32x4_ps(z, 3));
+    if (R == 4) _mm_storeu_ps(s + 3 * ls, _mm512_extractf32x4_ps(z, 3));
 }
 #else
 #define FA_HSUM4X4 0
