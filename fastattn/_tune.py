@@ -256,8 +256,8 @@ def _measure_rows(b: _Bench, dt, lanes: int, chosen: Dict[str, Any], notes: Dict
         b.say(f"  rows, {dt.name}, {regime}: tiled / row kernel at {ROWS[0]}-{ROWS[-1]} rows: "
               + " ".join(f"{t[1] / t[0]:.2f}" for t in times[regime].values()))
     built = {r: int(b.base[f][x]) for r, f in names.items()}
-    full_dk = int(b.base["rows_full_dk"])   # (kept from the built-in table: d128 regimes, head-major)
-    full_off = [r for r in names if r != "cache"] if 0 < full_dk <= 128 else []
+    full_dk = int(b.base["rows_full_dk"])   # (kept from the built-in table; these regimes are head-major)
+    full_off = [r for r in names if 0 < full_dk <= (64 if r == "cache" else 128)]
     pick, full, c_new, c_base = _rows_choice(times, lanes, built, int(b.base["rows_full"][x]), full_off)
     notes[f"rows_{dt.name}"] = {"cost": c_new, "builtin_cost": c_base}
     if c_new < c_base * (1 - TIE / 4):   # many rows, each normalised: a smaller margin

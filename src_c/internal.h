@@ -181,8 +181,8 @@ typedef struct {
     int rows_full[2];                 /* but n_q from this up to one vector's lanes
                                        * takes the tiled kernel (0: never), unless
                                        * dk > FA_ROWS_DK_BIG with K and V from memory */
-    int rows_full_dk;                 /* > 0: nor, where the heads of K and V do not
-                                       * interleave, from this dk on or with 16-bit K
+    int rows_full_dk;                 /* > 0: nor, where K's and V's rows are
+                                       * contiguous, from this dk on or with 16-bit K
                                        * and V from memory */
     int tail_max[2];                  /* the tiled kernel's last rows past whole vectors
                                        * take the row kernel up to this many (plan.c) */

@@ -202,14 +202,15 @@ int fa_attention_plan(const fa_attention_args *a, int weights, fa_plan *p)
      * dk > FA_ROWS_DK_BIG with K and V from memory, nor for 16-bit K and V
      * from dk = FA_ROWS_DK_BIG on, which the tiled kernel widens first and the
      * row kernel reads as stored; nor, where the table's rows_full_dk says so,
-     * from that dk on or for 16-bit K and V from memory, unless the heads
-     * interleave (docs/tuning.md, rows_full, rows_full_dk). */
+     * from that dk on or for 16-bit K and V from memory, where K's and V's rows
+     * are contiguous (head-major; the row kernel is slower over rows at the
+     * heads' stride: docs/tuning.md, rows_full, rows_full_dk). */
     p->rows_max = f->rows_max          ? (f->rows_max < FA_ROWS_CAP ? f->rows_max : FA_ROWS_CAP)
                   : p->from_memory     ? tu->rows_max_big[dt]
                   : a->dk >= FA_ROWS_DK_BIG ? tu->rows_max_dk[dt]
                                             : tu->rows_max[dt];
     p->full_lo = 1, p->full_hi = 0; /* (empty) */
-    const int full_dk = tu->rows_full_dk > 0 && !heads_interleave(a) &&
+    const int full_dk = tu->rows_full_dk > 0 && a->k_rs == a->dk && a->v_rs == a->dv &&
                         (a->dk >= tu->rows_full_dk || (a->kv_dtype != FA_KV_SAME && p->from_memory));
     if (!f->rows_max && tu->rows_full[dt] > 0 && !(p->from_memory && a->dk > FA_ROWS_DK_BIG) &&
         !(a->kv_dtype != FA_KV_SAME && a->dk >= FA_ROWS_DK_BIG) && !full_dk) {

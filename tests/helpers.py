@@ -162,19 +162,20 @@ def heads_last(a):
     return np.ascontiguousarray(np.swapaxes(a, -3, -2))
 
 
-def rows_limits(dtype, kind, dk=None):
+def rows_limits(dtype, kind, dk=None, contiguous=True):
     """The most query rows that take the row kernel on the SIMD path in use, and
     the (lo, hi) rows that take the tiled kernel below it (None: none), read from
     its table (_core.isa_table, what the plan reads), for K and V of the queries'
-    dtype, heads not interleaved.  kind: 0 K and V within 48 MiB and dk < 128
-    (rows_max), 1 K and V beyond 48 MiB (rows_max_big), 2 within 48 MiB and dk >=
-    128 (rows_max_dk).  dk (default: 128 for kind 2, else 64) against the table's
-    rows_full_dk; dk > 128 from memory: no rows_full."""
+    dtype.  kind: 0 K and V within 48 MiB and dk < 128 (rows_max), 1 K and V beyond
+    48 MiB (rows_max_big), 2 within 48 MiB and dk >= 128 (rows_max_dk).  dk
+    (default: 128 for kind 2, else 64) against the table's rows_full_dk, which
+    applies where K's and V's rows are contiguous; dk > 128 from memory: no
+    rows_full."""
     t, x = _core.isa_table(), int(dtype == F64)
     limit = t[("rows_max", "rows_max_big", "rows_max_dk")[kind]][x]
     dk = dk if dk is not None else 128 if kind == 2 else 64
     full = t["rows_full"][x]
-    if (0 < t["rows_full_dk"] <= dk) or (kind == 1 and dk > 128):
+    if (contiguous and 0 < t["rows_full_dk"] <= dk) or (kind == 1 and dk > 128):
         full = 0
     return limit, ((full, t["lanes"][x]) if full else None)
 

@@ -371,8 +371,8 @@ def test_tiled_widened_rows(isa, rng, force, dtype):
 def test_rows_full_keeps_the_row_kernel_from_d128(isa, rng, dtype):
     """The table's rows_full rows (one vector of the tiled kernel for float32) take the
     row kernel for 16-bit K and V from dk = 128 on, which the tiled kernel would widen
-    first; below d128, and for float32 K and V, the tiled kernel as before.  Results
-    against the reference either way."""
+    first; below d128 the tiled kernel, and for float32 K and V too unless the table's
+    rows_full_dk gives them the row kernel.  Results against the reference either way."""
     from fastattn._attention import _plan
     t = _core.isa_table()
     full, lanes = t["rows_full"][0], t["lanes"][0]

@@ -157,8 +157,8 @@ def test_group_touch_from_the_table(rng, tuning, force):
 @pytest.mark.parametrize("half", [False, True])
 def test_rows_full_dk_from_the_table(rng, tuning, rows_max, half):
     """rows_full_dk: where set, rows_full's rows keep the row kernel from that dk on,
-    and for 16-bit K and V from memory at any dk, unless the heads of K and V
-    interleave (a (B, n, H, d) cache); 0: rows_full everywhere.  Each result bit for
+    and for 16-bit K and V from memory at any dk, where K's and V's rows are
+    contiguous (not a (B, n, H, d) cache); 0: rows_full everywhere.  Each result bit for
     bit that of the kernel the plan names, forced, and against the reference."""
     lanes = _core.isa_table()["lanes"][0]
     full = max(lanes - 2, 2)

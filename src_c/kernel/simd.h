@@ -261,8 +261,8 @@ INLINE T hsum(vec x)
 /* The horizontal sums of an R x 4 tile of vectors at once (R 3 or 4; a[3] is
  * read, and must be zeros when R is 3), AVX-512 float32:
  * s[i * ls + x] = sum of the lanes of a[i][x], i < R.  One tree for all sixteen
- * (128-bit block swaps, then in-block swaps; 45 instructions) in place of four
- * hsum4 trees (about 80): the row kernel's score tiles end with it
+ * (128-bit block swaps, then in-block swaps; 45 micro-ops) in place of four
+ * hsum4 trees (about 80: each hadd is three): the row kernel's score tiles end with it
  * (docs/tuning.md, hsum4x4). */
 #if (defined(__x86_64__) || defined(_M_X64)) && FA_VB == 64 && !FA_IS_F64
 #define FA_HSUM4X4 1
