@@ -129,19 +129,10 @@ static void item_rows(const fa_attention_args *a, const fa_tiles *tl, const fa_i
  * A row that does see a non-finite value comes out the same again.
  * Scratch: the row kernel's for one row (fa_rows_scratch_elems, bq = 1).
  * ------------------------------------------------------------------------- */
-INLINE int all_finite(const T *r, int64_t n)
-{
-    vec z = vset1(0); /* x - x: 0, or NaN for inf and NaN */
-    int64_t c = 0;
-    for (; c + L <= n; c += L) z += vload(r + c) - vload(r + c);
-    T zs = 0;
-    for (; c < n; c++) zs += r[c] - r[c];
-    return zs == 0 && vall(z == vset1(0));
-}
-
-/* all_finite over nr rows of n (row stride rs) with one test at the end: the
- * common case of an item whose rows are all finite, without a test a row. */
-INLINE int rows_all_finite(const T *r, int64_t rs, int64_t nr, int64_t n)
+/* Whether nr rows of n (row stride rs) are all finite, with one test at the
+ * end (x - x: 0, or NaN for inf and NaN): an item whose rows all are, the common
+ * case, pays one test, not one a row. */
+INLINE int all_finite(const T *r, int64_t rs, int64_t nr, int64_t n)
 {
     vec z0 = vset1(0), z1 = z0;
     T zs = 0;
@@ -163,11 +154,11 @@ static void redo_nonfinite_rows(const fa_attention_args *a, const fa_tiles *tl, 
 {
     const int64_t dv = a->dv;
     const size_t msz = a->mask_kind == FA_MASK_BOOL ? 1 : sizeof(T);
-    if (it->part ? rows_all_finite(it->part, dv + 2, it->bq, dv) : rows_all_finite(it->out, a->o_rs, it->bq, dv))
-        return;
+    const T *rows = it->part ? (const T *)it->part : (const T *)it->out;
+    const int64_t rs = it->part ? dv + 2 : a->o_rs;
+    if (all_finite(rows, rs, it->bq, dv)) return;
     for (int64_t i = 0; i < it->bq; i++) {
-        const T *r = it->part ? (const T *)it->part + i * (dv + 2) : (const T *)it->out + i * a->o_rs;
-        if (all_finite(r, dv)) continue;
+        if (all_finite(rows + i * rs, rs, 1, dv)) continue;
         if (a->stats) __atomic_fetch_add(&a->stats->redo_rows, 1, __ATOMIC_RELAXED);
         fa_item row = *it;
         row.bq = 1;
