@@ -26,6 +26,12 @@ def _sum_to(g: np.ndarray, shape: Tuple[int, ...]) -> np.ndarray:
     return g.sum(axis=axes, keepdims=True) if axes else g
 
 
+def _as_read(a: np.ndarray, kv: Any, comp: Any) -> np.ndarray:
+    """do or out as the C core reads it: in the compute dtype, or as stored where it is
+    of the 16-bit dtype that K and V are read in (kv)."""
+    return _as_compute(a, kv if kv != comp and a.dtype == kv else comp)
+
+
 def attention_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike, out: ArrayLike, lse: ArrayLike, *,
                        mask: Optional[ArrayLike] = None, causal: Causal = False, scale: Optional[float] = None,
                        enable_gqa: bool = False, window: Optional[Window] = None, softcap: Optional[float] = None,
@@ -47,7 +53,8 @@ def attention_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike, 
     q, k, v
         The forward's inputs.
     out : array_like
-        The forward's output.
+        The forward's output.  With float16 or bfloat16 K and V, a q, `do` and `out`
+        of that dtype are read as stored, without float32 copies.
     lse : array_like
         The forward's log-sum-exp, ``(..., n_q)`` (head-major in either layout).
     mask, causal, scale, enable_gqa, window, softcap, alibi_slopes, kv_lengths, q_lengths, layout, num_threads
@@ -102,8 +109,8 @@ def attention_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike, 
                              f"{shown(want) if name != 'lse' else want}")
     # do, out and lse as the C core reads them: (*p.lead, n_q, d_v) and (*p.lead, n_q)
     core_o, core_l = p.lead + (p.n_q, p.d_v), p.lead + (p.n_q,)
-    do_c = _as_compute(do_a.reshape(core_o), p.comp)
-    out_c = _as_compute(out_a.reshape(core_o), p.comp)
+    do_c = _as_read(do_a.reshape(core_o), p.k.dtype, p.comp)
+    out_c = _as_read(out_a.reshape(core_o), p.k.dtype, p.comp)
     lse_c = np.ascontiguousarray(lse_a.reshape(core_l), dtype=p.comp)
     dq = np.empty(p.lead + p.q.shape[-2:], p.comp)
     dk = np.empty(p.lead + p.k.shape[-2:], p.comp)
@@ -172,7 +179,7 @@ def attention_varlen_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: Arra
     pk = _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, num_threads, window, softcap,
                          alibi_slopes, check=check)
     (T_q, H, _), (T_k, Hkv, _), d_v, G = pk.q.shape, pk.k.shape, pk.v.shape[2], pk.G
-    do_c, out_c = _as_compute(do_a, pk.comp), _as_compute(out_a, pk.comp)
+    do_c, out_c = _as_read(do_a, pk.k.dtype, pk.comp), _as_read(out_a, pk.k.dtype, pk.comp)
     lse_c = np.ascontiguousarray(lse_a, dtype=pk.comp)
     # dk and dv per query head (T_k, H, d), summed over each group's G heads below:
     # every leading index (b, h_kv, g) of the C core writes its own rows (with GQA,

@@ -113,6 +113,8 @@ cdef extern from "fastattn.h" nogil:
         int64_t dq_rs
         int64_t dk_rs
         int64_t dv_rs
+        int do_kv
+        int o_kv
 
     int fa_attention(const fa_attention_args *a)
     int fa_attention_weights(const fa_attention_args *a)
@@ -445,7 +447,8 @@ def attention(Args p not None, cnp.ndarray out not None, object lse, *, bint wei
     len(lead) leading dims (stride 0 where it repeats) and then nq.
     plan_only: return the plan of the call (a dict: plan.c) and compute nothing.
     backward = (dout, dq, dk, dv): the backward pass instead (fa_attention_backward):
-    out and lse are the forward's result, read; dout has out's shape; dq, dk,
+    out and lse are the forward's result, read; dout has out's shape (dout and out
+    in the compute dtype, or, with 16-bit K and V, each as k); dq, dk,
     dv have q's, k's and v's last two dims, written; each with leading dims
     that broadcast to `lead` and unit stride on its last axis (dq, dk and dv
     of distinct leading indices apart: fastattn.h).
@@ -553,6 +556,8 @@ def attention(Args p not None, cnp.ndarray out not None, object lse, *, bint wei
         b.dq = cnp.PyArray_DATA(dq_arr)
         b.dk = cnp.PyArray_DATA(dk_arr)
         b.dv = cnp.PyArray_DATA(dv_arr)
+        b.do_kv = a.kv_dtype != FA_KV_SAME and do_arr.dtype == k.dtype   # 16-bit dO and out, read as stored
+        b.o_kv = a.kv_dtype != FA_KV_SAME and out.dtype == k.dtype
         _run(&a, 3, 2.5 * work, &b)
         return
     _run(&a, 1 if weights else 0, work)

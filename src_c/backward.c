@@ -24,8 +24,9 @@ typedef struct {
     const fa_backward_args *b;
     fa_tiles t;
     fa_bwd_unit_fn fn;
+    fa_kv_widen_fn widen; /* 16-bit dO or out (do_kv, o_kv): their rows to float32 */
     int64_t n_lead, n_qb, n_kb, dkp;
-    size_t esz, msz, scratch_bytes, dq_bytes, items_bytes;
+    size_t esz, msz, scratch_bytes, dq_bytes, items_bytes, d_bytes, w_bytes;
     int per_lead;  /* 1: threads take whole leading indices */
     void **dq;     /* each team member's dQ rows (nq, dkp) */
     int status;
@@ -64,19 +65,61 @@ static bwd_rows lead_rows(const fa_attention_args *a, int64_t l)
     return r;
 }
 
+/* D_i = sum_c dO[i][c] out[i][c] of leading index l's rows (r->nq of them)
+ * into D (nq), in the compute dtype, in one order.  Returns dO as the kernel
+ * reads it, row stride *dos: as given, or a 16-bit dO (do_kv) widened into
+ * dow (nq, dv).  orow (dv): a 16-bit out's row widened. */
+static const void *bwd_rows_d(const bwd_state *p, int64_t l, const bwd_rows *r, void *D, float *dow, float *orow,
+                              int64_t *dos)
+{
+    const fa_attention_args *a = p->a;
+    const fa_backward_args *b = p->b;
+    const int64_t e = (int64_t)p->esz, dv = a->dv;
+    const char *dout = (const char *)b->dout + (lead_offset(a, l, b->do_lead) + r->q0 * b->do_rs) * (b->do_kv ? 2 : e);
+    const char *out = (const char *)a->out + (lead_offset(a, l, a->o_lead) + r->q0 * a->o_rs) * (b->o_kv ? 2 : e);
+    *dos = b->do_rs;
+    if (b->do_kv) {
+        for (int64_t i = 0; i < r->nq; i++) p->widen(dout + i * b->do_rs * 2, dow + i * dv, dv);
+        dout = (const char *)dow;
+        *dos = dv;
+    }
+    for (int64_t i = 0; i < r->nq; i++) {
+        if (a->dtype == FA_F32) {
+            const float *o = orow, *d = (const float *)dout + i * *dos;
+            if (b->o_kv)
+                p->widen(out + i * a->o_rs * 2, orow, dv);
+            else
+                o = (const float *)out + i * a->o_rs;
+            float s = 0;
+            for (int64_t c = 0; c < dv; c++) s += d[c] * o[c];
+            ((float *)D)[i] = s;
+        } else {
+            const double *o = (const double *)out + i * a->o_rs, *d = (const double *)dout + i * *dos;
+            double s = 0;
+            for (int64_t c = 0; c < dv; c++) s += d[c] * o[c];
+            ((double *)D)[i] = s;
+        }
+    }
+    return dout;
+}
+
 /* Leading index l (its rows r): its query blocks as items (their real rows:
- * fa_fill_item), then the key blocks ks, ks + step, ... of it, adding to dq
- * (nq, dkp). */
+ * fa_fill_item), its rows' D, then the key blocks ks, ks + step, ... of it,
+ * adding to dq (nq, dkp).  ws: the thread's D and widening buffers (w_bytes). */
 static void bwd_lead(const bwd_state *p, int64_t l, const bwd_rows *r, int64_t ks, int64_t step, fa_item *its,
-                     void *dq, void *scratch)
+                     void *dq, char *ws, void *scratch)
 {
     const fa_attention_args *a = p->a;
     const fa_backward_args *b = p->b;
     const int64_t e = (int64_t)p->esz;
     const int64_t bq = p->t.bq, bk = p->t.bk, n_qb = (r->nq + bq - 1) / bq, n_kb = (r->nk + bk - 1) / bk;
-    for (int64_t qb = 0; qb < n_qb; qb++)
+    for (int64_t qb = 0; qb < n_qb; qb++) {
         fa_fill_item(a, &p->t, NULL, p->n_qb, l * p->n_qb + qb, p->esz, p->msz, &its[qb]);
-    const char *dout = (const char *)b->dout + (lead_offset(a, l, b->do_lead) + r->q0 * b->do_rs) * e;
+        its[qb].out = NULL; /* (the kernel reads D, not out) */
+    }
+    int64_t dos;
+    float *dow = (float *)(ws + p->d_bytes), *orow = dow + (b->do_kv ? a->nq * a->dv : 0);
+    const void *dout = bwd_rows_d(p, l, r, ws, dow, orow, &dos);
     char *dk = (char *)b->dk + (lead_offset(a, l, b->dk_lead) + r->k0 * b->dk_rs) * e;
     char *dv = (char *)b->dv + (lead_offset(a, l, b->dv_lead) + r->k0 * b->dv_rs) * e;
     for (int64_t kb = ks; kb < n_kb && !fa_stopped(a->stop); kb += step) {
@@ -88,8 +131,8 @@ static void bwd_lead(const bwd_state *p, int64_t l, const bwd_rows *r, int64_t k
             }
             continue;
         }
-        p->fn(a, &p->t, its, n_qb, dout, b->do_rs, j0, nb, dk + j0 * b->dk_rs * e, b->dk_rs,
-              dv + j0 * b->dv_rs * e, b->dv_rs, dq, scratch);
+        p->fn(a, &p->t, its, n_qb, dout, dos, ws, j0, nb, dk + j0 * b->dk_rs * e, b->dk_rs, dv + j0 * b->dv_rs * e,
+              b->dv_rs, dq, scratch);
     }
 }
 
@@ -125,10 +168,12 @@ static void bwd_team(void *arg)
     bwd_state *p = arg;
     const fa_attention_args *a = p->a;
     void *raw;
-    char *scratch = fa_team_scratch(p->scratch_bytes + p->dq_bytes + p->items_bytes, &raw, &p->status);
+    char *scratch = fa_team_scratch(p->scratch_bytes + p->dq_bytes + p->items_bytes + p->d_bytes + p->w_bytes, &raw,
+                                    &p->status);
     const int t = fa_thread_num(), team = fa_num_threads();
     void *dq = scratch ? scratch + p->scratch_bytes : NULL;
     fa_item *its = scratch ? (fa_item *)(scratch + p->scratch_bytes + p->dq_bytes) : NULL;
+    char *ws = scratch ? scratch + p->scratch_bytes + p->dq_bytes + p->items_bytes : NULL;
     p->dq[t] = dq;
     if (p->per_lead) {
 #pragma omp for schedule(dynamic, 1)
@@ -136,7 +181,7 @@ static void bwd_team(void *arg)
             if (!scratch || fa_stopped(a->stop)) continue;
             const bwd_rows r = lead_rows(a, l);
             memset(dq, 0, (size_t)(r.nq * p->dkp) * p->esz);
-            bwd_lead(p, l, &r, 0, 1, its, dq, scratch);
+            bwd_lead(p, l, &r, 0, 1, its, dq, ws, scratch);
             bwd_write_dq(p, l, &r, &dq, 1, 0, r.nq);
         }
     } else {
@@ -144,7 +189,7 @@ static void bwd_team(void *arg)
             const bwd_rows r = lead_rows(a, l);
             if (scratch) {
                 memset(dq, 0, (size_t)(r.nq * p->dkp) * p->esz);
-                bwd_lead(p, l, &r, t, team, its, dq, scratch);
+                bwd_lead(p, l, &r, t, team, its, dq, ws, scratch);
             }
 #pragma omp barrier
             if (p->status == FA_OK) /* every member has its accumulator */
@@ -161,12 +206,13 @@ int fa_attention_backward(const fa_attention_args *a, const fa_backward_args *b)
     /* 16-bit K and V: float32, q in float32 or stored as K (q_kv) */
     const int kv = a->kv_dtype != FA_KV_SAME;
     if (a->row_group != 1 || (a->mask_kind != FA_MASK_NONE && (a->q_start || a->kv_start)) || !a->lse ||
-        (a->q_kv && !kv) ||
+        ((a->q_kv || b->do_kv || b->o_kv) && !kv) ||
         (kv && (a->dtype != FA_F32 || (a->kv_dtype != FA_KV_F16 && a->kv_dtype != FA_KV_BF16))))
         return FA_EINVAL;
     const fa_isa_table *isa = fa_isa_current();
     const int dt = a->dtype;
-    bwd_state st = {.a = a, .b = b, .fn = kv ? isa->bwd_unit_kv[a->kv_dtype - 1] : isa->bwd_unit[dt], .status = FA_OK};
+    bwd_state st = {.a = a, .b = b, .fn = kv ? isa->bwd_unit_kv[a->kv_dtype - 1] : isa->bwd_unit[dt],
+                    .widen = kv ? isa->kv_widen[a->kv_dtype - 1] : NULL, .status = FA_OK};
     st.esz = dt == FA_F32 ? sizeof(float) : sizeof(double);
     st.msz = a->mask_kind == FA_MASK_BOOL ? 1 : st.esz;
     st.n_lead = 1;
@@ -193,7 +239,10 @@ int fa_attention_backward(const fa_attention_args *a, const fa_backward_args *b)
     st.t.q_off = a->q_kv ? (elems + FA_KV_HEAD - 1) / FA_KV_HEAD * FA_KV_HEAD : 0;
     st.scratch_bytes = ((size_t)(a->q_kv ? st.t.q_off + st.t.bq * a->dk : elems) * st.esz + 63) / 64 * 64;
     st.dq_bytes = ((size_t)(a->nq * st.dkp) * st.esz + 63) / 64 * 64;
-    st.items_bytes = (size_t)(st.n_qb > 0 ? st.n_qb : 1) * sizeof(fa_item);
+    st.items_bytes = ((size_t)(st.n_qb > 0 ? st.n_qb : 1) * sizeof(fa_item) + 63) / 64 * 64;
+    /* D (nq), then a 16-bit dO widened (nq, dv) and a 16-bit out's row (dv): bwd_rows_d */
+    st.d_bytes = ((size_t)a->nq * st.esz + 63) / 64 * 64;
+    st.w_bytes = (size_t)((b->do_kv ? a->nq * a->dv : 0) + (b->o_kv ? a->dv : 0)) * sizeof(float);
     /* work: 5 products of nq nk (dk or dv) multiply-adds a leading index */
     const double work = 2.5 * (double)st.n_lead * (double)a->nq * (double)a->nk * (double)(a->dk + a->dv);
     st.per_lead = st.n_lead >= 2 * (int64_t)want || st.n_kb < 2;

@@ -179,8 +179,9 @@ int fa_attention(const fa_attention_args *a);
 int fa_attention_weights(const fa_attention_args *a);
 
 /* Arguments of fa_attention_backward beside the forward's (fa_attention_args,
- * whose out and lse are then the forward's result, read: lse is required).
- *   dout  (lead, nq, dv)  compute dtype, the gradient of the output
+ * whose out and lse are then the forward's result, read: lse is required;
+ * out in the compute dtype, or as k with o_kv).
+ *   dout  (lead, nq, dv)  compute dtype, or as k (do_kv): the gradient of the output
  *   dq    (lead, nq, dk)  written (padding rows: zeros)
  *   dk    (lead, nk, dk)  written (keys no row sees: zeros)
  *   dv    (lead, nk, dv)  written
@@ -197,6 +198,7 @@ typedef struct {
     void *dq, *dk, *dv;
     int64_t do_lead[FA_MAX_DIMS], dq_lead[FA_MAX_DIMS], dk_lead[FA_MAX_DIMS], dv_lead[FA_MAX_DIMS];
     int64_t do_rs, dq_rs, dk_rs, dv_rs;
+    int do_kv, o_kv;  /* dout, out stored as k and v (16-bit kv_dtype only) */
 } fa_backward_args;
 int fa_attention_backward(const fa_attention_args *a, const fa_backward_args *b);
 int fa_softmax(const fa_softmax_args *a);

@@ -137,10 +137,12 @@ typedef void (*fa_attn_group_fn)(const fa_attention_args *a, const fa_tiles *t,
 /* Merge nparts partial results (nparts, bq, dv + 2) of one item into its out
  * and lse.  scratch: 2 dv elements. */
 /* One unit of the backward pass (kernel/backward.h, fa_bwd_unit): the keys
- * [j0, j0 + nb) of the leading index of the query blocks its[0..n_qb). */
+ * [j0, j0 + nb) of the leading index of the query blocks its[0..n_qb); D its
+ * rows' sum(dO * out) (backward.c, bwd_rows_d). */
 typedef void (*fa_bwd_unit_fn)(const fa_attention_args *a, const fa_tiles *t, const fa_item *its,
-                               int64_t n_qb, const void *dout, int64_t do_rs, int64_t j0, int64_t nb,
-                               void *dk, int64_t dk_rs, void *dv, int64_t dv_rs, void *dq, void *scratch);
+                               int64_t n_qb, const void *dout, int64_t do_rs, const void *D, int64_t j0,
+                               int64_t nb, void *dk, int64_t dk_rs, void *dv, int64_t dv_rs, void *dq,
+                               void *scratch);
 /* Work item w of a call as the drivers number them (attention.c). */
 void fa_fill_item(const fa_attention_args *a, const fa_tiles *t, const void *mask_pack, int64_t n_qb,
                   int64_t w, size_t esz, size_t msz, fa_item *it);
@@ -331,10 +333,12 @@ static inline int64_t fa_softmax_scratch_elems(int64_t n)
                                  const void *, int64_t, void *);                      \
     void fa_bwd_unit_f32_##isa(const fa_attention_args *, const fa_tiles *,           \
                                const fa_item *, int64_t, const void *, int64_t,       \
+                               const void *,                                          \
                                int64_t, int64_t, void *, int64_t, void *, int64_t,    \
                                void *, void *);                                       \
     void fa_bwd_unit_f64_##isa(const fa_attention_args *, const fa_tiles *,           \
                                const fa_item *, int64_t, const void *, int64_t,       \
+                               const void *,                                          \
                                int64_t, int64_t, void *, int64_t, void *, int64_t,    \
                                void *, void *);                                       \
     void fa_softmax_row_f32_##isa(const void *, int64_t, void *, int64_t, int64_t,    \
@@ -360,6 +364,7 @@ static inline int64_t fa_softmax_scratch_elems(int64_t n)
                                          const fa_item *, int64_t, void *);           \
     void fa_bwd_unit_##kv##_##isa(const fa_attention_args *, const fa_tiles *,        \
                                   const fa_item *, int64_t, const void *, int64_t,    \
+                                  const void *,                                       \
                                   int64_t, int64_t, void *, int64_t, void *, int64_t, \
                                   void *, void *);                                    \
     void fa_kv_widen_##kv##_##isa(const void *, float *, int64_t);

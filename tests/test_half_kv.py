@@ -231,6 +231,40 @@ def test_backward_reads_half_kv(isa, rng, force, dtype, q16, tiles, opt):
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
+@pytest.mark.parametrize("stored", ["do", "out", "both"])
+@pytest.mark.parametrize("tiles", [(0, 0), (16, 16)], ids=["table", "16x16"])
+@pytest.mark.parametrize("opt", [{}, {"causal": True}, {"enable_gqa": True, "causal": True},
+                                 {"q_lengths": np.array([[37], [20]])}, {"layout": "blhd", "softcap": 4.0}],
+                         ids=["plain", "causal", "gqa-causal", "q_lengths", "blhd-softcap"])
+def test_backward_reads_half_do_and_out(isa, rng, force, dtype, stored, tiles, opt):
+    """A 16-bit do or out (or both) beside K, V and q of its dtype is read as stored:
+    the gradients are bitwise those of float32 copies of the same values (D = rowsum(do
+    * out) from the same numbers in the same order), on 1 and 2 threads, and the float64
+    reference's on the rounded values within float32's tolerance."""
+    B, H, nq, nk, d = 2, 2, 37, 45, 24
+    kw = dict(opt)
+    Hk = 1 if kw.get("enable_gqa") else H
+    q, k, v = half(rng, (B, H, nq, d), dtype), half(rng, (B, Hk, nk, d), dtype), half(rng, (B, Hk, nk, 20), dtype)
+    if kw.get("layout") == "blhd":
+        q, k, v = (a.swapaxes(1, 2) for a in (q, k, v))   # views: (B, n, H, d) strides
+    out, lse = fastattn.attention(q, k, v, return_lse=True, **kw)
+    do = rand(rng, out.shape)
+    do16, out16 = (a.astype(dtype) if stored in (name, "both") else a for a, name in ((do, "do"), (out, "out")))
+    force.set(bq=tiles[0], bk=tiles[1])
+    for threads in (1, 2):
+        got = fastattn.attention_backward(do16, q, k, v, out16, lse, num_threads=threads, **kw)
+        same = fastattn.attention_backward(do16.astype(F32), q, k, v, out16.astype(F32), lse, num_threads=threads,
+                                           **kw)
+        for g, s_, a in zip(got, same, (q, k, v)):
+            assert g.dtype == F32 and g.shape == a.shape
+            np.testing.assert_array_equal(g, s_)
+    q64, k64, v64, do64, out64 = (a.astype(F64) for a in (q, k, v, do16, out16))
+    want = ref.attention_backward(do64, q64, k64, v64, out64, **kw)
+    for g, w in zip(got, want):
+        assert_close(g, w, F32)
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
 @pytest.mark.parametrize("q16", [False, True], ids=["q32", "q16"])
 @pytest.mark.parametrize("opt", [{}, {"causal": True}, {"window": (9, 3), "softcap": 4.0}],
                          ids=["plain", "causal", "window-softcap"])
@@ -264,8 +298,8 @@ def test_varlen_reads_half(isa, rng, force, dtype, q16, opt, tiles):
 
 @pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
 def test_backward_copies_no_half_input(rng, dtype):
-    """The backward pass over 16-bit q, K and V makes no float32 copy of them (nor
-    does attention_varlen's): the NumPy memory it allocates (tracemalloc sees NumPy's
+    """The backward pass over 16-bit q, K and V makes no float32 copy of them, nor of
+    a 16-bit do and out (nor does attention_varlen's): the NumPy memory it allocates (tracemalloc sees NumPy's
     buffers, not the C core's scratch) is the gradients (the output), with a margin
     well under a copy of q."""
     import tracemalloc
@@ -292,6 +326,17 @@ def test_backward_copies_no_half_input(rng, dtype):
     assert out.dtype == F32 and out.nbytes + lse.nbytes <= peak < out.nbytes + lse.nbytes + qp.size * 2, peak
     (dq, dk, dv), peak = peak_of(lambda: fastattn.attention_varlen_backward(do[0].swapaxes(0, 1), qp, kp, vp,
                                                                             out, lse, cq, ck))
+    grads = dq.nbytes + dk.nbytes + dv.nbytes
+    assert grads <= peak < grads + qp.size * 4 // 2, (peak, grads)
+
+    # a 16-bit do and out too (each a float32 copy the size of q's: 2 MiB)
+    out, lse4 = fastattn.attention(q, k, v, return_lse=True)
+    do16, out16 = do.astype(dtype), out.astype(dtype)
+    (dq, dk, dv), peak = peak_of(lambda: fastattn.attention_backward(do16, q, k, v, out16, lse4))
+    grads = dq.nbytes + dk.nbytes + dv.nbytes
+    assert grads <= peak < grads + q.size * 4 // 2, (peak, grads)
+    dop, outp = (np.ascontiguousarray(a[0].swapaxes(0, 1)) for a in (do16, out16))
+    (dq, dk, dv), peak = peak_of(lambda: fastattn.attention_varlen_backward(dop, qp, kp, vp, outp, lse, cq, ck))
     grads = dq.nbytes + dk.nbytes + dv.nbytes
     assert grads <= peak < grads + qp.size * 4 // 2, (peak, grads)
 

@@ -22,8 +22,8 @@
  *   St  (bk, ld)   scores, then P, then dS, transposed (key j, query i at
  *                  St[j * ld + i]);  dPt (bk, ld) likewise
  *   dKb (bk, dkp), dVb (bk, dvp)  the unit's gradients so far
- *   Dl  (2 ld)     D of the block's rows, then their lse (+inf past bq, so
- *                  that padding lanes get P = 0)
+ *   Dl  (2 ld)     D of the block's rows (from D, below), then their lse (+inf
+ *                  past bq, so that padding lanes get P = 0)
  *   W   (ceil(bk / 32), ld)  a bool mask tile as bits (tile_scores)
  *   Kw  (nb, dk), Vw (nb, dv)  16-bit K and V (FA_KV): the unit's rows widened
  *                  once, read by every query block in place of K and V
@@ -94,17 +94,19 @@ static void pack_both(const T *x, int64_t xs, int64_t n, int64_t np, int64_t d, 
 }
 
 /* One work unit: the keys [j0, j0 + nb) of the leading index whose query
- * blocks are its[0..n_qb) (fill_item's items: q, mask, out, lse offset to
+ * blocks are its[0..n_qb) (fill_item's items: q, mask and lse offset to
  * their rows), nb <= tl->bk.
  *   dO    (nq, dv) of the leading index, row stride dos
+ *   D     (nq) of the leading index: D_i = sum_c dO[i][c] out[i][c] (backward.c,
+ *         bwd_rows_d: computed once a leading index, not by every unit)
  *   dk    (nb, dk) and dv (nb, dv), row strides dkrs, dvrs: the unit's rows of
  *         the gradients, written
  *   dq    (nq, dkp): the thread's dQ of the leading index, added to (/ scale) */
 void FN(fa_bwd_unit)(const fa_attention_args *a, const fa_tiles *tl, const fa_item *its, int64_t n_qb,
-                     const void *dO_, int64_t dos, int64_t j0, int64_t nb, void *dk_, int64_t dkrs, void *dv_,
-                     int64_t dvrs, void *dq_, void *scratch)
+                     const void *dO_, int64_t dos, const void *D_, int64_t j0, int64_t nb, void *dk_,
+                     int64_t dkrs, void *dv_, int64_t dvrs, void *dq_, void *scratch)
 {
-    const T *dO = dO_;
+    const T *dO = dO_, *D = D_;
     T *dkout = dk_, *dvout = dv_, *dq = dq_;
     const int64_t ld = tl->ld, bk = tl->bk, dk = a->dk, dv = a->dv;
     const int64_t dkp = (dk + L - 1) / L * L, dvp = (dv + L - 1) / L * L;
@@ -152,14 +154,10 @@ void FN(fa_bwd_unit)(const fa_attention_args *a, const fa_tiles *tl, const fa_it
         const int bits = tile_scores(a, it, &b, St, Qt, &qmax, W, ld, bqp, jl, n, K + o * krs, krs, NULL, NULL, &kr);
         if (bits < 0) continue;
         if (bits) apply_bits(St, W, ld, bqp, n);
-        /* dO of the block, D = rowsum(dO * out) and lse */
-        const T *dOb = dO + it->i0 * dos;
-        pack_both(dOb, dos, bq, bqp, dv, dvp, 1, dOt, ld, dOp);
+        /* dO of the block, its rows' D and lse */
+        pack_both(dO + it->i0 * dos, dos, bq, bqp, dv, dvp, 1, dOt, ld, dOp);
         for (int64_t i = 0; i < bqp; i++) {
-            T d = 0;
-            if (i < bq)
-                for (int64_t c = 0; c < dv; c++) d += dOb[i * dos + c] * ((const T *)it->out)[i * a->o_rs + c];
-            Dl[i] = d;
+            Dl[i] = i < bq ? D[it->i0 + i] : 0;
             Dl[ld + i] = i < bq ? ((const T *)it->lse)[i * a->lse_rs] : (T)INFINITY;
         }
         /* dP = V . dO^T (transposed: key rows), then P and dS in place */
