@@ -8,23 +8,34 @@
 
 /* dst (nr, nc) row stride ds <- src element (i, c) at src[c * ss + i], times
  * 1 / l[i] (0 where l[i] == 0) when l is given: a transposed accumulator turned
- * back, in L x L blocks in registers.  ss is a whole number of vectors >= nr. */
+ * back, in L x L blocks in registers.  ss is a whole number of vectors >= nr,
+ * and l is read in whole vectors too (the tiled kernel's, ld long).  Each
+ * loaded vector (rows i0.. of one column) is scaled by the rows' factors, one
+ * vector division for L rows, before the transpose: the same products as after
+ * it, without a factor broadcast a row (nor a vector loaded from L scalar
+ * stores, which stalled on the forwarding). */
 static void untranspose_rows(T *dst, int64_t ds, const T *src, int64_t ss, int64_t nr, int64_t nc,
                              const T *l)
 {
     for (int64_t i0 = 0; i0 < nr; i0 += L) {
         const int64_t n = nr - i0 < L ? nr - i0 : L;
-        T f[L];
-        for (int64_t x = 0; x < L; x++) f[x] = !l || x >= n ? 1 : l[i0 + x] == 0 ? 0 : 1 / l[i0 + x];
+        const vec one = vset1(1), lv = l ? vload(l + i0) : one;
+        const vec fv = l ? vsel(lv == vset1(0), vset1(0), one / lv) : one;
         int64_t c0 = 0;
         for (; c0 + L <= nc; c0 += L) {
             vec r[L];
-            UNROLL(16) for (int x = 0; x < L; x++) r[x] = vload(src + (c0 + x) * ss + i0);
+            const T *s = src + c0 * ss + i0;
+            UNROLL(16) for (int x = 0; x < L; x++, s += ss) r[x] = vload(s) * fv;
             transpose_block(r);
-            for (int64_t x = 0; x < n; x++) vstore(dst + (i0 + x) * ds + c0, r[x] * f[x]);
+            T *d = dst + i0 * ds + c0;
+            if (n == L) {
+                UNROLL(16) for (int x = 0; x < L; x++, d += ds) vstore(d, r[x]);
+            } else {
+                for (int64_t x = 0; x < n; x++, d += ds) vstore(d, r[x]);
+            }
         }
         for (int64_t x = 0; x < n; x++)
-            for (int64_t c = c0; c < nc; c++) dst[(i0 + x) * ds + c] = src[c * ss + i0 + x] * f[x];
+            for (int64_t c = c0; c < nc; c++) dst[(i0 + x) * ds + c] = src[c * ss + i0 + x] * fv[x];
     }
 }
 
