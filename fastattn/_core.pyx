@@ -558,6 +558,11 @@ def attention(Args p not None, cnp.ndarray out not None, object lse, *, bint wei
         b.dv = cnp.PyArray_DATA(dv_arr)
         b.do_kv = a.kv_dtype != FA_KV_SAME and do_arr.dtype == k.dtype   # 16-bit dO and out, read as stored
         b.o_kv = a.kv_dtype != FA_KV_SAME and out.dtype == k.dtype
+        comp = np.dtype(np.float32 if a.dtype == FA_F32 else np.float64)
+        for arr, name, stored in ((do_arr, "dout", b.do_kv), (out, "out", b.o_kv), (dq_arr, "dq", False),
+                                  (dk_arr, "dk", False), (dv_arr, "dv", False)):
+            if not stored and arr.dtype != comp:
+                raise TypeError(f"internal: the backward's {name} of {arr.dtype} with a {comp} computation")
         _run(&a, 3, 2.5 * work, &b)
         return
     _run(&a, 1 if weights else 0, work)

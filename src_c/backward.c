@@ -7,9 +7,11 @@
  * team shares each leading index's key blocks (thread t the blocks t, t + T,
  * ...), then sums the threads' dQ rows in thread order.  Either way every sum
  * runs in a fixed order: the same inputs on the same team give bitwise the
- * same gradients.  Packed sequences: the state's counts (n_qb, n_kb, the dQ
- * rows) are for the longest sequence; each leading index's own rows and
- * offsets come from lead_rows.
+ * same gradients.  Each leading index's D = rowsum(dO * out) is computed
+ * before its key blocks (bwd_rows_d: by the thread that takes it, or shared
+ * among the team), where a 16-bit dO is widened too.  Packed sequences: the
+ * state's counts (n_qb, n_kb, the dQ rows) are for the longest sequence; each
+ * leading index's own rows and offsets come from lead_rows.
  */
 #include <math.h>
 #include <stdint.h>
@@ -29,6 +31,8 @@ typedef struct {
     size_t esz, msz, scratch_bytes, dq_bytes, items_bytes, d_bytes, w_bytes;
     int per_lead;  /* 1: threads take whole leading indices */
     void **dq;     /* each team member's dQ rows (nq, dkp) */
+    void *D;       /* per_lead 0: the leading index's D (nq), and a 16-bit dO */
+    float *dow;    /* widened (nq, dv), shared by the team (bwd_rows_d) */
     int status;
 } bwd_state;
 
@@ -65,27 +69,36 @@ static bwd_rows lead_rows(const fa_attention_args *a, int64_t l)
     return r;
 }
 
-/* D_i = sum_c dO[i][c] out[i][c] of leading index l's rows (r->nq of them)
- * into D (nq), in the compute dtype, in one order.  Returns dO as the kernel
- * reads it, row stride *dos: as given, or a 16-bit dO (do_kv) widened into
- * dow (nq, dv).  orow (dv): a 16-bit out's row widened. */
-static const void *bwd_rows_d(const bwd_state *p, int64_t l, const bwd_rows *r, void *D, float *dow, float *orow,
-                              int64_t *dos)
+/* dO of leading index l (its rows r) as the kernel reads it, row stride *dos:
+ * as given, or a 16-bit dO's rows widened into dow (nq, dv; bwd_rows_d). */
+static const void *bwd_dout(const bwd_state *p, int64_t l, const bwd_rows *r, const float *dow, int64_t *dos)
+{
+    const fa_attention_args *a = p->a;
+    const fa_backward_args *b = p->b;
+    *dos = b->do_kv ? a->dv : b->do_rs;
+    if (b->do_kv) return dow;
+    return (const char *)b->dout + (lead_offset(a, l, b->do_lead) + r->q0 * b->do_rs) * (int64_t)p->esz;
+}
+
+/* Rows [i0, i1) of leading index l (its rows r): D_i = sum_c dO[i][c]
+ * out[i][c] into D (nq), in the compute dtype, in one order; a 16-bit dO's
+ * rows widened into dow (nq, dv) first (do_kv), a 16-bit out's row by row
+ * into orow (dv). */
+static void bwd_rows_d(const bwd_state *p, int64_t l, const bwd_rows *r, int64_t i0, int64_t i1, void *D,
+                       float *dow, float *orow)
 {
     const fa_attention_args *a = p->a;
     const fa_backward_args *b = p->b;
     const int64_t e = (int64_t)p->esz, dv = a->dv;
     const char *dout = (const char *)b->dout + (lead_offset(a, l, b->do_lead) + r->q0 * b->do_rs) * (b->do_kv ? 2 : e);
     const char *out = (const char *)a->out + (lead_offset(a, l, a->o_lead) + r->q0 * a->o_rs) * (b->o_kv ? 2 : e);
-    *dos = b->do_rs;
-    if (b->do_kv) {
-        for (int64_t i = 0; i < r->nq; i++) p->widen(dout + i * b->do_rs * 2, dow + i * dv, dv);
-        dout = (const char *)dow;
-        *dos = dv;
-    }
-    for (int64_t i = 0; i < r->nq; i++) {
+    if (b->do_kv)
+        for (int64_t i = i0; i < i1; i++) p->widen(dout + i * b->do_rs * 2, dow + i * dv, dv);
+    int64_t dos;
+    dout = bwd_dout(p, l, r, dow, &dos);
+    for (int64_t i = i0; i < i1; i++) {
         if (a->dtype == FA_F32) {
-            const float *o = orow, *d = (const float *)dout + i * *dos;
+            const float *o = orow, *d = (const float *)dout + i * dos;
             if (b->o_kv)
                 p->widen(out + i * a->o_rs * 2, orow, dv);
             else
@@ -94,20 +107,19 @@ static const void *bwd_rows_d(const bwd_state *p, int64_t l, const bwd_rows *r, 
             for (int64_t c = 0; c < dv; c++) s += d[c] * o[c];
             ((float *)D)[i] = s;
         } else {
-            const double *o = (const double *)out + i * a->o_rs, *d = (const double *)dout + i * *dos;
+            const double *o = (const double *)out + i * a->o_rs, *d = (const double *)dout + i * dos;
             double s = 0;
             for (int64_t c = 0; c < dv; c++) s += d[c] * o[c];
             ((double *)D)[i] = s;
         }
     }
-    return dout;
 }
 
 /* Leading index l (its rows r): its query blocks as items (their real rows:
- * fa_fill_item), its rows' D, then the key blocks ks, ks + step, ... of it,
- * adding to dq (nq, dkp).  ws: the thread's D and widening buffers (w_bytes). */
+ * fa_fill_item), then the key blocks ks, ks + step, ... of it, adding to dq
+ * (nq, dkp); dO as the kernel reads it (bwd_dout) and its rows' D (nq). */
 static void bwd_lead(const bwd_state *p, int64_t l, const bwd_rows *r, int64_t ks, int64_t step, fa_item *its,
-                     void *dq, char *ws, void *scratch)
+                     const void *dout, int64_t dos, const void *D, void *dq, void *scratch)
 {
     const fa_attention_args *a = p->a;
     const fa_backward_args *b = p->b;
@@ -117,9 +129,6 @@ static void bwd_lead(const bwd_state *p, int64_t l, const bwd_rows *r, int64_t k
         fa_fill_item(a, &p->t, NULL, p->n_qb, l * p->n_qb + qb, p->esz, p->msz, &its[qb]);
         its[qb].out = NULL; /* (the kernel reads D, not out) */
     }
-    int64_t dos;
-    float *dow = (float *)(ws + p->d_bytes), *orow = dow + (b->do_kv ? a->nq * a->dv : 0);
-    const void *dout = bwd_rows_d(p, l, r, ws, dow, orow, &dos);
     char *dk = (char *)b->dk + (lead_offset(a, l, b->dk_lead) + r->k0 * b->dk_rs) * e;
     char *dv = (char *)b->dv + (lead_offset(a, l, b->dv_lead) + r->k0 * b->dv_rs) * e;
     for (int64_t kb = ks; kb < n_kb && !fa_stopped(a->stop); kb += step) {
@@ -131,7 +140,7 @@ static void bwd_lead(const bwd_state *p, int64_t l, const bwd_rows *r, int64_t k
             }
             continue;
         }
-        p->fn(a, &p->t, its, n_qb, dout, dos, ws, j0, nb, dk + j0 * b->dk_rs * e, b->dk_rs, dv + j0 * b->dv_rs * e,
+        p->fn(a, &p->t, its, n_qb, dout, dos, D, j0, nb, dk + j0 * b->dk_rs * e, b->dk_rs, dv + j0 * b->dv_rs * e,
               b->dv_rs, dq, scratch);
     }
 }
@@ -173,7 +182,11 @@ static void bwd_team(void *arg)
     const int t = fa_thread_num(), team = fa_num_threads();
     void *dq = scratch ? scratch + p->scratch_bytes : NULL;
     fa_item *its = scratch ? (fa_item *)(scratch + p->scratch_bytes + p->dq_bytes) : NULL;
+    /* the thread's D (nq) and a 16-bit dO widened (nq, dv) (per_lead), then a 16-bit out's row (dv) */
     char *ws = scratch ? scratch + p->scratch_bytes + p->dq_bytes + p->items_bytes : NULL;
+    float *dow = ws ? (float *)(ws + p->d_bytes) : NULL;
+    float *orow = ws ? dow + (p->per_lead && p->b->do_kv ? a->nq * a->dv : 0) : NULL;
+    int64_t dos;
     p->dq[t] = dq;
     if (p->per_lead) {
 #pragma omp for schedule(dynamic, 1)
@@ -181,15 +194,21 @@ static void bwd_team(void *arg)
             if (!scratch || fa_stopped(a->stop)) continue;
             const bwd_rows r = lead_rows(a, l);
             memset(dq, 0, (size_t)(r.nq * p->dkp) * p->esz);
-            bwd_lead(p, l, &r, 0, 1, its, dq, ws, scratch);
+            bwd_rows_d(p, l, &r, 0, r.nq, ws, dow, orow);
+            const void *dout = bwd_dout(p, l, &r, dow, &dos);
+            bwd_lead(p, l, &r, 0, 1, its, dout, dos, ws, dq, scratch);
             bwd_write_dq(p, l, &r, &dq, 1, 0, r.nq);
         }
     } else {
         for (int64_t l = 0; l < p->n_lead; l++) {
             const bwd_rows r = lead_rows(a, l);
+            if (scratch) /* the member's share of the rows' D (and of a 16-bit dO widened) */
+                bwd_rows_d(p, l, &r, r.nq * t / team, r.nq * (t + 1) / team, p->D, p->dow, orow);
+#pragma omp barrier
             if (scratch) {
                 memset(dq, 0, (size_t)(r.nq * p->dkp) * p->esz);
-                bwd_lead(p, l, &r, t, team, its, dq, ws, scratch);
+                const void *dout = bwd_dout(p, l, &r, p->dow, &dos);
+                bwd_lead(p, l, &r, t, team, its, dout, dos, p->D, dq, scratch);
             }
 #pragma omp barrier
             if (p->status == FA_OK) /* every member has its accumulator */
@@ -240,15 +259,27 @@ int fa_attention_backward(const fa_attention_args *a, const fa_backward_args *b)
     st.scratch_bytes = ((size_t)(a->q_kv ? st.t.q_off + st.t.bq * a->dk : elems) * st.esz + 63) / 64 * 64;
     st.dq_bytes = ((size_t)(a->nq * st.dkp) * st.esz + 63) / 64 * 64;
     st.items_bytes = ((size_t)(st.n_qb > 0 ? st.n_qb : 1) * sizeof(fa_item) + 63) / 64 * 64;
-    /* D (nq), then a 16-bit dO widened (nq, dv) and a 16-bit out's row (dv): bwd_rows_d */
-    st.d_bytes = ((size_t)a->nq * st.esz + 63) / 64 * 64;
-    st.w_bytes = (size_t)((b->do_kv ? a->nq * a->dv : 0) + (b->o_kv ? a->dv : 0)) * sizeof(float);
     /* work: 5 products of nq nk (dk or dv) multiply-adds a leading index */
     const double work = 2.5 * (double)st.n_lead * (double)a->nq * (double)a->nk * (double)(a->dk + a->dv);
     st.per_lead = st.n_lead >= 2 * (int64_t)want || st.n_kb < 2;
+    /* D (nq) and a 16-bit dO widened (nq, dv) (bwd_rows_d): each thread's own
+     * when threads take whole leading indices, else one for the team; and a
+     * 16-bit out's row (dv) a thread */
+    const size_t d_bytes = ((size_t)a->nq * st.esz + 63) / 64 * 64;
+    const size_t dow_bytes = (size_t)(b->do_kv ? a->nq * a->dv : 0) * sizeof(float);
+    st.d_bytes = st.per_lead ? d_bytes : 0;
+    st.w_bytes = (st.per_lead ? dow_bytes : 0) + (size_t)(b->o_kv ? a->dv : 0) * sizeof(float);
+    void *shared = NULL;
+    if (!st.per_lead) {
+        shared = malloc(d_bytes + dow_bytes);
+        if (!shared) return FA_ENOMEM;
+        st.D = shared;
+        st.dow = (float *)((char *)shared + d_bytes);
+    }
     const int threads = fa_team_size(a->num_threads, st.per_lead ? st.n_lead : st.n_kb, work);
     void *dq_ptrs[FA_THREADS_MAX];
     st.dq = dq_ptrs;
     fa_run_parallel(bwd_team, &st, threads);
+    free(shared);
     return st.status == FA_OK && fa_stopped(a->stop) ? FA_EINTR : st.status;
 }

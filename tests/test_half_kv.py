@@ -232,19 +232,25 @@ def test_backward_reads_half_kv(isa, rng, force, dtype, q16, tiles, opt):
 
 @pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
 @pytest.mark.parametrize("stored", ["do", "out", "both"])
+@pytest.mark.parametrize("q16", [False, True], ids=["q32", "q16"])
+@pytest.mark.parametrize("heads", [(2, 2), (1, 1)], ids=["B2H2", "B1H1"])
 @pytest.mark.parametrize("tiles", [(0, 0), (16, 16)], ids=["table", "16x16"])
 @pytest.mark.parametrize("opt", [{}, {"causal": True}, {"enable_gqa": True, "causal": True},
                                  {"q_lengths": np.array([[37], [20]])}, {"layout": "blhd", "softcap": 4.0}],
                          ids=["plain", "causal", "gqa-causal", "q_lengths", "blhd-softcap"])
-def test_backward_reads_half_do_and_out(isa, rng, force, dtype, stored, tiles, opt):
-    """A 16-bit do or out (or both) beside K, V and q of its dtype is read as stored:
-    the gradients are bitwise those of float32 copies of the same values (D = rowsum(do
-    * out) from the same numbers in the same order), on 1 and 2 threads, and the float64
-    reference's on the rounded values within float32's tolerance."""
-    B, H, nq, nk, d = 2, 2, 37, 45, 24
+def test_backward_reads_half_do_and_out(isa, rng, force, dtype, stored, q16, heads, tiles, opt):
+    """A 16-bit do or out (or both) beside K and V of its dtype, with q of that dtype or
+    float32, is read as stored: the gradients are bitwise those of float32 copies of
+    the same values (D = rowsum(do * out) from the same numbers in the same order), on
+    1 and 2 threads (B1 H1: the team shares the one head's key blocks and its D), and the
+    float64 reference's on the rounded values within float32's tolerance."""
+    (B, H), nq, nk, d = heads, 37, 45, 24
     kw = dict(opt)
+    if "q_lengths" in kw:
+        kw["q_lengths"] = kw["q_lengths"][:B]
     Hk = 1 if kw.get("enable_gqa") else H
     q, k, v = half(rng, (B, H, nq, d), dtype), half(rng, (B, Hk, nk, d), dtype), half(rng, (B, Hk, nk, 20), dtype)
+    q = q if q16 else q.astype(F32)
     if kw.get("layout") == "blhd":
         q, k, v = (a.swapaxes(1, 2) for a in (q, k, v))   # views: (B, n, H, d) strides
     out, lse = fastattn.attention(q, k, v, return_lse=True, **kw)
@@ -269,13 +275,15 @@ def test_backward_reads_half_do_and_out(isa, rng, force, dtype, stored, tiles, o
 @pytest.mark.parametrize("opt", [{}, {"causal": True}, {"window": (9, 3), "softcap": 4.0}],
                          ids=["plain", "causal", "window-softcap"])
 @pytest.mark.parametrize("tiles", [(0, 0), (16, 32)], ids=["table", "16x32"])
-def test_varlen_reads_half(isa, rng, force, dtype, q16, opt, tiles):
+@pytest.mark.parametrize("do16", [False, True], ids=["do32", "do16"])
+def test_varlen_reads_half(isa, rng, force, dtype, q16, opt, tiles, do16):
     """attention_varlen and its backward over 16-bit K and V, and q of their dtype or
     float32, read as stored: the results of float32 copies (whose agreement with the
     reference test_backward and test_varlen hold), within float32's rounding forward
     (a row's dot products may sum in another order) and bitwise backward, on 1 and 2
     threads, with the table's tiles and small ones; sequences with tails past a query
-    block and a key block, one without keys."""
+    block and a key block, one without keys; the backward's do and out in float32 or,
+    read as stored too, in K's dtype (do16)."""
     len_q, len_k = [70, 1, 33, 5], [130, 1, 64, 0]
     cq, ck = np.cumsum([0] + len_q), np.cumsum([0] + len_k)
     q = half(rng, (cq[-1], 4, 24), dtype) if q16 else rand(rng, (cq[-1], 4, 24))
@@ -289,8 +297,10 @@ def test_varlen_reads_half(isa, rng, force, dtype, q16, opt, tiles):
         assert_close(out, out32, F32)
         assert_close(lse, lse32, F32)
         do = rand(rng, out.shape)
-        got = fastattn.attention_varlen_backward(do, q, k, v, out, lse, cq, ck, num_threads=threads, **opt)
-        same = fastattn.attention_varlen_backward(do, q32, k32, v32, out, lse, cq, ck, num_threads=threads, **opt)
+        do, o = (do.astype(dtype), out.astype(dtype)) if do16 else (do, out)   # read as stored, or float32
+        got = fastattn.attention_varlen_backward(do, q, k, v, o, lse, cq, ck, num_threads=threads, **opt)
+        same = fastattn.attention_varlen_backward(do.astype(F32), q32, k32, v32, o.astype(F32), lse, cq, ck,
+                                                  num_threads=threads, **opt)
         for g, s_, a in zip(got, same, (q, k, v)):
             assert g.dtype == F32 and g.shape == a.shape
             np.testing.assert_array_equal(g, s_)

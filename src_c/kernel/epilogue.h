@@ -46,7 +46,8 @@ static void untranspose_rows(T *dst, int64_t ds, const T *src, int64_t ss, int64
  * written as it is.
  *   acc  (bq, dv) element (i, c) at acc[i * ai + c * ac]; either rows of dv
  *        (ac == 1) or transposed (ai == 1, ac a whole number of vectors >= bq)
- *   m, l (bq) */
+ *   m, l (bq); transposed, l is read up to bq rounded up to whole vectors
+ *        (untranspose_rows) */
 static void write_rows(const fa_attention_args *a, const fa_item *it, const T *acc, int64_t ai,
                        int64_t ac, const T *m, const T *l, int normalised)
 {
