@@ -13,7 +13,8 @@ too), float16 to float64, NaN and inf planted in q, k and v, transposed (B, N,
 H, d) views, out=, attention_weights, layout="blhd" on the same arrays (bit
 for bit), the batch again as packed sequences of random lengths
 (attention_varlen), and the backward pass of cases with finite inputs
-(attention_backward, with the same options and tiles); on a random SIMD path and thread count, with
+(attention_backward, with the same options and tiles; beside 16-bit K and V, its do and out
+of their dtype half the time); on a random SIMD path and thread count, with
 the tiles, the fused exp, the far prefetch, the row kernel's limit, the bool
 mask's packing and the row kernel over a (B, n, H, d) cache's heads forced at random.
 Each failure prints its seed; a seed reproduces its case exactly.  Three bugs
@@ -197,7 +198,10 @@ def run_case(seed, verbose=False):
         backward = brng.random() < 0.35 and all(np.isfinite(a).all() for a in (q, k, v))
         if backward:
             do = brng.standard_normal(out.shape).astype(out.dtype)
-            grads = fastattn.attention_backward(do, q, k, v, out, lse, num_threads=s["threads"], **kw)
+            b_out = out
+            if k.dtype.itemsize == 2 and k.dtype == v.dtype and brng.random() < 0.5:   # read as stored
+                do, b_out = do.astype(k.dtype), out.astype(k.dtype)
+            grads = fastattn.attention_backward(do, q, k, v, b_out, lse, num_threads=s["threads"], **kw)
     finally:
         _core.set_isa(before)
         force.__exit__(None, None, None)
@@ -223,7 +227,9 @@ def run_case(seed, verbose=False):
             warnings.simplefilter("ignore")
             c64 = lambda a: np.asarray(a).astype(np.float64)  # noqa: E731
             bwd_kw = dict(kw, mask=mask) if "mask" in kw else kw   # the mask as the scores took it
-            want_g = ref.attention_backward(c64(do), c64(q), c64(k), c64(v), want, **bwd_kw)
+            # (a 16-bit out: D from its rounded values, as the C core takes it)
+            b_want = c64(b_out) if b_out.dtype.itemsize == 2 else want
+            want_g = ref.attention_backward(c64(do), c64(q), c64(k), c64(v), b_want, **bwd_kw)
         gdt = np.result_type(dtype, np.float32)   # 16-bit inputs: float32 gradients
         for g, wg, a, name in zip(grads, want_g, (q, k, v), ("dq", "dk", "dv")):
             assert g.shape == a.shape and g.dtype == gdt, (name, g.shape, g.dtype)
