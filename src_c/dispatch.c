@@ -113,10 +113,20 @@ static fa_isa_table table_avx512 = {.name = "avx512", .tune = TUNE_AVX512("avx51
      .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = INT64_MAX, .bwd_bq = 64, \
      .bwd_bk = 256, .rows_full_dk = 128}
 
+/* Zen 4, the avx512 default but for the row kernel's key tiles and the backward's
+ * tiles (docs/tuning.md, "Zen 4"). */
+#define TUNE_ZEN4                                                                                           \
+    {.name = "zen4", .rows_max = {12, 12}, .rows_max_big = {24, 20}, .rows_max_dk = {24, 20},               \
+     .rows_full = {14, 0}, .tail_max = {8, 4}, .decode_pf = {1, 1}, .fuse = 1, .stream = 1, .bk_tiled = 64, \
+     .bk_tiled_mem = 32, .q_tile_bytes = 32768, .bk_rows = 512, .bk_decode = 256, .group_bk_max = 64,       \
+     .group_tile_bytes = 256 << 10, .group_touch = 0, .fold_rows = 8, .fold_rows_big = 12,                  \
+     .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = (int64_t)16 << 20,       \
+     .bwd_bq = 64, .bwd_bk = 256, .rows_full_dk = 0}
+
 /* The CPUs with tables of their own, by CPUID vendor, family and model ranges
  * (as Linux's arch/x86/kernel/cpu/amd.c names them), for one ISA: the defaults
- * above are these CPUs' tables (Zen 3 for avx2, Zen 4 for avx512, where they
- * were measured), with their measured cache sizes; Zen 5 retuned. */
+ * above were measured on these CPUs (Zen 3 for avx2, Zen 4 for avx512), with
+ * their measured cache sizes; Zen 4 and Zen 5 since retuned. */
 typedef struct {
     const char *vendor;
     int family, model_lo, model_hi;
@@ -126,8 +136,8 @@ typedef struct {
 static const cpu_table cpu_tables[] = {
     {"AuthenticAMD", 0x19, 0x00, 0x0f, "avx2", TUNE_AVX2("zen3")},
     {"AuthenticAMD", 0x19, 0x20, 0x5f, "avx2", TUNE_AVX2("zen3")},
-    {"AuthenticAMD", 0x19, 0x10, 0x1f, "avx512", TUNE_AVX512("zen4")},
-    {"AuthenticAMD", 0x19, 0x60, 0xaf, "avx512", TUNE_AVX512("zen4")},
+    {"AuthenticAMD", 0x19, 0x10, 0x1f, "avx512", TUNE_ZEN4},
+    {"AuthenticAMD", 0x19, 0x60, 0xaf, "avx512", TUNE_ZEN4},
     {"AuthenticAMD", 0x1a, 0x00, 0x4f, "avx512", TUNE_ZEN5},
     {"AuthenticAMD", 0x1a, 0x60, 0x7f, "avx512", TUNE_ZEN5},
 };
