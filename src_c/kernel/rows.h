@@ -110,10 +110,11 @@ INLINE void rows_scores_rx4(const int R, T *restrict S, int64_t ls, const T *res
     }
 }
 
-#if FA_KV && RS_MAX == 2
+#if RS_MAX == 2
 /* Scores of four rows and two keys, K rows k0, k1: S[i * ls + 0..2) for i < 4.
- * 4 x 2 accumulators, so that each 16-bit K vector is widened once for four
- * rows (two 2 x 4 tiles widen it twice: GQA 32/8 decoding's four rows). */
+ * 4 x 2 accumulators, so that each K vector is loaded (16-bit K: widened) once
+ * for four rows; two 2 x 4 tiles load it twice, once a row as folded into the
+ * FMAs (GQA 32/8 decoding's four rows). */
 INLINE void rows_scores_4x2(T *restrict S, int64_t ls, const T *restrict Qs, int64_t dkp, const KT *restrict k0,
                             const KT *restrict k1, int64_t dk, int64_t dkv)
 {
@@ -145,7 +146,7 @@ INLINE void rows_scores_4x2(T *restrict S, int64_t ls, const T *restrict Qs, int
  *   S   (bq, ls)    Qs (bq, dkp) zero-padded rows
  *   K   (nb, dk)    row stride krs
  * Four keys at a time, for RS_MAX rows at a time (one row: two accumulators
- * per key; 16-bit K on 16 registers: four rows at a time first).  Rows j < npf
+ * per key; on 16 registers four rows at a time first where q4 says).  Rows j < npf
  * of K exist and may be prefetched (far: into L2, see prefetch_row); xpf's rows
  * (NULL: none) are prefetched in step with the keys. */
 static void rows_scores(T *restrict S, int64_t ls, const T *restrict Qs, int64_t dkp, int64_t bq,
@@ -153,14 +154,20 @@ static void rows_scores(T *restrict S, int64_t ls, const T *restrict Qs, int64_t
                         const tile_pf *xpf)
 {
     const int64_t dkv = dk / L * L, pf = prefetch_dist(dk, far);
+#if RS_MAX == 2
+    /* 4 x 2 tiles first where they measured faster (docs/tuning.md,
+     * rows_scores_4x2): 16-bit K; float32 on AVX2 at dk >= 128 in whole groups
+     * of four rows (d64 and a rest of two rows were slower) */
+    const int64_t q4 = FA_KV || (FA_VB == 32 && sizeof(T) == 4 && dk >= 128 && bq % 4 == 0) ? bq / 4 * 4 : 0;
+#endif
     int64_t j = 0;
     for (; j + 4 <= nb; j += 4) {
         const KT *k0 = K + j * krs, *k1 = k0 + krs, *k2 = k1 + krs, *k3 = k2 + krs;
         for (int64_t r = j + pf; r < j + pf + 4 && r < npf; r++) prefetch_row(K + r * krs, dk, far, krs != dk);
         if (xpf) tile_prefetch(xpf, j, 4);
         int64_t i = 0;
-#if FA_KV && RS_MAX == 2
-        for (; i + 4 <= bq; i += 4) {
+#if RS_MAX == 2
+        for (; i < q4; i += 4) {
             rows_scores_4x2(S + i * ls + j, ls, Qs + i * dkp, dkp, k0, k1, dk, dkv);
             rows_scores_4x2(S + i * ls + j + 2, ls, Qs + i * dkp, dkp, k2, k3, dk, dkv);
         }
