@@ -123,7 +123,8 @@ INLINE void rows_scores_4x2(T *restrict S, int64_t ls, const T *restrict Qs, int
     for (int64_t c = 0; c < dkv; c += L) {
         const vec x0 = vload_kv(k0 + c), x1 = vload_kv(k1 + c);
         UNROLL(4) for (int i = 0; i < 4; i++) {
-            const vec qv = vload(Qs + i * dkp + c);
+            vec qv = vload(Qs + i * dkp + c);
+            VREG(qv); /* once for its two FMAs, not folded into each */
             acc[i][0] += qv * x0; acc[i][1] += qv * x1;
         }
     }
@@ -202,24 +203,17 @@ static void rows_scores(T *restrict S, int64_t ls, const T *restrict Qs, int64_t
     }
 }
 
-/* A[i][0..NV*L) += sum_j S[i][j] * V[j][0..NV*L)   for i < R, the sum formed
- * fresh, then added (one rounding a tile against A: see FOLD_KEYS):
- *   A (R, lda)   S (R, ls)   V (nb, NV*L) row stride vrs
- * An R x NV register tile: each V vector, loaded once, serves R rows.
- * Rows j < npf of V exist and may be prefetched: pfn elements of the row pf
- * rows ahead (far: into L2; tail: see prefetch_l2); and kp's row j with key j
- * (NULL: none). */
-INLINE void rows_pv_tile(const int R, const int NV, T *restrict A, int64_t lda, const T *restrict S,
-                         int64_t ls, const KT *restrict V, int64_t vrs, int64_t nb, int64_t npf, int64_t pf,
-                         int64_t pfn, int far, int tail, const tile_pf *kp)
+/* The keys [0, nb) of rows_pv_tile into its accumulators acc (arguments as
+ * its own); PF 0: no prefetch at all, so that the loop carries no prefetch
+ * tests (npf and kp unused) */
+INLINE void rows_pv_keys(const int R, const int NV, const int PF, vec (*acc)[8], const T *restrict S, int64_t ls,
+                         const KT *restrict V, int64_t vrs, int64_t nb, int64_t npf, int64_t pf, int64_t pfn,
+                         int far, int tail, const tile_pf *kp)
 {
-    vec acc[RP_MAX][8];
-    UNROLL(8) for (int i = 0; i < R; i++)
-        UNROLL(8) for (int x = 0; x < NV; x++) acc[i][x] = vset1(0);
     for (int64_t j = 0; j < nb; j++) {
         const KT *vj = V + j * vrs;
-        if (j + pf < npf) prefetch_row(vj + pf * vrs, pfn, far, tail);
-        if (kp) tile_prefetch(kp, j, 1);
+        if (PF && j + pf < npf) prefetch_row(vj + pf * vrs, pfn, far, tail);
+        if (PF && kp) tile_prefetch(kp, j, 1);
         vec vv[8];
         UNROLL(8) for (int x = 0; x < NV; x++) vv[x] = vload_kv(vj + x * L);
         UNROLL(8) for (int i = 0; i < R; i++) {
@@ -227,6 +221,28 @@ INLINE void rows_pv_tile(const int R, const int NV, T *restrict A, int64_t lda, 
             UNROLL(8) for (int x = 0; x < NV; x++) acc[i][x] += p * vv[x];
         }
     }
+}
+
+/* A[i][0..NV*L) += sum_j S[i][j] * V[j][0..NV*L)   for i < R, the sum formed
+ * fresh, then added (one rounding a tile against A: see FOLD_KEYS):
+ *   A (R, lda)   S (R, ls)   V (nb, NV*L) row stride vrs
+ * An R x NV register tile: each V vector, loaded once, serves R rows.
+ * Rows j < npf of V exist and may be prefetched: pfn elements of the row pf
+ * rows ahead (far: into L2; tail: see prefetch_l2); and kp's row j with key j
+ * (NULL: none).  A tile with nothing to prefetch (npf 0 and no kp: the column
+ * tiles after the first of a row group) takes a loop without the prefetch
+ * tests (docs/tuning.md, rows_pv_keys). */
+INLINE void rows_pv_tile(const int R, const int NV, T *restrict A, int64_t lda, const T *restrict S,
+                         int64_t ls, const KT *restrict V, int64_t vrs, int64_t nb, int64_t npf, int64_t pf,
+                         int64_t pfn, int far, int tail, const tile_pf *kp)
+{
+    vec acc[RP_MAX][8];
+    UNROLL(8) for (int i = 0; i < R; i++)
+        UNROLL(8) for (int x = 0; x < NV; x++) acc[i][x] = vset1(0);
+    if (npf > 0 || kp)
+        rows_pv_keys(R, NV, 1, acc, S, ls, V, vrs, nb, npf, pf, pfn, far, tail, kp);
+    else
+        rows_pv_keys(R, NV, 0, acc, S, ls, V, vrs, nb, npf, pf, pfn, far, tail, kp);
     UNROLL(8) for (int i = 0; i < R; i++)
         UNROLL(8) for (int x = 0; x < NV; x++) vstore(A + i * lda + x * L, vload(A + i * lda + x * L) + acc[i][x]);
 }

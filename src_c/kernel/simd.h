@@ -56,6 +56,15 @@ typedef T vec_u __attribute__((vector_size(FA_VB), aligned(sizeof(T)), may_alias
 const int FN(fa_lanes) = L;
 
 INLINE vec vload(const T *p) { return *(const vec_u *)p; }
+/* x held in a register from here on: GCC folds a vector load that several
+ * FMAs use into each of them as a memory operand, a load an FMA, so that the
+ * load ports rather than the FMAs bound a register tile (rows_scores_4x2).
+ * AVX2 only (unmeasured elsewhere). */
+#if (defined(__x86_64__) || defined(_M_X64)) && FA_VB == 32 && defined(__GNUC__)
+#define VREG(x) __asm__("" : "+x"(x))
+#else
+#define VREG(x) ((void)0)
+#endif
 INLINE void vstore(T *p, vec x) { *(vec_u *)p = x; }
 typedef IT ivec_u __attribute__((vector_size(FA_VB), aligned(sizeof(IT)), may_alias));
 /* K and V as stored: KT, T itself, or with FA_KV (float32 kernels only) 16-bit
