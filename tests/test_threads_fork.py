@@ -256,6 +256,9 @@ def test_thread_limit_outlives_a_fork():
 _INTERRUPT_SCRIPT = """
 import os, signal, sys, threading, time
 import numpy as np, fastattn
+# Python's own handler, as at an interactive prompt: a process started in the
+# background by a shell without job control inherits SIGINT ignored
+signal.signal(signal.SIGINT, signal.default_int_handler)
 which = sys.argv[1]
 def fire():
     time.sleep(0.3)
@@ -325,6 +328,30 @@ def test_sigint_handler_that_returns(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     hits, right, took = proc.stdout.split()
     assert int(hits) == 1 and right == "True" and float(took) > 0.02
+
+
+def test_sigint_ignored(tmp_path):
+    """SIGINT ignored (SIG_IGN: a background job of a shell without job control,
+    a daemon): the call is not stopped, returns the whole result, and SIGINT
+    stays ignored."""
+    proc = run_script(tmp_path, """
+        import os, signal, threading, time
+        import numpy as np, fastattn
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        x = np.ones((1 << 12, 1 << 16), np.float32)
+        fastattn.softmax(x)
+        def fire():
+            time.sleep(0.02)
+            os.kill(os.getpid(), signal.SIGINT)
+        threading.Thread(target=fire).start()
+        t = time.monotonic()
+        y = fastattn.softmax(x)
+        took = time.monotonic() - t
+        print(bool((y == np.float32(2.0 ** -16)).all()), signal.getsignal(signal.SIGINT) == signal.SIG_IGN, took)
+    """)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    right, still_ignored, took = proc.stdout.split()
+    assert right == "True" and still_ignored == "True" and float(took) > 0.02
 
 
 def test_interrupt_handler_restored():
