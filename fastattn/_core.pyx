@@ -159,6 +159,7 @@ cdef extern from "runtime.h" nogil:
     ctypedef struct fa_tiles:
         int64_t bq, bk, bqp, ld, q_main
         int fuse, stream, far, decode_pf, group_touch
+        int64_t kv_rows
 
     ctypedef struct fa_plan:
         int kernel
@@ -902,9 +903,10 @@ def plan(*args, **kwargs):
     run: attention(*args, plan_only=True, **kwargs).  Its fields: kernel
     ("tiled", "rows", "group", "weights"), the tiles (bq, bk, bqp, ld), the
     switches (fuse, stream, far, decode_pf, group_touch), the thresholds that applied (lanes, rows_max,
-    rows_full, tail_max), the tail (tail, q_main), K and V (kv_bytes,
-    from_memory), the work (n_lead, n_qb, n_items, group, n_groups, n_splits,
-    long_splits, chunk, wave, few), mask_pack, head_turns, threads and scratch_elems."""
+    rows_full, tail_max), the tail (tail, q_main), K and V (kv_bytes, from_memory; kv_rows:
+    the 16-bit keys a thread keeps widened at a time, 0 for none), the work (n_lead, n_qb,
+    n_items, group, n_groups, n_splits, long_splits, chunk, wave, few), mask_pack,
+    head_turns, threads and scratch_elems."""
     return attention(*args, plan_only=True, **kwargs)
 
 
@@ -1033,7 +1035,7 @@ cdef dict _plan_dict(const fa_plan *p):
         "bq": p.tiles.bq, "bk": p.tiles.bk, "bqp": p.tiles.bqp, "ld": p.tiles.ld,
         "fuse": bool(p.tiles.fuse), "stream": bool(p.tiles.stream), "far": bool(p.tiles.far),
         "decode_pf": bool(p.tiles.decode_pf), "group_touch": bool(p.tiles.group_touch),
-        "lanes": p.lanes, "rows_max": p.rows_max,
+        "kv_rows": p.tiles.kv_rows, "lanes": p.lanes, "rows_max": p.rows_max,
         "rows_full": (p.full_lo, p.full_hi) if p.full_lo <= p.full_hi else None,
         "tail_max": p.tail_max,
         "tail": bool(p.tail), "q_main": p.tiles.q_main,

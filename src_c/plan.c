@@ -274,6 +274,10 @@ int fa_attention_plan(const fa_attention_args *a, int weights, fa_plan *p)
             span = span < a->nk ? span : a->nk;
         }
         p->tiles.kv_rows = span * w * 4 <= FA_KV_CACHE_BYTES ? span : p->tiles.bk;
+        /* one query block a leading index (few rows): no item reads another's keys, so a
+         * key tile at a time, widened into the L1, not all the keys through the L3 and back
+         * (docs/tuning.md, kv_rows) */
+        if (!weights && p->n_qb - p->tail <= 1) p->tiles.kv_rows = p->tiles.bk;
         if (a->q_kv) p->tiles.q_off = p->tiles.kv_off + fa_kv_cache_elems(&p->tiles, a->dk, w - a->dk);
     }
     p->scratch_elems = plan_scratch(a, p);

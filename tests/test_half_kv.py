@@ -41,9 +41,12 @@ def test_widen_every_value(isa, dtype):
         np.testing.assert_array_equal(_core.kv_widen(x[1000:1000 + n]), want[1000:1000 + n])
 
 
-# (n_q, n_k): decoding, a few rows (the row kernel), the tiled kernel with its tail,
-# and split keys on either (forced: partials of 512 keys, merged)
-_SHAPES = {"decode": (1, 700), "rows": (3, 300), "tiled": (70, 200), "split": (2, 2100), "tiled_split": (70, 2100)}
+# (n_q, n_k): decoding, a few rows (the row kernel), the tiled kernel with its tail
+# (two query blocks a leading index: its keys widened once for both), with one query
+# block (a key tile widened at a time), and split keys on either (forced: partials of
+# 512 keys, merged)
+_SHAPES = {"decode": (1, 700), "rows": (3, 300), "tiled": (70, 200), "tiled_one_block": (16, 200),
+           "split": (2, 2100), "tiled_split": (70, 2100)}
 _OPTIONS = {
     "plain": {},
     "causal": {"causal": True},
@@ -84,6 +87,10 @@ def test_paths(isa, rng, force, dtype, q16, path, opt):
     plan = fastattn._attention._plan(q, k, v, num_threads=2, **kw)
     assert plan["kernel"] == ("tiled" if path.startswith("tiled") else "rows")
     assert plan["n_splits"] > 1 if path.endswith("split") and opt != "lengths" else True
+    if path == "tiled_one_block":
+        assert plan["kv_rows"] == plan["bk"]
+    else:   # a leading index's keys (or its window's span), past one key tile; none on the row kernel
+        assert plan["kv_rows"] > plan["bk"] if path.startswith("tiled") else plan["kv_rows"] == 0
     out, _ = check(q, k, v, F32, num_threads=(1, 2), **kw)
     assert out.dtype == F32
 
