@@ -48,6 +48,9 @@
  *   rows_full_dk  > 0: not so from this dk on, nor for 16-bit K and V from memory,
  *                 where K's and V's rows are contiguous (Zen 5's row kernel is the
  *                 faster there; over rows at the heads' stride it is not);
+ *   rows_max_kv   > 0: in place of rows_max, rows_max_big and rows_max_dk for 16-bit K and
+ *                 V, which the row kernel reads as stored and the tiled kernel widens
+ *                 into its scratch first (0: those three);
  *   tail_max      the most rows past the tiled kernel's last whole vector (of at least
  *                 16 rows) that the row kernel takes, after that block;
  *   decode_pf     decoding's software prefetch of float32 and float64 K and V rows
@@ -80,21 +83,21 @@
      .bk_tiled_mem = 32, .q_tile_bytes = 32768, .bk_rows = 128, .bk_decode = 256, .group_bk_max = 64,      \
      .group_tile_bytes = 256 << 10, .group_touch = 0, .fold_rows = 8, .fold_rows_big = 8,                  \
      .fold_big_bytes = INT64_MAX, .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = (int64_t)16 << 20,    \
-     .bwd_bq = 64, .bwd_bk = 256, .rows_full_dk = 0}
+     .bwd_bq = 64, .bwd_bk = 256, .rows_full_dk = 0, .rows_max_kv = 0}
 #define TUNE_AVX2(nm)                                                                                     \
     {.name = nm, .rows_max = {6, 3}, .rows_max_big = {5, 5}, .rows_max_dk = {6, 3}, .rows_full = {0, 0},  \
      .tail_max = {4, 2}, .decode_pf = {1, 1}, .fuse = 0, .stream = 1, .bk_tiled = 64, .bk_tiled_mem = 32, \
      .q_tile_bytes = 32768, .bk_rows = 128, .bk_decode = 256, .group_bk_max = 64,                         \
      .group_tile_bytes = 256 << 10, .group_touch = 1, .fold_rows = 8, .fold_rows_big = 12,                \
      .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = (int64_t)16 << 20,     \
-     .bwd_bq = 64, .bwd_bk = 256, .rows_full_dk = 0}
+     .bwd_bq = 64, .bwd_bk = 256, .rows_full_dk = 0, .rows_max_kv = 12}
 #define TUNE_AVX512(nm)                                                                                     \
     {.name = nm, .rows_max = {12, 12}, .rows_max_big = {24, 20}, .rows_max_dk = {24, 20},                   \
      .rows_full = {14, 0}, .tail_max = {8, 4}, .decode_pf = {1, 1}, .fuse = 1, .stream = 1, .bk_tiled = 64, \
      .bk_tiled_mem = 32, .q_tile_bytes = 32768, .bk_rows = 128, .bk_decode = 256, .group_bk_max = 64,       \
      .group_tile_bytes = 256 << 10, .group_touch = 0, .fold_rows = 8, .fold_rows_big = 12,                  \
      .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = (int64_t)16 << 20,       \
-     .bwd_bq = 32, .bwd_bk = 64, .rows_full_dk = 0}
+     .bwd_bq = 32, .bwd_bk = 64, .rows_full_dk = 0, .rows_max_kv = 0}
 
 static fa_isa_table table_generic = {.name = "generic", .tune = TUNE_GENERIC("generic"), FA_KERNELS(generic)};
 #ifdef FA_HAVE_AVX2_BUILD
@@ -111,7 +114,7 @@ static fa_isa_table table_avx512 = {.name = "avx512", .tune = TUNE_AVX512("avx51
      .bk_tiled_mem = 16, .q_tile_bytes = 131072, .bk_rows = 512, .bk_decode = 1024, .group_bk_max = 256,    \
      .group_tile_bytes = 1 << 20, .group_touch = 0, .fold_rows = 8, .fold_rows_big = 12,                    \
      .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = INT64_MAX, .bwd_bq = 64, \
-     .bwd_bk = 256, .rows_full_dk = 128}
+     .bwd_bk = 256, .rows_full_dk = 128, .rows_max_kv = 0}
 
 /* Zen 4, the avx512 default but for the row kernel's key tiles and the backward's
  * tiles (docs/tuning.md, "Zen 4"). */
@@ -121,7 +124,7 @@ static fa_isa_table table_avx512 = {.name = "avx512", .tune = TUNE_AVX512("avx51
      .bk_tiled_mem = 32, .q_tile_bytes = 32768, .bk_rows = 512, .bk_decode = 256, .group_bk_max = 64,       \
      .group_tile_bytes = 256 << 10, .group_touch = 0, .fold_rows = 8, .fold_rows_big = 12,                  \
      .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = (int64_t)16 << 20,       \
-     .bwd_bq = 64, .bwd_bk = 256, .rows_full_dk = 0}
+     .bwd_bq = 64, .bwd_bk = 256, .rows_full_dk = 0, .rows_max_kv = 0}
 
 /* The CPUs with tables of their own, by CPUID vendor, family and model ranges
  * (as Linux's arch/x86/kernel/cpu/amd.c names them), for one ISA: the defaults
@@ -349,7 +352,7 @@ int fa_tuning_check(const fa_tuning *t)
         !in(t->q_tile_bytes, 4096, 1 << 22) ||
         !in(t->bk_rows, 8, 4096) || !in(t->bk_decode, 8, 4096) || !in(t->group_bk_max, 8, 1024) ||
         !in(t->group_tile_bytes, 1, (int64_t)1 << 30) || !in(t->group_touch, 0, 1) ||
-        !in(t->rows_full_dk, 0, 1 << 16) ||
+        !in(t->rows_full_dk, 0, 1 << 16) || !in(t->rows_max_kv, 0, FA_ROWS_CAP) ||
         !in(t->fold_rows, 0, 1024) || !in(t->fold_rows_big, 0, 1024) || t->fold_big_bytes < 0 ||
         t->kv_mem_bytes < 0 || t->kv_far_bytes < 0 || !in(t->bwd_bq, 8, 256) || !in(t->bwd_bk, 16, 1024))
         return FA_EINVAL;

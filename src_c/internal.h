@@ -186,6 +186,8 @@ typedef struct {
     int rows_full_dk;                 /* > 0: nor, where K's and V's rows are
                                        * contiguous, from this dk on or with 16-bit K
                                        * and V from memory */
+    int rows_max_kv;                  /* > 0: with 16-bit K and V, n_q up to this takes
+                                       * the row kernel, in place of the three above */
     int tail_max[2];                  /* the tiled kernel's last rows past whole vectors
                                        * take the row kernel up to this many (plan.c) */
     int decode_pf[2];                 /* decoding (one row, item_rows) prefetches float32

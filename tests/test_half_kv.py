@@ -96,15 +96,15 @@ def test_paths(isa, rng, force, dtype, q16, path, opt):
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
-@pytest.mark.parametrize("nq", [4, 5, 6])
+@pytest.mark.parametrize("nq", [4, 5, 6, 9, 12])
 def test_row_kernel_four_rows_at_a_time(isa, rng, force, dtype, nq):
     """The row kernel's scores of four rows at a time over 16-bit K (16-register
     paths: rows_scores_4x2), then the rest, with a tail of the head dim past whole
-    vectors and of the keys past fours."""
+    vectors and of the keys past fours; up to 12 rows (the avx2 table's rows_max_kv)."""
     d = 68
     q = rand(rng, (2, 2, nq, d))
     k, v = half(rng, (2, 2, 303, d), dtype), half(rng, (2, 2, 303, 40), dtype)
-    force.set(rows_max=8)
+    force.set(rows_max=12)
     assert fastattn._attention._plan(q, k, v)["kernel"] == "rows"
     check(q, k, v, F32, num_threads=(1, 2), causal=True)
 

@@ -187,10 +187,30 @@ def test_rows_full_dk_from_the_table(rng, tuning, rows_max, half):
             rows_max(0)
 
 
+@pytest.mark.parametrize("dtype", [np.float16, "bfloat16"])
+def test_rows_max_kv_from_the_table(isa, rng, tuning, dtype):
+    """rows_max_kv: where set, 16-bit K and V take the row kernel up to that many query
+    rows in every regime (in cache, dk >= 128, from memory), in place of rows_max,
+    rows_max_dk and rows_max_big, which float32 K and V keep; 0: the float32 limits.
+    Results against the reference either way."""
+    if dtype == "bfloat16":
+        dtype = pytest.importorskip("ml_dtypes").bfloat16
+    for limit in (0, 10):
+        for d, mem in ((64, False), (128, False), (64, True)):
+            tuning(rows_max=(4, 4), rows_max_big=(4, 4), rows_max_dk=(4, 4), rows_full=(0, 0), tail_max=(0, 0),
+                   rows_max_kv=limit, kv_mem_bytes=(1 << 10) if mem else (1 << 40))
+            for nq in (4, 5, 10, 11):
+                q, k, v = rand(rng, (2, nq, d)), rand(rng, (2, 150, d)), rand(rng, (2, 150, 24))
+                k16, v16 = k.astype(dtype), v.astype(dtype)
+                assert _plan(q, k, v)["kernel"] == ("rows" if nq <= 4 else "tiled")
+                assert _plan(q, k16, v16)["kernel"] == ("rows" if nq <= (limit or 4) else "tiled"), (limit, d, mem, nq)
+                check(q, k16, v16, F32, num_threads=(1, 2), causal=True)
+
+
 @pytest.mark.parametrize("fields, word", [
     ({"rows_max": (0, 4)}, "out of range"), ({"rows_max": (25, 4)}, "out of range"),
     ({"tail_max": (-1, 0)}, "out of range"), ({"rows_full": (17, 0)}, "out of range"),
-    ({"rows_full_dk": -1}, "out of range"),
+    ({"rows_full_dk": -1}, "out of range"), ({"rows_max_kv": 25}, "out of range"),
     ({"bk_tiled": 4}, "out of range"), ({"bk_rows": 5000}, "out of range"),
     ({"bk_decode": 0}, "out of range"), ({"group_bk_max": 4}, "out of range"),
     ({"group_tile_bytes": 0}, "out of range"), ({"group_touch": 2}, "out of range"),
