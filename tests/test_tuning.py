@@ -4,6 +4,7 @@ unless FASTATTN_TUNING=off, and named by show_config."""
 import json
 import os
 
+import ml_dtypes
 import numpy as np
 import pytest
 from conftest import rand
@@ -187,14 +188,12 @@ def test_rows_full_dk_from_the_table(rng, tuning, rows_max, half):
             rows_max(0)
 
 
-@pytest.mark.parametrize("dtype", [np.float16, "bfloat16"])
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=["float16", "bfloat16"])
 def test_rows_max_kv_from_the_table(isa, rng, tuning, dtype):
     """rows_max_kv: where set, 16-bit K and V take the row kernel up to that many query
     rows in every regime (in cache, dk >= 128, from memory), in place of rows_max,
     rows_max_dk and rows_max_big, which float32 K and V keep; 0: the float32 limits.
     Results against the reference either way."""
-    if dtype == "bfloat16":
-        dtype = pytest.importorskip("ml_dtypes").bfloat16
     for limit in (0, 10):
         for d, mem in ((64, False), (128, False), (64, True)):
             tuning(rows_max=(4, 4), rows_max_big=(4, 4), rows_max_dk=(4, 4), rows_full=(0, 0), tail_max=(0, 0),

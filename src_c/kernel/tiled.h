@@ -545,26 +545,23 @@ void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_i
                         .nk = last ? it->next_nk : nb_next,
                         .nq = last && !a->q_kv ? it->next_bq : 0,
                         .krs = a->k_rs, .qrs = a->q_rs, .dk = dk};
-#if FA_KV
-        if (cached) { /* the widened rows that the products read, not the 16-bit ones (kv_rows_widened):
-                       * a float32 row of n elements as 2 n of KT (docs/tuning.md, kv_rows) */
-            const kv_head *h = (const kv_head *)((T *)scratch + tl->kv_off);
-            const T *Kc = (const T *)scratch + tl->kv_off + FA_KV_HEAD, *Vc = Kc + tl->kv_rows * dk;
-            const int64_t w = (int64_t)(sizeof(T) / sizeof(KT));
-            pf_v.v = (const KT *)(Vc + (j0 - h->lo) * dv);
-            pf_v.vrs = pf_v.dv = w * dv;
-            if (!last) { /* (the last tile's: the next item's 16-bit rows, which it widens) */
-                pf_k.k = (const KT *)(Kc + (j0 + nb - h->lo) * dk);
-                pf_k.krs = pf_k.dk = w * dk;
-            }
-        }
-#endif
         /* the fused exp, until its rescaling costs more than it saves (FUSE_LAG) */
         fuse_t *f = tl->fuse && fz.regrows <= 2 * (bqp / L) ? &fz : NULL;
         key_runs kr = {.n = -1}; /* the keys P.V needs: all, or those a mask leaves some row */
         int64_t krs, vrs;
         const T *vt;
         const T *kt = tile_kv(a, tl, it, scratch, cached, j0, nb, &krs, &vt, &vrs);
+        if (FA_KV && cached) { /* the widened rows that the products read, not the 16-bit ones
+                                * that the widening has read (a float32 row of n elements as
+                                * n * sizeof(T) / sizeof(KT) of KT: docs/tuning.md, kv_rows) */
+            const int64_t w = (int64_t)(sizeof(T) / sizeof(KT));
+            pf_v.v = (const KT *)vt;
+            pf_v.vrs = pf_v.dv = w * dv;
+            if (!last) { /* (the last tile's: the next item's 16-bit rows, which it widens) */
+                pf_k.k = (const KT *)(kt + nb * krs);
+                pf_k.krs = pf_k.dk = w * dk;
+            }
+        }
         const int bits = tile_scores(a, it, &b, St, Qt, &qmax, W, ld, bqp, j0, nb, kt, krs, &pf_v, f, &kr);
         if (bits < 0) continue;
 
