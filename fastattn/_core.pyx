@@ -183,7 +183,8 @@ cdef extern from "runtime.h" nogil:
         int rows_max_kv
         int tail_max[2]
         int decode_pf[2]
-        int fuse, stream, bk_tiled, bk_tiled_mem, q_tile_bytes, bk_rows, bk_decode, group_bk_max, group_touch
+        int fuse, stream, bk_tiled, bk_tiled_mem, q_tile_bytes, q_tile_bytes_band, bk_rows, bk_decode
+        int group_bk_max, group_touch
         int fold_rows, fold_rows_big
         int64_t group_tile_bytes, fold_big_bytes, kv_mem_bytes, kv_far_bytes
         int bwd_bq, bwd_bk
@@ -921,8 +922,8 @@ def gqa_fold(int64_t n_q, int64_t kv_bytes):
 TUNING_PAIRS = ("rows_max", "rows_max_big", "rows_max_dk", "rows_full", "tail_max", "decode_pf")   # two int each
 # the other fields and the bits of their C types
 _TUNING_BITS = {"rows_full_dk": 32, "rows_max_kv": 32, "fuse": 32, "stream": 32, "bk_tiled": 32,
-                "bk_tiled_mem": 32, "q_tile_bytes": 32, "bk_rows": 32, "bk_decode": 32, "group_bk_max": 32,
-                "group_tile_bytes": 64, "group_touch": 32, "fold_rows": 32, "fold_rows_big": 32,
+                "bk_tiled_mem": 32, "q_tile_bytes": 32, "q_tile_bytes_band": 32, "bk_rows": 32, "bk_decode": 32,
+                "group_bk_max": 32, "group_tile_bytes": 64, "group_touch": 32, "fold_rows": 32, "fold_rows_big": 32,
                 "fold_big_bytes": 64, "kv_mem_bytes": 64, "kv_far_bytes": 64, "bwd_bq": 32, "bwd_bk": 32}
 TUNING_FIELDS = TUNING_PAIRS + tuple(_TUNING_BITS)
 

@@ -23,8 +23,9 @@ What it measures (the fields of src_c/internal.h's fa_tuning; docs/tuning.md):
   bk_tiled, bk_tiled_mem, bk_rows, bk_decode
         the tiled kernel's keys a tile, in cache and (few rows) from memory; the
         row kernel's, for several rows and for one (decoding);
-  q_tile_bytes
-        the tiled kernel's query rows a block at d128 and d256 (float32);
+  q_tile_bytes, q_tile_bytes_band
+        the tiled kernel's query rows a block at d128 and d256 (float32); the
+        same under a causal band (d128, 2048 rows);
   group_tile_bytes, group_bk_max, group_touch
         the group kernel's key tiles (heads of a (B, n, H, d) cache from memory),
         and how it reads the next tile ahead (loads or software prefetch).
@@ -300,13 +301,15 @@ def _measure_fuse(b: _Bench, dtypes, chosen: Dict[str, Any]) -> None:
 
 def _measure_tiles(b: _Bench, chosen: Dict[str, Any]) -> None:
     """The key tiles and the row kernel's prefetch, float32: bk_tiled (in cache),
-    q_tile_bytes (the query blocks at d128 and d256, in cache),
+    q_tile_bytes (the query blocks at d128 and d256, in cache) and q_tile_bytes_band (causal),
     bk_rows and bk_decode (in cache and from memory), then with K and V from memory
     bk_tiled_mem and the prefetch across passes (stream) and far (into L2)."""
     call = b.call(*(b.q(8, 2048, 64, np.float32) for _ in range(3)))
     chosen["bk_tiled"] = _pick_size(b, "bk_tiled", (32, 64, 128), [call])
     calls = [b.call(*(b.q(h, 1024, d, np.float32) for _ in range(3))) for h, d in ((8, 128), (4, 256))]
     chosen["q_tile_bytes"] = _pick_size(b, "q_tile_bytes", (32 << 10, 64 << 10, 128 << 10), calls)
+    call = b.call(*(b.q(8, 2048, 128, np.float32) for _ in range(3)), causal=True)
+    chosen["q_tile_bytes_band"] = _pick_size(b, "q_tile_bytes_band", (32 << 10, 64 << 10), [call])
     k, v = _kv(b.rng, 32, b.mem_bytes // (2 * 32 * 128 * 4), 128, np.float32)
     kc, vc = _kv(b.rng, 8, 1024, 128, np.float32)
     for field, rows, sizes in (("bk_decode", (1,), (128, 256, 512, 1024)),

@@ -60,8 +60,10 @@
  *   bk_tiled, bk_tiled_mem  the tiled kernel's keys a tile (from memory, blocks of at
  *                 most 32 rows: short tiles arrive in time through the prefetch);
  *   q_tile_bytes  the tiled kernel's query rows a block, at most 128: halved while its
- *                 transposed queries exceed this (the L1 on Zen 3 and 4; more rows a
- *                 block read each K and V element for more of them);
+ *                 transposed queries exceed this (the L1 on Zen 4; more rows a block
+ *                 read each K and V element for more of them);
+ *   q_tile_bytes_band  the same under a causal band or a window, where a larger
+ *                 block also computes more of the scores that the band hides;
  *   bk_rows, bk_decode  the row kernel's keys a tile (one row: bk_decode), long (fewer
  *                 switches between the K and V streams);
  *   group_tile_bytes, group_bk_max  the group kernel's key tiles for items of several
@@ -80,21 +82,26 @@
 #define TUNE_GENERIC(nm)                                                                                   \
     {.name = nm, .rows_max = {10, 10}, .rows_max_big = {10, 10}, .rows_max_dk = {10, 10},                  \
      .rows_full = {0, 0}, .tail_max = {3, 1}, .decode_pf = {1, 1}, .fuse = 0, .stream = 1, .bk_tiled = 64, \
-     .bk_tiled_mem = 32, .q_tile_bytes = 32768, .bk_rows = 128, .bk_decode = 256, .group_bk_max = 64,      \
-     .group_tile_bytes = 256 << 10, .group_touch = 0, .fold_rows = 8, .fold_rows_big = 8,                  \
+     .bk_tiled_mem = 32, .q_tile_bytes = 32768, .q_tile_bytes_band = 32768, .bk_rows = 128,               \
+     .bk_decode = 256, .group_bk_max = 64, .group_tile_bytes = 256 << 10, .group_touch = 0, .fold_rows = 8, \
+     .fold_rows_big = 8,                                                                                   \
      .fold_big_bytes = INT64_MAX, .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = (int64_t)16 << 20,    \
      .bwd_bq = 64, .bwd_bk = 256, .rows_full_dk = 0, .rows_max_kv = 0}
-#define TUNE_AVX2(nm)                                                                                     \
+/* The avx2 default is Zen 3's table but for q_tile_bytes (docs/tuning.md, "Zen 3"). */
+#define TUNE_AVX2(nm) TUNE_AVX2_Q(nm, 32768)
+#define TUNE_AVX2_Q(nm, qtile)                                                                            \
     {.name = nm, .rows_max = {6, 3}, .rows_max_big = {5, 5}, .rows_max_dk = {6, 3}, .rows_full = {0, 0},  \
      .tail_max = {4, 2}, .decode_pf = {1, 1}, .fuse = 0, .stream = 1, .bk_tiled = 64, .bk_tiled_mem = 32, \
-     .q_tile_bytes = 32768, .bk_rows = 128, .bk_decode = 256, .group_bk_max = 64,                         \
+     .q_tile_bytes = qtile, .q_tile_bytes_band = 32768, .bk_rows = 128, .bk_decode = 256,                 \
+     .group_bk_max = 64,                                                                                  \
      .group_tile_bytes = 256 << 10, .group_touch = 1, .fold_rows = 8, .fold_rows_big = 12,                \
      .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = (int64_t)16 << 20,     \
      .bwd_bq = 64, .bwd_bk = 256, .rows_full_dk = 0, .rows_max_kv = 12}
 #define TUNE_AVX512(nm)                                                                                     \
     {.name = nm, .rows_max = {12, 12}, .rows_max_big = {24, 20}, .rows_max_dk = {24, 20},                   \
      .rows_full = {14, 0}, .tail_max = {8, 4}, .decode_pf = {1, 1}, .fuse = 1, .stream = 1, .bk_tiled = 64, \
-     .bk_tiled_mem = 32, .q_tile_bytes = 32768, .bk_rows = 128, .bk_decode = 256, .group_bk_max = 64,       \
+     .bk_tiled_mem = 32, .q_tile_bytes = 32768, .q_tile_bytes_band = 32768, .bk_rows = 128,                \
+     .bk_decode = 256, .group_bk_max = 64,                                                                  \
      .group_tile_bytes = 256 << 10, .group_touch = 0, .fold_rows = 8, .fold_rows_big = 12,                  \
      .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = (int64_t)16 << 20,       \
      .bwd_bq = 32, .bwd_bk = 64, .rows_full_dk = 0, .rows_max_kv = 0}
@@ -111,7 +118,8 @@ static fa_isa_table table_avx512 = {.name = "avx512", .tune = TUNE_AVX512("avx51
 #define TUNE_ZEN5                                                                                           \
     {.name = "zen5", .rows_max = {12, 10}, .rows_max_big = {24, 20}, .rows_max_dk = {24, 12},               \
      .rows_full = {14, 0}, .tail_max = {8, 4}, .decode_pf = {0, 0}, .fuse = 1, .stream = 0, .bk_tiled = 64, \
-     .bk_tiled_mem = 16, .q_tile_bytes = 131072, .bk_rows = 512, .bk_decode = 1024, .group_bk_max = 256,    \
+     .bk_tiled_mem = 16, .q_tile_bytes = 131072, .q_tile_bytes_band = 131072, .bk_rows = 512,             \
+     .bk_decode = 1024, .group_bk_max = 256,                                                                \
      .group_tile_bytes = 1 << 20, .group_touch = 0, .fold_rows = 8, .fold_rows_big = 12,                    \
      .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = INT64_MAX, .bwd_bq = 64, \
      .bwd_bk = 256, .rows_full_dk = 128, .rows_max_kv = 0}
@@ -121,7 +129,8 @@ static fa_isa_table table_avx512 = {.name = "avx512", .tune = TUNE_AVX512("avx51
 #define TUNE_ZEN4                                                                                           \
     {.name = "zen4", .rows_max = {12, 12}, .rows_max_big = {24, 20}, .rows_max_dk = {24, 20},               \
      .rows_full = {14, 0}, .tail_max = {8, 4}, .decode_pf = {1, 1}, .fuse = 1, .stream = 1, .bk_tiled = 64, \
-     .bk_tiled_mem = 32, .q_tile_bytes = 32768, .bk_rows = 512, .bk_decode = 256, .group_bk_max = 64,       \
+     .bk_tiled_mem = 32, .q_tile_bytes = 32768, .q_tile_bytes_band = 32768, .bk_rows = 512,                \
+     .bk_decode = 256, .group_bk_max = 64,                                                                  \
      .group_tile_bytes = 256 << 10, .group_touch = 0, .fold_rows = 8, .fold_rows_big = 12,                  \
      .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = (int64_t)16 << 20,       \
      .bwd_bq = 64, .bwd_bk = 256, .rows_full_dk = 0, .rows_max_kv = 0}
@@ -129,7 +138,7 @@ static fa_isa_table table_avx512 = {.name = "avx512", .tune = TUNE_AVX512("avx51
 /* The CPUs with tables of their own, by CPUID vendor, family and model ranges
  * (as Linux's arch/x86/kernel/cpu/amd.c names them), for one ISA: the defaults
  * above were measured on these CPUs (Zen 3 for avx2, Zen 4 for avx512), with
- * their measured cache sizes; Zen 4 and Zen 5 since retuned. */
+ * their measured cache sizes; Zen 3, 4 and 5 since retuned. */
 typedef struct {
     const char *vendor;
     int family, model_lo, model_hi;
@@ -137,8 +146,8 @@ typedef struct {
     fa_tuning tune;
 } cpu_table;
 static const cpu_table cpu_tables[] = {
-    {"AuthenticAMD", 0x19, 0x00, 0x0f, "avx2", TUNE_AVX2("zen3")},
-    {"AuthenticAMD", 0x19, 0x20, 0x5f, "avx2", TUNE_AVX2("zen3")},
+    {"AuthenticAMD", 0x19, 0x00, 0x0f, "avx2", TUNE_AVX2_Q("zen3", 65536)},
+    {"AuthenticAMD", 0x19, 0x20, 0x5f, "avx2", TUNE_AVX2_Q("zen3", 65536)},
     {"AuthenticAMD", 0x19, 0x10, 0x1f, "avx512", TUNE_ZEN4},
     {"AuthenticAMD", 0x19, 0x60, 0xaf, "avx512", TUNE_ZEN4},
     {"AuthenticAMD", 0x1a, 0x00, 0x4f, "avx512", TUNE_ZEN5},
@@ -349,7 +358,7 @@ int fa_tuning_check(const fa_tuning *t)
             !in(t->tail_max[dt], 0, FA_LANES_MAX - 1) || !in(t->decode_pf[dt], 0, 1))
             return FA_EINVAL;
     if (!in(t->fuse, 0, 1) || !in(t->stream, 0, 1) || !in(t->bk_tiled, 8, 512) || !in(t->bk_tiled_mem, 8, 512) ||
-        !in(t->q_tile_bytes, 4096, 1 << 22) ||
+        !in(t->q_tile_bytes, 4096, 1 << 22) || !in(t->q_tile_bytes_band, 4096, 1 << 22) ||
         !in(t->bk_rows, 8, 4096) || !in(t->bk_decode, 8, 4096) || !in(t->group_bk_max, 8, 1024) ||
         !in(t->group_tile_bytes, 1, (int64_t)1 << 30) || !in(t->group_touch, 0, 1) ||
         !in(t->rows_full_dk, 0, 1 << 16) || !in(t->rows_max_kv, 0, FA_ROWS_CAP) ||

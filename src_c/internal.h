@@ -200,6 +200,8 @@ typedef struct {
     int q_tile_bytes;                 /* the tiled kernel's query block: halved from 128
                                        * rows (down to 32) while its transposed queries
                                        * (dk bq elements) exceed this many bytes */
+    int q_tile_bytes_band;            /* the same under a causal band or a window, whose
+                                       * diagonal wastes more of a larger block */
     int bk_rows, bk_decode;           /* the row kernel's keys a tile; the same for
                                        * one row (decoding) */
     int group_bk_max;                 /* the group kernel's keys a tile for items of

@@ -30,9 +30,10 @@ static int64_t kv_bytes(const fa_attention_args *a)
 /* The tiles (query rows per item, keys per tile, their padded layout).
  * Query rows: 128, halved down to 32 while the packed queries Qt (dk, bq)
  * would exceed the tuning's q_tile_bytes (the L1, where it holds them beside
- * the key tile; more rows a block read each K and V element for more of them)
- * and while that leaves fewer than four items per thread; 32 under a narrow window,
- * which wastes less at its edges.  Keys: the row kernel long tiles (fewer
+ * the key tile; more rows a block read each K and V element for more of them),
+ * or q_tile_bytes_band under a causal band or a window (a larger block computes
+ * more of the scores that the band hides), and while that leaves fewer than four
+ * items per thread; 32 under a narrow window, which wastes less at its edges.  Keys: the row kernel long tiles (fewer
  * switches between the K and V streams: the tuning's bk_decode for one row,
  * bk_rows for more); the
  * tiled kernel the tuning's bk_tiled (64: a tile's K and V arrive from memory
@@ -43,7 +44,9 @@ static void choose_tiles(const fa_attention_args *a, const fa_overrides *f, cons
 {
     int64_t bq_max = rows_kernel ? rows_max : 128;
     const int64_t esz = a->dtype == FA_F32 ? 4 : 8;
-    while (!rows_kernel && bq_max > 32 && a->dk * bq_max * esz > tu->q_tile_bytes) bq_max /= 2;
+    const int band = a->causal || a->win_left >= 0 || a->win_right >= 0;
+    const int64_t q_bytes = band ? tu->q_tile_bytes_band : tu->q_tile_bytes;
+    while (!rows_kernel && bq_max > 32 && a->dk * bq_max * esz > q_bytes) bq_max /= 2;
     while (!rows_kernel && bq_max > 32 && n_lead * ((a->nq + bq_max - 1) / bq_max) < 4 * (int64_t)threads)
         bq_max /= 2;
     if (!rows_kernel && a->win_left >= 0 && a->win_left < 1024 && bq_max > 32) bq_max = 32;

@@ -82,6 +82,23 @@ def test_query_block_from_the_table(isa, rng, tuning, dtype):
 
 
 @pytest.mark.parametrize("dtype", [F32, F64])
+def test_query_block_under_a_band(isa, rng, tuning, dtype):
+    """q_tile_bytes_band takes q_tile_bytes' place under a causal band or a window
+    (not a narrow one: 32 rows there); results agree with the reference."""
+    esz = np.dtype(dtype).itemsize
+    q, k, v = (rand(rng, (4, 300, 128), dtype) for _ in range(3))
+    for q_tile, band_tile, bq, band_bq in ((128 * 128 * esz, 64 * 128 * esz, 128, 64),
+                                           (64 * 128 * esz, 128 * 128 * esz, 64, 128)):
+        tuning(q_tile_bytes=q_tile, q_tile_bytes_band=band_tile)
+        assert _plan(q, k, v)["bq"] == bq
+        for kw in (dict(causal=True), dict(window=(2000, 0)), dict(window=(-1, 10))):
+            assert _plan(q, k, v, **kw)["bq"] == band_bq, kw
+            check(q, k, v, dtype, **kw)
+        assert _plan(q, k, v, window=(100, 0))["bq"] == 32
+        check(q, k, v, dtype)
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
 def test_decode_prefetch_from_the_table(rng, tuning, dtype):
     """decode_pf turns decoding's prefetch of float32 or float64 K and V on or off
     (the pair by dtype); 16-bit K and V prefetch whatever it says; results agree
@@ -221,6 +238,7 @@ def test_rows_max_kv_from_the_table(isa, rng, tuning, dtype):
     ({"decode_pf": (2, 0)}, "decode_pf is out of range"), ({"decode_pf": (1, -1)}, "decode_pf is out of range"),
     ({"bwd_bq": 4}, "out of range"), ({"bwd_bk": 2048}, "out of range"),
     ({"q_tile_bytes": 1024}, "out of range"), ({"q_tile_bytes": 1 << 23}, "out of range"),
+    ({"q_tile_bytes_band": 1024}, "out of range"), ({"q_tile_bytes_band": 1 << 23}, "out of range"),
 ])
 def test_set_tuning_rejects_bad_fields(fields, word):
     before = _core.isa_table()
