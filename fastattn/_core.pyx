@@ -38,7 +38,7 @@ cdef extern from "fastattn.h" nogil:
 
     ctypedef struct fa_overrides:
         int64_t bq, bk, rows_max
-        int fuse, stream, far, decode_pf, group, group_touch, mask_pack, head_turns
+        int fuse, stream, far, decode_pf, group, group_touch, mask_pack, head_turns, mask_cache
         int64_t split_keys, parts_bytes
 
     ctypedef struct fa_stats:
@@ -159,7 +159,7 @@ cdef extern from "runtime.h" nogil:
     ctypedef struct fa_tiles:
         int64_t bq, bk, bqp, ld, q_main
         int fuse, stream, far, decode_pf, group_touch
-        int64_t kv_rows
+        int64_t kv_rows, mt_off
 
     ctypedef struct fa_plan:
         int kernel
@@ -768,7 +768,7 @@ def _stream_read(cnp.ndarray buf, int num_threads=0):
 _forcing_local = threading.local()
 cdef int _n_forcing = 0      # open forcing blocks on any thread: the calls look for theirs only then
 _OVERRIDES = ("bq", "bk", "rows_max", "fuse", "stream", "far", "decode_pf", "group", "group_touch", "mask_pack",
-              "head_turns", "split_keys", "parts_bytes")
+              "head_turns", "mask_cache", "split_keys", "parts_bytes")
 
 
 cdef class Forcing:
@@ -791,6 +791,8 @@ cdef class Forcing:
       mask_pack    a bool mask packed to bits for the tiled kernel
       head_turns   the tiled kernel's items by query block, the heads in turn (a
                    float mask they share)
+      mask_cache   ... and the first item on a block's mask rows keeps its tiles
+                   transposed for the next (1: whatever their size)
       split_keys   rows of more keys are split (0: 2^20)
       parts_bytes  the split partials of one wave (0: 256 MiB)
     The counts, over the calls of the block: group_runs (item groups the group
@@ -803,7 +805,7 @@ cdef class Forcing:
     def __cinit__(self):
         self.ov.bq = self.ov.bk = self.ov.rows_max = 0
         self.ov.fuse = self.ov.stream = self.ov.far = self.ov.decode_pf = self.ov.group = self.ov.mask_pack = -1
-        self.ov.head_turns = self.ov.group_touch = -1
+        self.ov.head_turns = self.ov.group_touch = self.ov.mask_cache = -1
         self.ov.split_keys = self.ov.parts_bytes = 0
         self.st.group_runs = self.st.tail_rows = self.st.redo_rows = self.st.kv_widened = 0
 
@@ -838,6 +840,8 @@ cdef class Forcing:
                 self.ov.group_touch = switch
             elif name == "head_turns":
                 self.ov.head_turns = switch
+            elif name == "mask_cache":
+                self.ov.mask_cache = switch
             else:
                 self.ov.mask_pack = switch
         return self
@@ -847,6 +851,7 @@ cdef class Forcing:
         return {"bq": self.ov.bq, "bk": self.ov.bk, "rows_max": self.ov.rows_max, "fuse": self.ov.fuse,
                 "stream": self.ov.stream, "far": self.ov.far, "decode_pf": self.ov.decode_pf, "group": self.ov.group,
                 "group_touch": self.ov.group_touch, "mask_pack": self.ov.mask_pack, "head_turns": self.ov.head_turns,
+                "mask_cache": self.ov.mask_cache,
                 "split_keys": self.ov.split_keys, "parts_bytes": self.ov.parts_bytes}
 
     @property
@@ -908,7 +913,8 @@ def plan(*args, **kwargs):
     rows_full, tail_max), the tail (tail, q_main), K and V (kv_bytes, from_memory; kv_rows:
     the 16-bit keys a thread keeps widened at a time, 0 for none), the work (n_lead, n_qb,
     n_items, group, n_groups, n_splits, long_splits, chunk, wave, few), mask_pack,
-    head_turns, threads and scratch_elems."""
+    head_turns, mask_cache (a float mask's tiles kept for the next head), threads and
+    scratch_elems."""
     return attention(*args, plan_only=True, **kwargs)
 
 
@@ -1045,6 +1051,7 @@ cdef dict _plan_dict(const fa_plan *p):
         "group": p.group, "n_groups": p.n_groups, "n_lead": p.n_lead, "n_qb": p.n_qb,
         "n_items": p.n_items, "n_splits": p.n_splits, "long_splits": p.long_splits,
         "chunk": p.chunk, "wave": p.wave, "mask_pack": bool(p.mask_pack), "head_turns": p.head_turns,
+        "mask_cache": bool(p.tiles.mt_off),
         "threads": p.threads,
         "scratch_elems": p.scratch_elems, "work": p.work,
     }

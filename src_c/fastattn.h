@@ -77,6 +77,8 @@ typedef struct {
     int group_touch;     /* the group kernel's tiles read ahead by loads: 1 on, 0 off */
     int mask_pack;       /* a bool mask packed to bits for the tiled kernel */
     int head_turns;      /* the tiled kernel's items by query block, the heads in turn */
+    int mask_cache;      /* ... and a float mask's transposed tiles kept for the next
+                          * item on the same mask rows: 1 on (whatever their size), 0 off */
     int64_t split_keys;  /* rows of more keys are split (0: FA_SPLIT_KEYS) */
     int64_t parts_bytes; /* the partials of one wave (0: FA_PARTS_BYTES) */
 } fa_overrides;

@@ -74,6 +74,10 @@ typedef struct {
                    * clears its header first) */
     int64_t q_off; /* ... and 16-bit q (q_kv): an item's rows widened, (bq, dk) from
                    * element q_off on (tiled.h, pack_queries) */
+    int64_t mt_off; /* a float mask the heads share, under head_turns: its tiles as the
+                   * item transposed them, from element mt_off on (0: none), for the next
+                   * item on the same mask rows (tiled.h, mask_cache; attention.c clears
+                   * its header first) */
 } fa_tiles;
 
 /* One work item: query rows [i0, i0 + bq) of one leading index, against the
@@ -280,6 +284,16 @@ static inline int64_t fa_attn_scratch_elems(const fa_tiles *t, int64_t dk, int64
 static inline int64_t fa_kv_cache_elems(const fa_tiles *t, int64_t dk, int64_t dv)
 {
     return FA_KV_HEAD + t->kv_rows * (dk + dv);
+}
+/* ... and after that (from mt_off), a float mask's cache: a header of 64 bytes, a
+ * record of 128 bytes a key tile (its key runs, whether the mask hides it all),
+ * then the tiles transposed, bk ld elements each (tiled.h, mask_cache); only
+ * where that is at most FA_MT_CACHE_BYTES (in a thread's L2 or near it). */
+#define FA_MT_CACHE_BYTES (INT64_C(4) << 20)
+static inline int64_t fa_mt_cache_elems(const fa_tiles *t, int64_t nk, int64_t esz)
+{
+    const int64_t tiles = (nk + t->bk - 1) / t->bk;
+    return (64 + 128 * tiles) / esz + tiles * t->bk * t->ld;
 }
 /* The row kernel takes n_q <= rows_max query rows (the tuning's rows_max,
  * rows_max_big when the call's K and V exceed the tuning's kv_mem_bytes, else

@@ -14,7 +14,8 @@
 #include "runtime.h"
 
 static const fa_overrides no_overrides = {.fuse = -1, .stream = -1, .far = -1, .decode_pf = -1, .group = -1,
-                                           .group_touch = -1, .mask_pack = -1, .head_turns = -1};
+                                           .group_touch = -1, .mask_pack = -1, .head_turns = -1,
+                                           .mask_cache = -1};
 
 /* Bytes of K and V that a call reads (broadcast leading dims counted once). */
 static int64_t kv_bytes(const fa_attention_args *a)
@@ -315,6 +316,21 @@ int fa_attention_plan(const fa_attention_args *a, int weights, fa_plan *p)
         p->head_turns = heads;
     p->work = p->q_rows * (double)(a->nk + 1) * (double)(a->dk + a->dv + 8);
     p->threads = fa_team_size(a->num_threads, (p->group ? p->n_groups : p->n_items) * p->n_splits, p->work);
+    /* ... and then the first item on a query block's mask rows keeps the tiles it
+     * transposed (mask_tile) for the next ones (the other heads): they add them to
+     * the scores as the products store them, not in a pass of their own.  Where each
+     * thread takes at least two heads of a block in turn, so that some item reuses
+     * them; not under a softcap or ALiBi, which come before the mask
+     * (docs/tuning.md, mask_cache). */
+    p->tiles.mt_off = 0;
+    if (p->head_turns && !(a->softcap > 0) && !a->slopes && f->mask_cache != 0 &&
+        (f->mask_cache == 1 || p->head_turns >= 2 * p->threads)) {
+        const int64_t esz = a->dtype == FA_F32 ? 4 : 8, elems = fa_mt_cache_elems(&p->tiles, a->nk, esz);
+        if (f->mask_cache == 1 || elems * esz <= FA_MT_CACHE_BYTES) {
+            p->tiles.mt_off = (p->scratch_elems + 15) / 16 * 16; /* 64-byte aligned */
+            p->scratch_elems = p->tiles.mt_off + elems;
+        }
+    }
     return FA_OK;
 }
 

@@ -306,6 +306,53 @@ def test_float_mask_hidden_tiles(isa, fused, tiles, rng, dtype, threads, layout,
 
 
 @pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_float_mask_cache(isa, fused, tiles, force, rng, dtype, threads):
+    """Under head_turns, the first item on a query block's mask rows keeps the
+    tiles it transposed and the next heads add them to their scores as the
+    products store them (mask_cache in tiled.h): bit for bit the result without,
+    and the reference's, with hidden tiles (skipped, or computed where a head's
+    NaN key meets them), keys every row hides, a partial last block and vector,
+    and causal rows; a mask changed in place between two calls is read again;
+    not under a softcap or ALiBi, nor (unless forced) beyond FA_MT_CACHE_BYTES or
+    where a thread would take fewer than two heads of a block."""
+    from fastattn._attention import _plan
+    tiles(64, 128)
+    lead, nq, nk, d = (2, 3), 150, 700, 24
+    q, k, v = rand(rng, lead + (nq, d), dtype), rand(rng, lead + (nk, d), dtype), rand(rng, lead + (nk, 20), dtype)
+    mask = rand(rng, (nq, nk), dtype)
+    mask[:, 256:384] = -np.inf                # a hidden tile
+    mask[:, 600:650] = -np.inf                # keys that P.V leaves out
+    mask[::5, 10] = -np.inf
+    kb = k.copy()
+    kb[1, 2, 300, 0] = np.nan                 # the third head meets the hidden tile with a NaN key
+    force.set(head_turns=1)
+    for causal in (False, True):
+        got = []
+        for cache in (0, 1):
+            force.set(mask_cache=cache)
+            assert _plan(q, kb, v, mask=mask, causal=causal)["mask_cache"] == bool(cache)
+            got.append(check(q, kb, v, mask=mask, causal=causal, num_threads=threads))
+        np.testing.assert_array_equal(got[0][0], got[1][0])
+        np.testing.assert_array_equal(got[0][1], got[1][1])
+        assert np.isnan(got[1][0][1, 2]).all() and np.isfinite(got[1][0][1, :2]).all()
+    force.set(mask_cache=1)
+    mask[:, :5] = -np.inf                     # the same array, other values: kept tiles are not reused
+    check(q, k, v, mask=mask, num_threads=threads)
+    force.set(mask_cache=-1)
+    for n in (1, 2):                          # where each thread takes two heads of a block or more
+        plan = _plan(q, k, v, mask=mask, num_threads=n)
+        assert plan["mask_cache"] == (plan["head_turns"] >= 2 * plan["threads"]), plan
+    assert _plan(q, k, v, mask=mask, num_threads=1)["mask_cache"]
+    assert not _plan(q, k, v, mask=mask, softcap=30.0, num_threads=1)["mask_cache"]
+    assert not _plan(q, k, v, mask=mask, alibi_slopes=np.ones(3, dtype), num_threads=1)["mask_cache"]
+    big = rand(rng, (1, 3, 40_000, d), dtype)  # past FA_MT_CACHE_BYTES
+    assert _plan(q[:1], big, big, mask=np.zeros((nq, 40_000), dtype), num_threads=1)["mask_cache"] is False
+    force.set(mask_cache=0, head_turns=0)
+    assert not _plan(q, k, v, mask=mask)["mask_cache"]
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
 def test_float_mask_head_turns(isa, force, rng, dtype):
     """A float mask that the heads share: the items by query block, the heads in
     turn (head_turns in plan.c), give the head-by-head result bit for bit, with

@@ -151,7 +151,7 @@ void FN(fa_bwd_unit)(const fa_attention_args *a, const fa_tiles *tl, const fa_it
         pack_queries(a, tl, it, scratch, Qt, ld, bqp);
         T qmax = -1;
         key_runs kr;
-        const int bits = tile_scores(a, it, &b, St, Qt, &qmax, W, ld, bqp, jl, n, K + o * krs, krs, NULL, NULL, &kr);
+        const int bits = tile_scores(a, it, &b, St, Qt, &qmax, W, ld, bqp, jl, n, K + o * krs, krs, NULL, NULL, NULL, &kr);
         if (bits < 0) continue;
         if (bits) apply_bits(St, W, ld, bqp, n);
         /* dO of the block, its rows' D and lse */
@@ -161,7 +161,7 @@ void FN(fa_bwd_unit)(const fa_attention_args *a, const fa_tiles *tl, const fa_it
             Dl[ld + i] = i < bq ? ((const T *)it->lse)[i * a->lse_rs] : (T)INFINITY;
         }
         /* dP = V . dO^T (transposed: key rows), then P and dS in place */
-        qk_block(dPt, V + o * vrs, vrs, dOt, ld, bqp, dv, n, NULL, NULL);
+        qk_block(dPt, V + o * vrs, vrs, dOt, ld, bqp, dv, n, NULL, NULL, NULL);
         for (int64_t j = 0; j < n; j++)
             for (int64_t i = 0; i < bqp; i += L) {
                 const vec lse = vload(Dl + ld + i), x = vload(St + j * ld + i) - lse;
@@ -177,7 +177,7 @@ void FN(fa_bwd_unit)(const fa_attention_args *a, const fa_tiles *tl, const fa_it
         acc_products(dVb + o * dvp, dvp, n, dvp, St, ld, 1, dOp, dvp, bq);
         if (a->softcap > 0) { /* x = K . Qt (Qt: the queries times scale), dS *= 1 - tanh(x / c)^2 */
             const T ic = 1 / (T)a->softcap;
-            qk_block(St, K + o * krs, krs, Qt, ld, bqp, dk, n, NULL, NULL);
+            qk_block(St, K + o * krs, krs, Qt, ld, bqp, dk, n, NULL, NULL, NULL);
             for (int64_t j = 0; j < n; j++)
                 for (int64_t i = 0; i < bqp; i += L) {
                     const vec t = vtanh(vload(St + j * ld + i) * ic);

@@ -50,7 +50,6 @@ typedef struct {
     int64_t ld;      /* row stride of Ot and St */
     int64_t arows;   /* rows of Ot to rescale: dv, or 3 dv with its total and compensation */
     int64_t regrows; /* rescaling calls of fuse_regrow in the item so far */
-    int mask;        /* St holds the tile's float mask, transposed (mask_tile), to add */
 } fuse_t;
 
 /* Called when some lane of bm (the max of a register tile's rows [j, j + R) in
@@ -115,26 +114,27 @@ INLINE void tile_products(const int R, const int NV, vec *a0, vec *a1, const T *
     }
 }
 
-/* St[r][0..NV*L) = sum_c kr[r][c] * Qt[c][0..NV*L)   for r < R
- * or, with f, their probabilities (fuse_exp; st is f->St + j * bqp + i), of
- * the scores plus what st holds with f->mask (a float mask):
+/* St[r][0..NV*L) = sum_c kr[r][c] * Qt[c][0..NV*L) (+ mt[r][0..NV*L))   for r < R
+ * or, with f, their probabilities (fuse_exp; st is f->St + j * bqp + i):
  *   st  (R, NV*L)   row stride bqp
  *   kr  (R, dk)     row stride krs
- *   qt  (dk, NV*L)  row stride bqp */
+ *   qt  (dk, NV*L)  row stride bqp
+ *   mt  (R, NV*L)   row stride bqp: a float mask's tile, transposed (mask_tile),
+ *                   or NULL; it may be st itself */
 INLINE void qk_tile(const int R, const int NV, T *st, int64_t bqp, const T *restrict kr,
-                    int64_t krs, const T *restrict qt, int64_t dk, fuse_t *f, int64_t i,
+                    int64_t krs, const T *restrict qt, int64_t dk, fuse_t *f, const T *mt, int64_t i,
                     int64_t j)
 {
     vec a0[RB], a1[RB];
     UNROLL(16) for (int r = 0; r < R; r++) a0[r] = a1[r] = vset1(0);
     tile_products(R, NV, a0, a1, kr, krs, 1, qt, bqp, dk);
+    if (mt)
+        UNROLL(16) for (int r = 0; r < R; r++)
+        {
+            a0[r] += vload(mt + r * bqp);
+            if (NV == 2) a1[r] += vload(mt + r * bqp + L);
+        }
     if (f) {
-        if (f->mask)
-            UNROLL(16) for (int r = 0; r < R; r++)
-            {
-                a0[r] += vload(st + r * bqp);
-                if (NV == 2) a1[r] += vload(st + r * bqp + L);
-            }
         fuse_exp(R, a0, f, i, j, st, bqp);
         if (NV == 2) fuse_exp(R, a1, f, i + L, j, st + L, bqp);
         return;
@@ -168,11 +168,12 @@ INLINE void pv_tile(const int R, const int NV, T *restrict ot, int64_t bqp, cons
 /* St rows [0, R) over the bqp query columns (row stride ld): two-vector
  * groups, then one vector when bqp is an odd number of vectors. */
 INLINE void qk_rows(const int R, T *St, const T *restrict K, int64_t krs,
-                    const T *restrict Qt, int64_t ld, int64_t bqp, int64_t dk, fuse_t *f, int64_t j)
+                    const T *restrict Qt, int64_t ld, int64_t bqp, int64_t dk, fuse_t *f, const T *Mt,
+                    int64_t j)
 {
     int64_t i = 0;
-    for (; i + TW <= bqp; i += TW) qk_tile(R, 2, St + i, ld, K, krs, Qt + i, dk, f, i, j);
-    if (i < bqp) qk_tile(R, 1, St + i, ld, K, krs, Qt + i, dk, f, i, j);
+    for (; i + TW <= bqp; i += TW) qk_tile(R, 2, St + i, ld, K, krs, Qt + i, dk, f, Mt ? Mt + i : NULL, i, j);
+    if (i < bqp) qk_tile(R, 1, St + i, ld, K, krs, Qt + i, dk, f, Mt ? Mt + i : NULL, i, j);
 }
 
 /* Where the register tiles of RB rows end among n rows; 4-row tiles, then
@@ -186,21 +187,24 @@ INLINE int64_t rb_tiles_end(int64_t n)
     return rem > 0 && rem < 4 && end >= RB && (RB + rem) % 4 < rem ? end - RB : end;
 }
 
-/* St (nb, bqp) = K[0..nb) . Qt;  K (nb, dk) row stride krs, Qt (dk, bqp);
- * St and Qt have row stride ld.  Or, with f (f->St == St), their
- * probabilities (the fused exp).  Meanwhile prefetches pf's rows (NULL: none). */
+/* St (nb, bqp) = K[0..nb) . Qt (+ Mt);  K (nb, dk) row stride krs, Qt (dk, bqp),
+ * Mt (nb, bqp) a float mask's tile transposed or NULL (it may be St); St, Qt and
+ * Mt have row stride ld.  Or, with f (f->St == St), their probabilities (the
+ * fused exp).  Meanwhile prefetches pf's rows (NULL: none). */
 static void qk_block(T *St, const T *restrict K, int64_t krs, const T *restrict Qt, int64_t ld,
-                     int64_t bqp, int64_t dk, int64_t nb, const tile_pf *pf, fuse_t *f)
+                     int64_t bqp, int64_t dk, int64_t nb, const tile_pf *pf, fuse_t *f, const T *Mt)
 {
     int64_t j = 0;
     const int64_t end = rb_tiles_end(nb);
+#define QK_MT(j) (Mt ? Mt + (j) * ld : NULL)
     for (; j < end; j += RB) {
         if (pf) tile_prefetch(pf, j, RB);
-        qk_rows(RB, St + j * ld, K + j * krs, krs, Qt, ld, bqp, dk, f, j);
+        qk_rows(RB, St + j * ld, K + j * krs, krs, Qt, ld, bqp, dk, f, QK_MT(j), j);
     }
     if (pf) tile_prefetch(pf, j, INT64_MAX - j); /* the rest, also rows past nb */
-    for (; j + 4 <= nb; j += 4) qk_rows(4, St + j * ld, K + j * krs, krs, Qt, ld, bqp, dk, f, j);
-    for (; j < nb; j++) qk_rows(1, St + j * ld, K + j * krs, krs, Qt, ld, bqp, dk, f, j);
+    for (; j + 4 <= nb; j += 4) qk_rows(4, St + j * ld, K + j * krs, krs, Qt, ld, bqp, dk, f, QK_MT(j), j);
+    for (; j < nb; j++) qk_rows(1, St + j * ld, K + j * krs, krs, Qt, ld, bqp, dk, f, QK_MT(j), j);
+#undef QK_MT
 }
 
 /* Ot columns [i, i + NV*L) += Pt^T-contracted with V, over all dv rows of Ot;
@@ -266,6 +270,54 @@ static void pack_queries(const fa_attention_args *a, const fa_tiles *tl, const f
     }
 }
 
+/* ---------------------------------------------------------------------------
+ * mask_cache: a float mask that the heads share, with the items of a query block
+ * going head by head (fa_plan.head_turns).  The first item on a block's mask rows
+ * keeps each tile as mask_tile transposed it, with the tile's key runs and whether
+ * the mask hides it all; the next items on the same rows (the other heads: the
+ * header says whose tiles they are) add the kept tile to their scores as the
+ * products store them, instead of transposing it and adding it in a pass over St
+ * of its own.  At tl->mt_off in the scratch (fa_mt_cache_elems):
+ *   head  (64 bytes)      whose tiles: the mask rows' first element, the item's
+ *                         keys and rows; mask NULL: none (attention.c clears it)
+ *   rec   (tiles) x 128 bytes   each tile's key runs and hidden flag
+ *   Mt    (tiles, bk, ld) the tiles transposed (a hidden tile's are not kept)
+ * with tiles = ceil(nk / bk).
+ * ------------------------------------------------------------------------- */
+typedef struct {
+    const void *mask;
+    int64_t j_lo, j_hi, bq, pad[4];
+} mask_head;
+typedef struct {
+    key_runs kr;
+    int hidden;
+} mask_rec;
+typedef struct {
+    int state; /* 0: no cache, 1: this item keeps its tiles, 2: it reads them */
+    int64_t bk;
+    mask_head *head;
+    mask_rec *rec;
+    T *Mt;
+} mask_cache;
+_Static_assert(sizeof(mask_head) == 64 && sizeof(mask_rec) <= 128, "the sizes of fa_mt_cache_elems");
+
+/* The item's cache: kept by an item before on the same mask rows and keys
+ * (state 2), or to be kept by this one (1; the header cleared until it is done). */
+static mask_cache mask_cache_open(const fa_attention_args *a, const fa_tiles *tl, const fa_item *it,
+                                  void *scratch, const band_t *b)
+{
+    mask_cache mc = {.state = 0};
+    if (!tl->mt_off) return mc;
+    mc.bk = tl->bk;
+    mc.head = (mask_head *)((T *)scratch + tl->mt_off);
+    mc.rec = (mask_rec *)(mc.head + 1);
+    mc.Mt = (T *)((char *)mc.rec + 128 * ((a->nk + tl->bk - 1) / tl->bk));
+    const mask_head *h = mc.head;
+    mc.state = h->mask == it->mask && h->j_lo == b->j_lo && h->j_hi == b->j_hi && h->bq == it->bq ? 2 : 1;
+    if (mc.state == 1) mc.head->mask = NULL;
+    return mc;
+}
+
 /* Scores of the key tile [j0, j0 + nb) for the item's rows:
  *   St (nb, bqp) = K_tile . Qt (Qt already scaled; both row stride ld), then softcap, ALiBi,
  *   float mask and the band (causal, window), on every lane or the real rows.
@@ -278,10 +330,12 @@ static void pack_queries(const fa_attention_args *a, const fa_tiles *tl, const f
  * qmax is max |Qt|, or -1 until known): St is not computed; 2 when St holds the fused
  * probabilities, 1 when W must be applied, 0 otherwise.  Under a float mask,
  * kr gets the keys that some row sees (mask_tile); otherwise it is left as it
- * is. */
+ * is.  mc: the item's mask_cache (NULL: none), of which this is tile
+ * (j0 - j_lo) / bk. */
 static int tile_scores(const fa_attention_args *a, const fa_item *it, const band_t *b, T *St,
                        const T *Qt, T *qmax, IT *W, int64_t ld, int64_t bqp, int64_t j0, int64_t nb,
-                       const T *K, int64_t krs, const tile_pf *pf, fuse_t *f, key_runs *kr)
+                       const T *K, int64_t krs, const tile_pf *pf, fuse_t *f, const mask_cache *mc,
+                       key_runs *kr)
 {
     const int64_t bq = it->bq;
     int bits = 0;
@@ -291,21 +345,39 @@ static int tile_scores(const fa_attention_args *a, const fa_item *it, const band
         if (kind == 0) return -1;
         bits = kind == 1;
     }
-    if (a->mask_kind == FA_MASK_ADD &&
-        mask_tile_hidden((const T *)it->mask + j0 * a->m_cs, a->m_rs, a->m_cs, bq, nb) &&
-        hidden_tile_skips(K, krs, a->dk, nb, Qt, ld, bqp, qmax))
-        return -1;
+    const T *mk = a->mask_kind == FA_MASK_ADD ? (const T *)it->mask + j0 * a->m_cs : NULL;
+    const T *Mt = NULL; /* the tile transposed, for the products to add */
+    if (mk) {
+        const int64_t tile = mc && mc->state ? (j0 - b->j_lo) / mc->bk : -1;
+        mask_rec *rec = tile >= 0 ? mc->rec + tile : NULL;
+        int hidden;
+        if (rec && mc->state == 2)
+            hidden = rec->hidden;
+        else {
+            hidden = mask_tile_hidden(mk, a->m_rs, a->m_cs, bq, nb);
+            if (rec) rec->hidden = hidden;
+        }
+        if (hidden && hidden_tile_skips(K, krs, a->dk, nb, Qt, ld, bqp, qmax)) return -1;
+        if (rec && !hidden) {
+            T *Mc = mc->Mt + tile * mc->bk * ld;
+            if (mc->state == 1) mask_tile(Mc, ld, mk, a->m_rs, a->m_cs, bq, bqp, nb, 1, &rec->kr);
+            *kr = rec->kr;
+            Mt = Mc;
+        }
+    }
     /* band: key j hides the rows before the first at position j - right, and
      * those from the first at position j + left + 1 on (band_first_row) */
     const int cut_right = b->has_right && j0 + nb - 1 > band_pos(b, 0) + b->right;
     const int cut_left = b->has_left && j0 < band_pos(b, bq - 1) - b->left;
     if (f && !bits && !cut_right && !cut_left && !(a->softcap > 0) && it->slope == 0) {
-        f->mask = a->mask_kind == FA_MASK_ADD;
-        if (f->mask) mask_tile(St, ld, (const T *)it->mask + j0 * a->m_cs, a->m_rs, a->m_cs, bq, bqp, nb, 1, kr);
-        qk_block(St, K, krs, Qt, ld, bqp, a->dk, nb, pf, f);
+        if (mk && !Mt) { /* the mask into St first, for qk_tile to add */
+            mask_tile(St, ld, mk, a->m_rs, a->m_cs, bq, bqp, nb, 1, kr);
+            Mt = St;
+        }
+        qk_block(St, K, krs, Qt, ld, bqp, a->dk, nb, pf, f, Mt);
         return 2;
     }
-    qk_block(St, K, krs, Qt, ld, bqp, a->dk, nb, pf, NULL);
+    qk_block(St, K, krs, Qt, ld, bqp, a->dk, nb, pf, NULL, Mt); /* (Mt: no softcap nor ALiBi, plan.c) */
     if (a->softcap > 0) {
         const T c = (T)a->softcap, ic = 1 / c;
         for (int64_t j = 0; j < nb; j++)
@@ -329,8 +401,7 @@ static int tile_scores(const fa_attention_args *a, const fa_item *it, const band
                 St[j * ld + i] -= (T)it->slope * (T)(d < 0 ? -d : d);
             }
     }
-    if (a->mask_kind == FA_MASK_ADD)
-        mask_tile(St, ld, (const T *)it->mask + j0 * a->m_cs, a->m_rs, a->m_cs, bq, bqp, nb, 0, kr);
+    if (mk && !Mt) mask_tile(St, ld, mk, a->m_rs, a->m_cs, bq, bqp, nb, 0, kr);
     if (cut_right || cut_left)
         for (int64_t j = 0; j < nb; j++) {
             const int64_t jj = j0 + j;
@@ -509,7 +580,7 @@ void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_i
     const int64_t bqp = (it->bq + L - 1) / L * L, ld = tl->ld, bk = tl->bk, dk = a->dk, dv = a->dv;
     T *Qt = scratch, *St = Qt + dk * ld, *Ot = St + bk * ld, *m = Ot + 3 * dv * ld, *l = m + ld, *ts = l + 2 * ld;
     IT *W = (IT *)(ts + ld);
-    fuse_t fz = {.m = m, .l = ts, .lr = l, .Ot = Ot, .St = St, .ld = ld, .arows = dv, .regrows = 0, .mask = 0};
+    fuse_t fz = {.m = m, .l = ts, .lr = l, .Ot = Ot, .St = St, .ld = ld, .arows = dv, .regrows = 0};
 
     /* Pass 1: pack the queries. */
     pack_queries(a, tl, it, scratch, Qt, ld, bqp);
@@ -523,6 +594,7 @@ void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_i
     /* Key tiles outside every row's band (causal, window, kv length) are never visited. */
     const band_t b = item_band(a, it);
     const int cached = kv_rows_widened(a, tl, it, scratch, b.j_lo, b.j_hi, 1);
+    const mask_cache mc = mask_cache_open(a, tl, it, scratch, &b);
     int64_t block = 0; /* keys in Ot's block (FOLD_KEYS) */
     for (int64_t j0 = b.j_lo; j0 < b.j_hi && !fa_stopped(a->stop); j0 += bk) {
         const int64_t nb = (b.j_hi - j0 < bk) ? b.j_hi - j0 : bk;
@@ -562,7 +634,7 @@ void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_i
                 pf_k.krs = pf_k.dk = w * dk;
             }
         }
-        const int bits = tile_scores(a, it, &b, St, Qt, &qmax, W, ld, bqp, j0, nb, kt, krs, &pf_v, f, &kr);
+        const int bits = tile_scores(a, it, &b, St, Qt, &qmax, W, ld, bqp, j0, nb, kt, krs, &pf_v, f, &mc, &kr);
         if (bits < 0) continue;
 
         /* Pass 4 (when the exp is not fused): online softmax, two vectors of
@@ -587,6 +659,9 @@ void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_i
         else
             pv_block_runs(&kr, Ot, St, vt, vrs, ld, bqp, dv, &pf_k);
     }
+
+    if (mc.state == 1 && !fa_stopped(a->stop)) /* every tile kept: the next item may read them */
+        *mc.head = (mask_head){.mask = it->mask, .j_lo = b.j_lo, .j_hi = b.j_hi, .bq = it->bq};
 
     /* Pass 6: write out (acc element (i, c) is Ot[c * ld + i]), the
      * compensations added back. */
@@ -623,7 +698,7 @@ void FN(fa_weights_item)(const fa_attention_args *a, const fa_tiles *tl, const f
             key_runs kr;
             int64_t krs;
             const T *kt = tile_kv(a, tl, it, scratch, cached, j0, nb, &krs, NULL, NULL);
-            const int bits = tile_scores(a, it, &b, St, Qt, &qmax, W, ld, bqp, j0, nb, kt, krs, NULL, NULL, &kr);
+            const int bits = tile_scores(a, it, &b, St, Qt, &qmax, W, ld, bqp, j0, nb, kt, krs, NULL, NULL, NULL, &kr);
             if (bits < 0) continue;
             if (bits) apply_bits(St, W, ld, bqp, nb);
             for (int64_t i = 0; i < bqp; i += L) {
