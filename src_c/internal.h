@@ -288,7 +288,8 @@ static inline int64_t fa_kv_cache_elems(const fa_tiles *t, int64_t dk, int64_t d
 /* ... and after that (from mt_off), a float mask's cache: a header of 64 bytes, a
  * record of 128 bytes a key tile (its key runs, whether the mask hides it all),
  * then the tiles transposed, bk ld elements each (tiled.h, mask_cache); only
- * where that is at most FA_MT_CACHE_BYTES (in a thread's L2 or near it). */
+ * where that is at most FA_MT_CACHE_BYTES, so that a thread's scratch stays a
+ * few MiB (7,000 keys at d64 float32). */
 #define FA_MT_CACHE_BYTES (INT64_C(4) << 20)
 static inline int64_t fa_mt_cache_elems(const fa_tiles *t, int64_t nk, int64_t esz)
 {

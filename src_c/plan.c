@@ -34,10 +34,10 @@ static int64_t kv_bytes(const fa_attention_args *a)
  * the key tile; more rows a block read each K and V element for more of them),
  * or q_tile_bytes_band under a causal band or a window (a larger block computes
  * more of the scores that the band hides), and while that leaves fewer than four
- * items per thread; 32 under a narrow window, which wastes less at its edges.  Keys: the row kernel long tiles (fewer
- * switches between the K and V streams: the tuning's bk_decode for one row,
- * bk_rows for more); the
- * tiled kernel the tuning's bk_tiled (64: a tile's K and V arrive from memory
+ * items per thread; 32 under a narrow window, which wastes less at its edges.
+ * Keys: the row kernel long tiles (fewer switches between the K and V streams:
+ * the tuning's bk_decode for one row, bk_rows for more); the tiled kernel the
+ * tuning's bk_tiled (64: a tile's K and V arrive from memory
  * in time through the prefetch one pass ahead), bk_tiled_mem for few rows from
  * memory. */
 static void choose_tiles(const fa_attention_args *a, const fa_overrides *f, const fa_tuning *tu, int64_t lanes,
