@@ -243,7 +243,7 @@ static void run_team(void *arg)
     if (scratch && p->tiles->kv_off) /* no rows of widened K and V yet (tiled.h, kv_rows_widened) */
         memset((char *)scratch + p->tiles->kv_off * (int64_t)p->esz, 0, FA_KV_HEAD * p->esz);
     if (scratch && p->tiles->mt_off) /* no mask tiles kept yet (tiled.h, mask_cache) */
-        memset((char *)scratch + p->tiles->mt_off * (int64_t)p->esz, 0, 64);
+        memset((char *)scratch + p->tiles->mt_off * (int64_t)p->esz, 0, FA_MT_HEAD_BYTES);
     int64_t u = scratch ? fa_thread_num() : n_units;
     while (u < n_units && !fa_stopped(a->stop)) {
         const int64_t un = claim_unit(p, team);

@@ -286,15 +286,17 @@ static inline int64_t fa_kv_cache_elems(const fa_tiles *t, int64_t dk, int64_t d
     return FA_KV_HEAD + t->kv_rows * (dk + dv);
 }
 /* ... and after that (from mt_off), a float mask's cache: a header of 64 bytes, a
- * record of 128 bytes a key tile (its key runs, whether the mask hides it all),
+ * record of at most 128 bytes a key tile (its key runs, whether the mask hides it all),
  * then the tiles transposed, bk ld elements each (tiled.h, mask_cache); only
  * where that is at most FA_MT_CACHE_BYTES, so that a thread's scratch stays a
  * few MiB (7,000 keys at d64 float32). */
 #define FA_MT_CACHE_BYTES (INT64_C(4) << 20)
+#define FA_MT_HEAD_BYTES 64
+#define FA_MT_REC_BYTES 128
 static inline int64_t fa_mt_cache_elems(const fa_tiles *t, int64_t nk, int64_t esz)
 {
     const int64_t tiles = (nk + t->bk - 1) / t->bk;
-    return (64 + 128 * tiles) / esz + tiles * t->bk * t->ld;
+    return (FA_MT_HEAD_BYTES + FA_MT_REC_BYTES * tiles) / esz + tiles * t->bk * t->ld;
 }
 /* The row kernel takes n_q <= rows_max query rows (the tuning's rows_max,
  * rows_max_big when the call's K and V exceed the tuning's kv_mem_bytes, else

@@ -280,7 +280,7 @@ static void pack_queries(const fa_attention_args *a, const fa_tiles *tl, const f
  * of its own.  At tl->mt_off in the scratch (fa_mt_cache_elems):
  *   head  (64 bytes)      whose tiles: the mask rows' first element, the item's
  *                         keys and rows; mask NULL: none (attention.c clears it)
- *   rec   (tiles) x 128 bytes   each tile's key runs and hidden flag
+ *   rec   (tiles) mask_rec, FA_MT_REC_BYTES reserved a tile: key runs, hidden flag
  *   Mt    (tiles, bk, ld) the tiles transposed (a hidden tile's are not kept)
  * with tiles = ceil(nk / bk).
  * ------------------------------------------------------------------------- */
@@ -299,7 +299,8 @@ typedef struct {
     mask_rec *rec;
     T *Mt;
 } mask_cache;
-_Static_assert(sizeof(mask_head) == 64 && sizeof(mask_rec) <= 128, "the sizes of fa_mt_cache_elems");
+_Static_assert(sizeof(mask_head) == FA_MT_HEAD_BYTES && sizeof(mask_rec) <= FA_MT_REC_BYTES,
+               "the sizes of fa_mt_cache_elems");
 
 /* The item's cache: kept by an item before on the same mask rows and keys
  * (state 2), or to be kept by this one (1; the header cleared until it is done). */
@@ -311,7 +312,7 @@ static mask_cache mask_cache_open(const fa_attention_args *a, const fa_tiles *tl
     mc.bk = tl->bk;
     mc.head = (mask_head *)((T *)scratch + tl->mt_off);
     mc.rec = (mask_rec *)(mc.head + 1);
-    mc.Mt = (T *)((char *)mc.rec + 128 * ((a->nk + tl->bk - 1) / tl->bk));
+    mc.Mt = (T *)((char *)mc.rec + FA_MT_REC_BYTES * ((a->nk + tl->bk - 1) / tl->bk));
     const mask_head *h = mc.head;
     mc.state = h->mask == it->mask && h->j_lo == b->j_lo && h->j_hi == b->j_hi && h->bq == it->bq ? 2 : 1;
     if (mc.state == 1) mc.head->mask = NULL;
