@@ -38,7 +38,9 @@ def test_tile_sizes(isa, rng, tiles, dtype, bq, bk):
 # the fused exp (kernel_body.h, FUSE_LAG): a key tile takes its probabilities
 # against a reference max that may lag the true one by up to 24; a register
 # tile whose scores rise further raises it and rescales l, Ot and the tile's
-# rows already written; after a few such rescales the item goes on unfused
+# rows already written; after a few such rescales the item goes on unfused.
+# Unfused (the fixture's other half), tile_softmax lags by the same 24 and
+# rescales l and Ot only where a tile's max rises further (vstep_begin_lag)
 # ---------------------------------------------------------------------------
 def _scored_inputs(rng, dtype, nq, nk, scores, dv=6):
     """q, k, v with q_i . k_j = scores[j] (rounded to eighths) + 0 or r_j, for

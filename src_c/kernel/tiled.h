@@ -36,7 +36,7 @@ enum { RB = FA_VB == 64 ? FA_RB64 : 6 };
  * only where n_k |v| is within a factor e^24 of the dtype's limit; such a row
  * comes out non-finite and is redone carefully (redo_nonfinite_rows).
  * FUSE_LAG (24): the lag that makes rescaling rare while p <= e^24 keeps l and
- * Ot far from overflow.  The fused exp is faster with the 32 registers of
+ * Ot far from overflow; the unfused pass lags by the same (vstep_begin_lag).  The fused exp is faster with the 32 registers of
  * AVX-512; with 16 the exp has no room beside the accumulators and it was
  * slower, so only AVX-512 takes it (tl->fuse, from the tuning table in
  * dispatch.c; the tests force it on and off; docs/tuning.md, FUSE_LAG). */
@@ -429,11 +429,28 @@ static __attribute__((noinline)) void pv_block_runs(const key_runs *kr, T *restr
     }
 }
 
+/* The step of tile_softmax: the reference max m moves only in the lanes where
+ * the tile's max bm exceeds it by more than FUSE_LAG (the fused exp's rule), so
+ * that l and Ot are rescaled rarely, not at most tiles of a row whose max
+ * creeps up; alpha is 1 in the other lanes.  The probabilities, up to e^24,
+ * come out as they would with the true max times a constant, which l cancels
+ * (overflow: redo_nonfinite_rows, as under the fused exp). */
+INLINE vstep_t vstep_begin_lag(vec mo, vec bm)
+{
+    vstep_t s;
+    const ivec grow = bm > mo + (T)FUSE_LAG;
+    s.mn = vsel(grow, bm, mo);
+    s.mu = vstep_shift(s.mn);
+    s.alpha = vsel(grow, vexp_neg(mo - s.mu), vset1(1));
+    return s;
+}
+
 /* Pass 4 of fa_attn_item for NV (1 or 2) vectors of query rows, the columns
  * [i, i + NV L) of the key tile's scores St (nb, ld): a bool mask's bits W
- * applied (bits), each row's max, the probabilities exp(s - m) in place, m and
- * l updated (l's compensation at l + ld), the arows rows of Ot (dv, ld) and
- * its total and compensation (FOLD_KEYS) rescaled where a max grew.  Two vectors (a cache
+ * applied (bits), each row's max, the probabilities exp(s - m) in place, m
+ * (lagging: vstep_begin_lag) and l updated (l's compensation at l + ld), the
+ * arows rows of Ot (dv, ld) and its total and compensation (FOLD_KEYS)
+ * rescaled where m moved.  Two vectors (a cache
  * line's worth with AVX2) walk the rows of St once, not twice: a little faster
  * than one vector at a time (docs/tuning.md, tile_softmax). */
 INLINE void tile_softmax(const int NV, T *St, const IT *W, int bits, int64_t ld, int64_t nb, T *m, T *l,
@@ -454,7 +471,7 @@ INLINE void tile_softmax(const int NV, T *St, const IT *W, int bits, int64_t ld,
             UNROLL(2) for (int v = 0; v < NV; v++) bm[v] = vmax(vload(St + j * ld + i + v * L), bm[v]);
     }
     UNROLL(2) for (int v = 0; v < NV; v++) {
-        st[v] = vstep_begin(vload(m + i + v * L), bm[v]);
+        st[v] = vstep_begin_lag(vload(m + i + v * L), bm[v]);
         vstore(m + i + v * L, st[v].mn);
         sum[v] = vset1(0);
     }
