@@ -12,11 +12,9 @@ table reports medians, so the ratios are side by side.  PyTorch is optional
 (`pip install torch`); it runs on torch.from_numpy views with
 torch.set_num_threads equal to fastattn's thread count.  GFLOP/s counts
 2 * B * H * n_q * n_k * (d_k + d_v) (half of it when causal), and "% mm" is
-that rate over NumPy's own matrix product (2048 x 2048, same dtype) timed in
-the same interleaving as the row (medians, like the peers': a busy neighbour
-slows both alike).  The product is also timed alone at the start and at the
-end of the run (the best sample after a warm-up: a neighbour only slows it),
-for the run's header, the plot's ceiling and the JSON's pct_mm_best.  Decoding (a few query rows)
+that rate over NumPy's own matrix product (2048 x 2048, same dtype), measured
+at the start and at the end of the run (the best sample after a warm-up: a
+neighbour on a shared machine only slows it).  Decoding (a few query rows)
 against K and V beyond the L3 is bound by memory bandwidth instead: for those
 rows a plain streaming read (256 MiB, same threads) is timed in the same
 interleaving, and the rate at which fastattn reads K and V is printed beside it.
@@ -169,21 +167,6 @@ def _matmul_rate(dtype, repeats, warmup=0.3):
     t = min(samples)
     _settle()
     return 2 * n**3 / t / 1e9
-
-
-_MM_N = 2048
-_mm_operands = {}
-
-
-def _matmul_call(dtype):
-    """NumPy's 2048^2 matrix product in `dtype` as a call to time beside a row (the
-    row's ceiling, measured in the same interleaving as fastattn), and its flops."""
-    dt = np.dtype(dtype)
-    if dt not in _mm_operands:
-        rng = np.random.default_rng(0)
-        _mm_operands[dt] = tuple(rng.standard_normal((_MM_N, _MM_N)).astype(dt) for _ in range(2))
-    a, b = _mm_operands[dt]
-    return (lambda: a @ b), 2 * _MM_N**3
 
 
 def _torch():
@@ -405,8 +388,6 @@ def _measure(w, threads, torch, repeats, with_reference, peers=()):
     if decode:
         buf = _stream_buffer()
         fns["stream"] = lambda: _core._stream_read(buf, threads)
-    # and NumPy's matrix product in the row's dtype (the compute ceiling of "% mm")
-    fns["matmul"], mm_flop = _matmul_call(w["dtype"])
     names = list(fns)
     times = dict(zip(names, _median_times([fns[n] for n in names], repeats)))
     if with_reference and ref is not None:
@@ -414,8 +395,7 @@ def _measure(w, threads, torch, repeats, with_reference, peers=()):
         _settle()
     t = times["fastattn"]
     row = dict(name=w["name"], B=B, H=H, n_q=nq, n_k=nk, d=d, shape=list(w["shape"]), dtype=w["dtype"],
-               causal=w["causal"], mask=w["mask"], ms=t * 1e3, gflops=flops / t / 1e9, flop=flops,
-               mm_gflops=mm_flop / times["matmul"] / 1e9)
+               causal=w["causal"], mask=w["mask"], ms=t * 1e3, gflops=flops / t / 1e9, flop=flops)
     if "reference" in times:
         row["reference_ms"] = times["reference"] * 1e3
         row["x_reference"] = times["reference"] / t
@@ -481,15 +461,14 @@ def run(workloads, repeats=5, threads=None, with_reference=True, with_torch=True
     if with_reference and w is not None and has_reference(w):
         t = reference_f64_ms(w)
         oracle = dict(workload=row["name"], reference_f64_ms=t, fastattn_ms=row["ms"], speedup=t / row["ms"])
-    # the run's best product: the better of the start and the end (a neighbour only slows it)
+    # the ceiling: the better of the start and the end (a neighbour only slows it)
     mm_end = {dt: _matmul_rate(dt, repeats) for dt in dtypes}
     mm = {dt: max(mm_start[dt], mm_end[dt]) for dt in dtypes}
-    for row in rows:   # each row against the product timed beside it (medians, as the peers)
-        row["pct_mm"] = 100 * row["gflops"] / row["mm_gflops"]
-        row["pct_mm_best"] = 100 * row["gflops"] / mm[row["dtype"]]
+    for row in rows:
+        row["pct_mm"] = 100 * row["gflops"] / mm[row["dtype"]]
         if "read_gbs" in row:   # the roofline: the larger of reading K and V and the flops, at the ceilings
             read_ms = row["ms"] * row["read_gbs"] / row["stream_gbs"]
-            row["roofline_ms"] = max(read_ms, row["flop"] / row["mm_gflops"] / 1e6)
+            row["roofline_ms"] = max(read_ms, row["flop"] / mm[row["dtype"]] / 1e6)
             row["x_roofline"] = row["ms"] / row["roofline_ms"]
     return dict(
         fastattn=sys.modules["fastattn"].__version__, isa=_core.isa_name(), threads=threads,
@@ -521,9 +500,9 @@ def _cpus():
 
 LEGEND = """\
 fastattn ms: median time of a call; GFLOP/s: 4 n_q n_k d (causal: the keys each query sees)
-over that time.  % mm: that rate as a share of NumPy's own 2048x2048 matrix product timed
-beside it, in the same dtype (the compute ceiling; decoding rows are bound by memory instead:
-see the Memory lines).  x NumPy: fastattn's speed over fastattn.reference, the plain NumPy
+over that time.  % mm: that rate as a share of NumPy's own 2048x2048 matrix product in this
+run, in the same dtype (the compute ceiling; decoding rows are bound by memory instead: see
+the Memory lines).  x NumPy: fastattn's speed over fastattn.reference, the plain NumPy
 formula, run in the inputs' own dtype (16-bit rows: float32 copies).  x torch: over
 PyTorch's scaled_dot_product_attention on the same arrays and threads.  Peers are timed
 interleaved with fastattn, in this process."""
@@ -697,8 +676,7 @@ def main(argv: "list[str] | None" = None) -> int:
                   f"ggml_flash_attn_ext (float32 q, K and V as stored; agreeing to 1e-2, since it rounds q to "
                   f"16 bits beside 16-bit K and V), rows without a mask or causal")
         mm = ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in result["matmul_gflops"].items())
-        print(f"NumPy matrix product (2048^2) alone in this run: {mm} (the better of its start and end; "
-              f"each row's % mm is of the product timed beside it); "
+        print(f"NumPy matrix product (2048^2) in this run: {mm} (the better of its start and end); "
               f"PyTorch: {result['torch'] or 'not installed'}{blas_note()}")
         rows = {r["name"]: r for r in result["rows"]}
         full, win = rows.get("B1 H8 N8192 d64 causal"), rows.get("  ...window (256, 0)")
@@ -715,7 +693,7 @@ def main(argv: "list[str] | None" = None) -> int:
                       f"a plain streaming read, interleaved with it: {r['stream_gbs']:.1f} GB/s "
                       f"({100 * r['read_gbs'] / r['stream_gbs']:.0f} %); {r['x_roofline']:.2f}x its roofline "
                       f"({r['roofline_ms']:.2f} ms: the larger of that read and its flops at the matrix "
-                      f"product's rate beside it)")
+                      f"product's rate)")
         orc = result["reference_f64"]
         if orc:
             print(f"The float64 reference (the tests' oracle: the same inputs in float64), {orc['workload']}: "

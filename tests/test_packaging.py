@@ -259,35 +259,6 @@ def test_bench_decode_bytes(monkeypatch):
         assert row["read_gbs"] == pytest.approx(rows * 2 * d * 4 / 1e-3 / 1e9), name
 
 
-def test_bench_pct_mm_beside(monkeypatch):
-    """"% mm" is a row's rate over NumPy's product timed in the same interleaving
-    (medians, as the peers' columns), not over the run's best product alone
-    (pct_mm_best); a decoding row's roofline takes its flops at that rate too."""
-    from fastattn import bench
-
-    def product():
-        pass
-
-    monkeypatch.setattr(bench, "_matmul_call", lambda dtype: (product, 4e9))
-    monkeypatch.setattr(bench, "_median_times",
-                        lambda fns, repeats, min_time=0.05: [2e-3 if f is product else 1e-3 for f in fns])
-    monkeypatch.setattr(bench, "_matmul_rate", lambda dtype, repeats: 1000.0)
-    monkeypatch.setattr(bench, "_stream_buffer", lambda: np.ones(1 << 16, np.uint8))
-    monkeypatch.setattr(bench, "_settle", lambda seconds=0.2: None)
-    ws = [next(w for w in bench.WORKLOADS if w["name"] == name)
-          for name in ("B1 H8 N512 d64", "B1 H8 N512 d64 f64", "decode H32 Nk4096 d128")]
-    result = bench.run(ws, repeats=1, threads=1, with_reference=False, with_torch=False)
-    assert result["matmul_gflops"] == {"float32": 1000.0, "float64": 1000.0}
-    for row in result["rows"]:
-        assert row["mm_gflops"] == pytest.approx(2000.0), row["name"]   # 4e9 flop in 2 ms
-        assert row["gflops"] == pytest.approx(row["flop"] / 1e-3 / 1e9)
-        assert row["pct_mm"] == pytest.approx(100 * row["gflops"] / 2000.0)
-        assert row["pct_mm_best"] == pytest.approx(100 * row["gflops"] / 1000.0)
-    dec = result["rows"][2]
-    assert dec["roofline_ms"] == pytest.approx(max(dec["ms"] * dec["read_gbs"] / dec["stream_gbs"],
-                                                   dec["flop"] / 2000.0 / 1e6))
-
-
 def test_bench_reference_f64_line(monkeypatch, capsys):
     """The benchmark's float64-reference line times reference.attention on float64
     copies of the B1 H8 N2048 d64 row's own inputs (the tests' oracle), beside the
