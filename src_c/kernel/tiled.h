@@ -36,9 +36,9 @@ enum { RB = FA_VB == 64 ? FA_RB64 : 6 };
  * only where n_k |v| is within a factor e^24 of the dtype's limit; such a row
  * comes out non-finite and is redone carefully (redo_nonfinite_rows).
  * FUSE_LAG (24): the lag that makes rescaling rare while p <= e^24 keeps l and
- * Ot far from overflow; the unfused pass lags by the same (vstep_begin_lag).  The fused exp is faster with the 32 registers of
- * AVX-512; with 16 the exp has no room beside the accumulators and it was
- * slower, so only AVX-512 takes it (tl->fuse, from the tuning table in
+ * Ot far from overflow; the unfused pass lags by the same (vstep_begin_lag).
+ * The fused exp is faster with the 32 registers of AVX-512; with 16 the exp
+ * has no room beside the accumulators and it was slower, so only AVX-512 takes it (tl->fuse, from the tuning table in
  * dispatch.c; the tests force it on and off; docs/tuning.md, FUSE_LAG). */
 #define FUSE_LAG 24
 typedef struct {
@@ -450,9 +450,9 @@ INLINE vstep_t vstep_begin_lag(vec mo, vec bm)
  * applied (bits), each row's max, the probabilities exp(s - m) in place, m
  * (lagging: vstep_begin_lag) and l updated (l's compensation at l + ld), the
  * arows rows of Ot (dv, ld) and its total and compensation (FOLD_KEYS)
- * rescaled where m moved.  Two vectors (a cache
- * line's worth with AVX2) walk the rows of St once, not twice: a little faster
- * than one vector at a time (docs/tuning.md, tile_softmax). */
+ * rescaled where m moved.  Two vectors (a cache line's worth with AVX2) walk
+ * the rows of St once, not twice: a little faster than one vector at a time
+ * (docs/tuning.md, tile_softmax). */
 INLINE void tile_softmax(const int NV, T *St, const IT *W, int bits, int64_t ld, int64_t nb, T *m, T *l,
                          T *Ot, int64_t arows, int64_t i)
 {
