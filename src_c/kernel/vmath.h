@@ -15,7 +15,8 @@
  * plain Horner form, g a Chebyshev fit of (exp(r) - 1) / r on |r| <= ln 2 / 2
  * (mpmath.chebyfit): float32 degree 6 (relative error 4e-9), float64 degree 11
  * (6e-18).  Max error over every float32 argument of vexp_neg: 0.965 ulp
- * (docs/tuning.md, EXP_HORNER); float64: 0.89 ulp on 4e7 samples.  The
+ * (docs/tuning.md, EXP_HORNER); float64: 0.89 ulp on 4e7 samples.  (AVX2's
+ * float32 vexp_neg takes a table of 2^(j/8) and a cubic instead: see there.)  The
  * baseline build has no FMA (x86-64), where that form rounds to 1.24 ulp, so it
  * keeps the more expensive 1 + r + r^2 q(r) with r added exactly: float32
  * degree 7 (Cephes), float64 the Taylor series to degree 13; both within 1 ulp.
@@ -136,6 +137,33 @@ INLINE vec vexp_neg(vec x)
     const __mmask16 keep = _mm512_cmp_ps_mask((__m512)x, _mm512_set1_ps(EXP_TINY), _CMP_NLT_UQ);
     return (vec)_mm512_maskz_scalef_ps(keep, (__m512)p, (__m512)nf);
 #endif
+#elif (defined(__x86_64__) || defined(_M_X64)) && FA_VB == 32 && !FA_IS_F64
+    /* AVX2 float32: k = round(8 x / ln 2) = 8 n + j, the low bits of t's bits
+     * (EXP_MAGIC without the bias); r = x - k ln 2 / 8 in two parts, |r| <= ln 2
+     * / 16; exp(x) = S exp(r) with S = 2^n 2^(j/8): 2^(j/8) from a table of
+     * eight (one vpermps, which reads the low 3 bits of its index), 2^n added
+     * to its exponent bits.  exp(r) = 1 + r g(r), g a cubic fit (relative
+     * error 2e-10): two FMAs fewer than exp_reduce's degree 6.  (S g) r + S,
+     * not (S r) g + S, whose S r is subnormal near EXP_TINY.  Max error over
+     * every float32 argument in [EXP_TINY, 30]: 0.913 ulp (docs/tuning.md,
+     * vexp_neg).  Lanes below EXP_TINY get S = 0, as below; NaN stays NaN
+     * through r. */
+    static const uint32_t tab[8] = {0x3f800000u, 0x3f7b95c2u, 0x3f7837f0u, 0x3f75fed7u,
+                                    0x3f7504f3u, 0x3f75672au, 0x3f7744fdu, 0x3f7ac0c7u};
+    /* tab[j] = bits of 2^(j/8) - (j << 20): + (k << 20) leaves 2^(j/8) 2^n */
+    const ivec zero = x < EXP_TINY;
+    const vec xc = vmax(vset1(EXP_TINY), x);
+    const vec t = xc * 11.5415602f + EXP_MAGIC, kf = t - EXP_MAGIC;
+    vec r = xc - kf * 0.0866699219f;
+    r = r + kf * 2.65243050e-5f;
+    vec g = r * 0.0416699238f + 0.166682303f;
+    g = g * r + 0.5f;
+    g = g * r + 1.0f;
+    const __m256i tb = (__m256i)t;
+    const ivec sb = (ivec)_mm256_add_epi32(_mm256_permutevar8x32_epi32(_mm256_loadu_si256((const __m256i *)tab), tb),
+                                           _mm256_slli_epi32(tb, 20));
+    const vec s = (vec)(sb & ~zero);
+    return (s * g) * r + s;
 #else
     /* Lanes below EXP_TINY (masked scores are -inf) are raised to EXP_TINY by
      * a max, which keeps NaN (vmax returns its second operand when either is
