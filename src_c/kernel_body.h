@@ -25,7 +25,8 @@
  * operation across query rows, and the products read K and V rows in place as
  * scalar broadcasts: no packing of K or V, any row stride, no horizontal sums.
  * The output accumulator is kept transposed too, Ot (dv, bqp), and is turned
- * back and normalised once at the end (FlashAttention-2 loop order).
+ * back and normalised once at the end (FlashAttention-2 loop order); an item
+ * of a single query vector on AVX2 keeps it in rows instead (PV_ROWS, tiled.h).
  *
  * The comments give shapes, invariants and, for each tuning constant or
  * choice, its reason in a line; the measurements behind them are in

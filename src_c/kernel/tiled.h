@@ -234,6 +234,93 @@ static void pv_block(T *restrict Ot, const T *restrict Pt, const T *restrict V, 
     if (i < bqp) pv_cols(1, Ot + i, Pt + i, V, vrs, ld, dv, nb, pf);
 }
 
+/* PV_ROWS: an item of one query vector (bqp == L), unfused, keeps its
+ * accumulator in rows, A (ld, dv) in the place of Ot (dv, ld), and takes P.V by
+ * pv_block_rows: each p broadcast serves two V vectors, and a V vector loaded
+ * once serves up to 4 rows, where Ot's single-vector tile broadcasts one V
+ * element an FMA, and on AVX2 the broadcasts, not the FMAs, bound it
+ * (docs/tuning.md, PV_ROWS). */
+#ifndef PV_ROWS
+#define PV_ROWS (FA_VB == 32)
+#endif
+
+/* A[r][0..NV*L) += sum_j Pt[j][r] * V[j][0..NV*L)   for r < R, the tile's sum
+ * formed fresh, then added (FOLD_KEYS):
+ *   a   (R, NV*L)   row stride dv
+ *   pt  (nb, R)     row stride ld (St's columns of these rows)
+ *   vc  (nb, NV*L)  row stride vrs (V advanced to the tile's column) */
+INLINE void pv_rows_tile(const int R, const int NV, T *restrict a, int64_t dv, const T *restrict pt,
+                         int64_t ld, const T *restrict vc, int64_t vrs, int64_t nb, const tile_pf *pf,
+                         int64_t r0, int64_t r1)
+{
+    vec acc[4][2];
+    UNROLL(4) for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = vset1(0);
+    /* pf's rows [r0, r1) (pf NULL: none), one every few keys */
+    const int64_t every = r1 > r0 ? (nb + r1 - r0 - 1) / (r1 - r0) : 0;
+    int64_t next = pf && r1 > r0 ? 0 : INT64_MAX;
+    for (int64_t j = 0; j < nb; j++) {
+        if (j == next) {
+            tile_prefetch(pf, r0++, 1);
+            next = r0 < r1 ? next + every : INT64_MAX;
+        }
+        const vec v0 = vload(vc + j * vrs), v1 = NV == 2 ? vload(vc + j * vrs + L) : v0;
+        UNROLL(4) for (int r = 0; r < R; r++)
+        {
+            const T p = pt[j * ld + r]; /* scalar x vector: a broadcast */
+            acc[r][0] += p * v0;
+            if (NV == 2) acc[r][1] += p * v1;
+        }
+    }
+    UNROLL(4) for (int r = 0; r < R; r++)
+    {
+        vstore(a + r * dv, vload(a + r * dv) + acc[r][0]);
+        if (NV == 2) vstore(a + r * dv + L, vload(a + r * dv + L) + acc[r][1]);
+    }
+}
+
+/* pv_rows_tile for the nrows rows of A, four at a time, over the columns
+ * [c, c + NV L) */
+INLINE void pv_rows_cols(const int NV, T *restrict A, int64_t dv, const T *restrict Pt, int64_t ld,
+                         int64_t nrows, const T *restrict V, int64_t vrs, int64_t nb, int64_t c,
+                         const tile_pf *pf)
+{
+    /* pf's rows in step with the columns (prefetch_in_step), spread over the keys */
+    const int64_t n = pf ? (pf->nk > pf->nq ? pf->nk : pf->nq) : 0, w = NV * L;
+#define PV_PF_ROW(x) (pf ? ((c + (x) * w / nrows) < dv ? (c + (x) * w / nrows) * n / dv : n) : 0)
+    int64_t i = 0;
+    for (; i + 4 <= nrows; i += 4)
+        pv_rows_tile(4, NV, A + i * dv + c, dv, Pt + i, ld, V + c, vrs, nb, pf, PV_PF_ROW(i), PV_PF_ROW(i + 4));
+    switch (nrows - i) {
+    case 3: pv_rows_tile(3, NV, A + i * dv + c, dv, Pt + i, ld, V + c, vrs, nb, pf, PV_PF_ROW(i), PV_PF_ROW(nrows)); break;
+    case 2: pv_rows_tile(2, NV, A + i * dv + c, dv, Pt + i, ld, V + c, vrs, nb, pf, PV_PF_ROW(i), PV_PF_ROW(nrows)); break;
+    case 1: pv_rows_tile(1, NV, A + i * dv + c, dv, Pt + i, ld, V + c, vrs, nb, pf, PV_PF_ROW(i), PV_PF_ROW(nrows)); break;
+    default: break;
+    }
+#undef PV_PF_ROW
+}
+
+/* A (nrows, dv) += (Pt (nb, ld) columns [0, nrows))^T-contracted with V (nb, dv)
+ * row stride vrs: two vectors of columns at a time (the rows four at a time
+ * within), one, then the last dv % L columns; pf's rows (NULL: none) in step
+ * with the columns. */
+static void pv_block_rows(T *restrict A, const T *restrict Pt, const T *restrict V, int64_t vrs,
+                          int64_t ld, int64_t nrows, int64_t dv, int64_t nb, const tile_pf *pf)
+{
+    int64_t c = 0;
+    for (; c + 2 * L <= dv; c += 2 * L) pv_rows_cols(2, A, dv, Pt, ld, nrows, V, vrs, nb, c, pf);
+    if (pf) prefetch_in_step(pf, c, dv, dv); /* the rest */
+    if (c + L <= dv) {
+        pv_rows_cols(1, A, dv, Pt, ld, nrows, V, vrs, nb, c, NULL);
+        c += L;
+    }
+    for (; c < dv; c++)
+        for (int64_t i = 0; i < nrows; i++) {
+            T s = 0;
+            for (int64_t j = 0; j < nb; j++) s += Pt[j * ld + i] * V[j * vrs + c];
+            A[i * dv + c] += s;
+        }
+}
+
 /* Pack the item's queries, times scale, transposed and zero-padded:
  *   Qt (dk, bqp) row stride ld <- q (bq, dk) row stride q_rs
  * L x L blocks in registers (bqp is a whole number of vectors; rows past bq
@@ -416,16 +503,20 @@ static int tile_scores(const fa_attention_args *a, const fa_item *it, const band
 }
 
 /* pv_block over the key ranges of kr (n >= 0), pf's rows during the first
- * (pointers as pv_block's, at the tile's first key).  Off the common path, as
+ * (pointers as pv_block's, at the tile's first key); with rows > 0, Ot is in
+ * rows (PV_ROWS) and pv_block_rows takes that many.  Off the common path, as
  * rows_pv_runs: a second call of pv_block in fa_attn_item made gcc stop
  * inlining it. */
 static __attribute__((noinline)) void pv_block_runs(const key_runs *kr, T *restrict Ot, const T *restrict Pt,
                                                     const T *restrict V, int64_t vrs, int64_t ld, int64_t bqp,
-                                                    int64_t dv, const tile_pf *pf)
+                                                    int64_t dv, const tile_pf *pf, int64_t rows)
 {
     for (int r = 0; r < kr->n; r++) {
         const int64_t j = kr->run[r][0];
-        pv_block(Ot, Pt + j * ld, V + j * vrs, vrs, ld, bqp, dv, kr->run[r][1] - j, r == 0 ? pf : NULL);
+        if (rows) /* Ot in rows (pv_block_rows) */
+            pv_block_rows(Ot, Pt + j * ld, V + j * vrs, vrs, ld, rows, dv, kr->run[r][1] - j, r == 0 ? pf : NULL);
+        else
+            pv_block(Ot, Pt + j * ld, V + j * vrs, vrs, ld, bqp, dv, kr->run[r][1] - j, r == 0 ? pf : NULL);
     }
 }
 
@@ -445,16 +536,34 @@ INLINE vstep_t vstep_begin_lag(vec mo, vec bm)
     return s;
 }
 
+/* Ot in rows (PV_ROWS): row i0 + r of each of the nblk blocks (ld, dv) of A,
+ * its total and compensation (FOLD_KEYS) times lane r of alpha, where that is
+ * not 1 (NaN included) */
+static __attribute__((noinline)) void scale_acc_rows(T *A, int64_t ld, int64_t dv, int64_t nblk, vec alpha,
+                                                     int64_t i0)
+{
+    T al[L];
+    memcpy(al, &alpha, sizeof al);
+    for (int r = 0; r < L; r++) {
+        if (al[r] == 1) continue;
+        for (int64_t x = 0; x < nblk; x++) {
+            T *row = A + x * ld * dv + (i0 + r) * dv;
+            for (int64_t c = 0; c < dv; c++) row[c] *= al[r];
+        }
+    }
+}
+
 /* Pass 4 of fa_attn_item for NV (1 or 2) vectors of query rows, the columns
  * [i, i + NV L) of the key tile's scores St (nb, ld): a bool mask's bits W
  * applied (bits), each row's max, the probabilities exp(s - m) in place, m
  * (lagging: vstep_begin_lag) and l updated (l's compensation at l + ld), the
  * arows rows of Ot (dv, ld) and its total and compensation (FOLD_KEYS)
- * rescaled where m moved.  Two vectors (a cache line's worth with AVX2) walk
+ * rescaled where m moved (rows_dv > 0: Ot in rows, arows / rows_dv blocks
+ * (ld, rows_dv): scale_acc_rows).  Two vectors (a cache line's worth with AVX2) walk
  * the rows of St once, not twice: a little faster than one vector at a time
  * (docs/tuning.md, tile_softmax). */
 INLINE void tile_softmax(const int NV, T *St, const IT *W, int bits, int64_t ld, int64_t nb, T *m, T *l,
-                         T *Ot, int64_t arows, int64_t i)
+                         T *Ot, int64_t arows, int64_t i, int64_t rows_dv)
 {
     vec bm[2], sum[2];
     vstep_t st[2];
@@ -485,7 +594,10 @@ INLINE void tile_softmax(const int NV, T *St, const IT *W, int bits, int64_t ld,
     UNROLL(2) for (int v = 0; v < NV; v++) {
         if (!vall(st[v].alpha == vset1(1))) { /* only when some max grew */
             scale_rows(l + i + v * L, ld, 2, st[v].alpha);
-            scale_rows(Ot + i + v * L, ld, arows, st[v].alpha);
+            if (rows_dv)
+                scale_acc_rows(Ot, ld, rows_dv, arows / rows_dv, st[v].alpha, i + v * L);
+            else
+                scale_rows(Ot + i + v * L, ld, arows, st[v].alpha);
         }
         vacc_add(l + i + v * L, l + ld + i + v * L, sum[v]);
     }
@@ -597,6 +709,8 @@ void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_i
      * query block, a sequence's last (q_len) or a short packed sequence */
     const int64_t bqp = (it->bq + L - 1) / L * L, ld = tl->ld, bk = tl->bk, dk = a->dk, dv = a->dv;
     T *Qt = scratch, *St = Qt + dk * ld, *Ot = St + bk * ld, *m = Ot + 3 * dv * ld, *l = m + ld, *ts = l + 2 * ld;
+    /* one query vector, unfused: Ot in rows, A (ld, dv), and P.V by pv_block_rows */
+    const int64_t rows_dv = PV_ROWS && bqp == L && !tl->fuse ? dv : 0;
     IT *W = (IT *)(ts + ld);
     fuse_t fz = {.m = m, .l = ts, .lr = l, .Ot = Ot, .St = St, .ld = ld, .arows = dv, .regrows = 0};
 
@@ -659,8 +773,8 @@ void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_i
          * query rows at a time. */
         if (bits != 2) {
             int64_t i = 0;
-            for (; i + 2 * L <= bqp; i += 2 * L) tile_softmax(2, St, W, bits, ld, nb, m, l, Ot, fz.arows, i);
-            if (i < bqp) tile_softmax(1, St, W, bits, ld, nb, m, l, Ot, fz.arows, i);
+            for (; i + 2 * L <= bqp; i += 2 * L) tile_softmax(2, St, W, bits, ld, nb, m, l, Ot, fz.arows, i, 0);
+            if (i < bqp) tile_softmax(1, St, W, bits, ld, nb, m, l, Ot, fz.arows, i, rows_dv);
         } else { /* the fused tile's row sums join the running ones */
             for (int64_t i = 0; i < bqp; i += L) {
                 vacc_add(l + i, l + ld + i, vload(ts + i));
@@ -672,20 +786,25 @@ void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_i
          * mask, over the keys that some row sees (visible_runs; a float
          * mask's from mask_tile) */
         if (bits == 1) visible_runs(&kr, W, ld, it->bq, nb);
-        if (runs_whole(&kr, nb))
-            pv_block(Ot, St, vt, vrs, ld, bqp, dv, nb, &pf_k);
+        if (!runs_whole(&kr, nb))
+            pv_block_runs(&kr, Ot, St, vt, vrs, ld, bqp, dv, &pf_k, rows_dv ? it->bq : 0);
+        else if (rows_dv)
+            pv_block_rows(Ot, St, vt, vrs, ld, it->bq, dv, nb, &pf_k);
         else
-            pv_block_runs(&kr, Ot, St, vt, vrs, ld, bqp, dv, &pf_k);
+            pv_block(Ot, St, vt, vrs, ld, bqp, dv, nb, &pf_k);
     }
 
     if (mc.state == 1 && !fa_stopped(a->stop)) /* every tile kept: the next item may read them */
         *mc.head = (mask_head){.mask = it->mask, .j_lo = b.j_lo, .j_hi = b.j_hi, .bq = it->bq};
 
-    /* Pass 6: write out (acc element (i, c) is Ot[c * ld + i]), the
-     * compensations added back. */
+    /* Pass 6: write out (acc element (i, c) is Ot[c * ld + i], in rows
+     * Ot[i * dv + c]), the compensations added back. */
     acc_result(Ot, dv * ld, fz.arows == dv);
     sum_result(l, ld);
-    write_rows(a, it, Ot, 1, ld, m, l, 0);
+    if (rows_dv)
+        write_rows(a, it, Ot, dv, 1, m, l, 0);
+    else
+        write_rows(a, it, Ot, 1, ld, m, l, 0);
     redo_nonfinite_rows(a, tl, it, scratch);
 }
 
