@@ -90,7 +90,7 @@
 /* The avx2 default is Zen 3's table but for q_tile_bytes (docs/tuning.md, "Zen 3"). */
 #define TUNE_AVX2(nm) TUNE_AVX2_Q(nm, 32768)
 #define TUNE_AVX2_Q(nm, qtile)                                                                            \
-    {.name = nm, .rows_max = {6, 3}, .rows_max_big = {5, 5}, .rows_max_dk = {6, 3}, .rows_full = {0, 0},  \
+    {.name = nm, .rows_max = {6, 3}, .rows_max_big = {4, 5}, .rows_max_dk = {6, 3}, .rows_full = {0, 0},  \
      .tail_max = {4, 2}, .decode_pf = {1, 1}, .fuse = 0, .stream = 1, .bk_tiled = 64, .bk_tiled_mem = 32, \
      .q_tile_bytes = qtile, .q_tile_bytes_band = 32768, .bk_rows = 128, .bk_decode = 256,                 \
      .group_bk_max = 64,                                                                                  \
