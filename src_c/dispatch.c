@@ -39,8 +39,9 @@
  * fields (internal.h, fa_tuning):
  *   rows_max      the most query rows that take the row kernel rather than the tiled
  *                 one, whose query rows fill the SIMD lanes;
- *   rows_max_big  the same when K and V exceed kv_mem_bytes: from memory the row
- *                 kernel's prefetch keeps ahead of the tiled kernel for more rows;
+ *   rows_max_big  the same when K and V exceed kv_mem_bytes, where both kernels
+ *                 stream them from memory and the balance moves (more rows with
+ *                 AVX-512, fewer for float32 on AVX2: docs/tuning.md);
  *   rows_max_dk   the same when dk >= FA_ROWS_DK_BIG, K and V in cache: long dot
  *                 products hide the row kernel's horizontal sums;
  *   rows_full     from this many rows up to one vector's lanes, the tiled kernel even
