@@ -34,6 +34,31 @@ def test_tile_sizes(isa, rng, tiles, dtype, bq, bk):
     assert_close(w, ref.attention_weights(q.astype(F64), k.astype(F64), mask=mask, causal=True), dtype)
 
 
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("nq,bq", [(3, 3), (4, 4), (5, 5), (8, 8), (6, 1), (7, 2)])
+@pytest.mark.parametrize("dv", [13, 27])
+def test_single_vector_items(isa, rng, force, dtype, nq, bq, dv):
+    """Items of at most one vector of query rows (PV_ROWS on AVX2: the
+    accumulator in rows): dv by two-vector column tiles, a one-vector tile and
+    a rest (13 and 27 against 4 and 8 lanes); items of bq rows, 1-3 of them
+    past a group of four; a bool mask whose tiles P.V takes in runs; a float
+    mask; two threads; scores rising by 40 a 16-key tile, past the lagging max
+    at every tile (the rows rescaled, with their total after FOLD_KEYS).  The
+    tiled kernel forced (rows_max 1): the row kernel takes so few rows by
+    default."""
+    force.set(bq=bq, bk=16, rows_max=1)
+    nk = 1300
+    q, k, v = rand(rng, (2, nq, 24), dtype), rand(rng, (2, nk, 24), dtype), rand(rng, (2, nk, dv), dtype)
+    mask = rng.random((nq, nk)) < 0.7
+    mask[:, 100:140] = False                   # keys no row sees: runs in a tile
+    check(q, k, v, dtype)
+    check(q, k, v, dtype, mask=mask, causal=True)
+    check(q, k, v, dtype, mask=rng.standard_normal((nq, nk)).astype(dtype), num_threads=2)
+    q, k, v = _scored_inputs(rng, dtype, nq, nk, 40 * np.arange(nk) / 16, dv=dv)
+    check(q, k, v, dtype, scale=1.0)
+    check(q, k, v, dtype, scale=1.0, num_threads=2, causal=True)
+
+
 # ---------------------------------------------------------------------------
 # the fused exp (kernel_body.h, FUSE_LAG): a key tile takes its probabilities
 # against a reference max that may lag the true one by up to 24; a register

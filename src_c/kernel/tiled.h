@@ -38,8 +38,9 @@ enum { RB = FA_VB == 64 ? FA_RB64 : 6 };
  * FUSE_LAG (24): the lag that makes rescaling rare while p <= e^24 keeps l and
  * Ot far from overflow; the unfused pass lags by the same (vstep_begin_lag).
  * The fused exp is faster with the 32 registers of AVX-512; with 16 the exp
- * has no room beside the accumulators and it was slower, so only AVX-512 takes it (tl->fuse, from the tuning table in
- * dispatch.c; the tests force it on and off; docs/tuning.md, FUSE_LAG). */
+ * has no room beside the accumulators and it was slower, so only AVX-512
+ * takes it (tl->fuse, from the tuning table in dispatch.c; the tests force it
+ * on and off; docs/tuning.md, FUSE_LAG). */
 #define FUSE_LAG 24
 typedef struct {
     T *m;            /* (bqp) reference max of the item's rows */
@@ -287,15 +288,17 @@ INLINE void pv_rows_cols(const int NV, T *restrict A, int64_t dv, const T *restr
     /* pf's rows in step with the columns (prefetch_in_step), spread over the keys */
     const int64_t n = pf ? (pf->nk > pf->nq ? pf->nk : pf->nq) : 0, w = NV * L;
 #define PV_PF_ROW(x) (pf ? ((c + (x) * w / nrows) < dv ? (c + (x) * w / nrows) * n / dv : n) : 0)
+#define PV_ROWS_TILE(R, i_end)                                                                          \
+    pv_rows_tile(R, NV, A + i * dv + c, dv, Pt + i, ld, V + c, vrs, nb, pf, PV_PF_ROW(i), PV_PF_ROW(i_end))
     int64_t i = 0;
-    for (; i + 4 <= nrows; i += 4)
-        pv_rows_tile(4, NV, A + i * dv + c, dv, Pt + i, ld, V + c, vrs, nb, pf, PV_PF_ROW(i), PV_PF_ROW(i + 4));
+    for (; i + 4 <= nrows; i += 4) PV_ROWS_TILE(4, i + 4);
     switch (nrows - i) {
-    case 3: pv_rows_tile(3, NV, A + i * dv + c, dv, Pt + i, ld, V + c, vrs, nb, pf, PV_PF_ROW(i), PV_PF_ROW(nrows)); break;
-    case 2: pv_rows_tile(2, NV, A + i * dv + c, dv, Pt + i, ld, V + c, vrs, nb, pf, PV_PF_ROW(i), PV_PF_ROW(nrows)); break;
-    case 1: pv_rows_tile(1, NV, A + i * dv + c, dv, Pt + i, ld, V + c, vrs, nb, pf, PV_PF_ROW(i), PV_PF_ROW(nrows)); break;
+    case 3: PV_ROWS_TILE(3, nrows); break;
+    case 2: PV_ROWS_TILE(2, nrows); break;
+    case 1: PV_ROWS_TILE(1, nrows); break;
     default: break;
     }
+#undef PV_ROWS_TILE
 #undef PV_PF_ROW
 }
 
@@ -559,9 +562,9 @@ static __attribute__((noinline)) void scale_acc_rows(T *A, int64_t ld, int64_t d
  * (lagging: vstep_begin_lag) and l updated (l's compensation at l + ld), the
  * arows rows of Ot (dv, ld) and its total and compensation (FOLD_KEYS)
  * rescaled where m moved (rows_dv > 0: Ot in rows, arows / rows_dv blocks
- * (ld, rows_dv): scale_acc_rows).  Two vectors (a cache line's worth with AVX2) walk
- * the rows of St once, not twice: a little faster than one vector at a time
- * (docs/tuning.md, tile_softmax). */
+ * (ld, rows_dv): scale_acc_rows).  Two vectors (a cache line's worth with
+ * AVX2) walk the rows of St once, not twice: a little faster than one vector
+ * at a time (docs/tuning.md, tile_softmax). */
 INLINE void tile_softmax(const int NV, T *St, const IT *W, int bits, int64_t ld, int64_t nb, T *m, T *l,
                          T *Ot, int64_t arows, int64_t i, int64_t rows_dv)
 {
