@@ -41,11 +41,12 @@ def test_widen_every_value(isa, dtype):
         np.testing.assert_array_equal(_core.kv_widen(x[1000:1000 + n]), want[1000:1000 + n])
 
 
-# (n_q, n_k): decoding, a few rows (the row kernel), the tiled kernel with its tail
-# (two query blocks a leading index: its keys widened once for both), with one query
-# block (a key tile widened at a time), and split keys on either (forced: partials of
-# 512 keys, merged)
-_SHAPES = {"decode": (1, 700), "rows": (3, 300), "tiled": (70, 200), "tiled_one_block": (16, 200),
+# (n_q, n_k): decoding, a few rows (the row kernel), the tiled kernel with two or more
+# query blocks a leading index (its keys widened once for them; 200 rows are two or more
+# blocks past any tail with each built-in table: 70 were one and a tail with 64-row
+# blocks and tail_max 8), with one query block (a key tile widened at a time), and split
+# keys on either (forced: partials of 512 keys, merged)
+_SHAPES = {"decode": (1, 700), "rows": (3, 300), "tiled": (200, 200), "tiled_one_block": (16, 200),
            "split": (2, 2100), "tiled_split": (70, 2100)}
 _OPTIONS = {
     "plain": {},
