@@ -118,7 +118,7 @@ static fa_isa_table table_avx512 = {.name = "avx512", .tune = TUNE_AVX512("avx51
 /* Zen 5, retuned (docs/tuning.md, "Zen 5"). */
 #define TUNE_ZEN5                                                                                           \
     {.name = "zen5", .rows_max = {12, 10}, .rows_max_big = {24, 20}, .rows_max_dk = {24, 12},               \
-     .rows_full = {14, 0}, .tail_max = {8, 4}, .decode_pf = {0, 0}, .fuse = 1, .stream = 0, .bk_tiled = 64, \
+     .rows_full = {14, 0}, .tail_max = {8, 4}, .decode_pf = {1, 1}, .fuse = 1, .stream = 0, .bk_tiled = 64, \
      .bk_tiled_mem = 16, .q_tile_bytes = 131072, .q_tile_bytes_band = 131072, .bk_rows = 512,             \
      .bk_decode = 1024, .group_bk_max = 256,                                                                \
      .group_tile_bytes = 1 << 20, .group_touch = 0, .fold_rows = 8, .fold_rows_big = 12,                    \
@@ -136,23 +136,43 @@ static fa_isa_table table_avx512 = {.name = "avx512", .tune = TUNE_AVX512("avx51
      .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = (int64_t)16 << 20,       \
      .bwd_bq = 64, .bwd_bk = 256, .rows_full_dk = 0, .rows_max_kv = 0}
 
+/* An Intel Xeon that KVM reports as family 6 model 167 with a 480 MiB L3, AMX
+ * and AVX512-FP16 (Granite Rapids by those; docs/tuning.md, "Intel Xeon, model
+ * 167"): the avx512 default but for K and V from memory beyond 48 MiB (not 1.5
+ * times the socket's L3, of which two cores of a VM hold far less), no
+ * prefetch across passes, longer key tiles for the row kernel, shorter ones
+ * for the tiled kernel from memory, and larger query tiles, prefill's and
+ * the backward's. */
+#define TUNE_XEON_A7                                                                                         \
+    {.name = "xeon-a7", .rows_max = {12, 12}, .rows_max_big = {24, 20}, .rows_max_dk = {24, 20},            \
+     .rows_full = {14, 0}, .tail_max = {8, 4}, .decode_pf = {1, 1}, .fuse = 1, .stream = 0, .bk_tiled = 64, \
+     .bk_tiled_mem = 16, .q_tile_bytes = 131072, .q_tile_bytes_band = 32768, .bk_rows = 512,               \
+     .bk_decode = 256, .group_bk_max = 64,                                                                  \
+     .group_tile_bytes = 256 << 10, .group_touch = 0, .fold_rows = 8, .fold_rows_big = 12,                  \
+     .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = (int64_t)16 << 20,       \
+     .bwd_bq = 64, .bwd_bk = 256, .rows_full_dk = 0, .rows_max_kv = 0}
+
 /* The CPUs with tables of their own, by CPUID vendor, family and model ranges
- * (as Linux's arch/x86/kernel/cpu/amd.c names them), for one ISA: the defaults
- * above were measured on these CPUs (Zen 3 for avx2, Zen 4 for avx512), with
- * their measured cache sizes; Zen 3, 4 and 5 since retuned. */
+ * (as Linux's arch/x86/kernel/cpu/amd.c names them) and an L3 of at least
+ * l3_min bytes (0: any), for one ISA: the defaults above were measured on
+ * these CPUs (Zen 3 for avx2, Zen 4 for avx512), with their measured cache
+ * sizes; Zen 3, 4 and 5 since retuned. */
 typedef struct {
     const char *vendor;
     int family, model_lo, model_hi;
+    int64_t l3_min;
     const char *isa;
     fa_tuning tune;
 } cpu_table;
 static const cpu_table cpu_tables[] = {
-    {"AuthenticAMD", 0x19, 0x00, 0x0f, "avx2", TUNE_AVX2_Q("zen3", 65536)},
-    {"AuthenticAMD", 0x19, 0x20, 0x5f, "avx2", TUNE_AVX2_Q("zen3", 65536)},
-    {"AuthenticAMD", 0x19, 0x10, 0x1f, "avx512", TUNE_ZEN4},
-    {"AuthenticAMD", 0x19, 0x60, 0xaf, "avx512", TUNE_ZEN4},
-    {"AuthenticAMD", 0x1a, 0x00, 0x4f, "avx512", TUNE_ZEN5},
-    {"AuthenticAMD", 0x1a, 0x60, 0x7f, "avx512", TUNE_ZEN5},
+    {"AuthenticAMD", 0x19, 0x00, 0x0f, 0, "avx2", TUNE_AVX2_Q("zen3", 65536)},
+    {"AuthenticAMD", 0x19, 0x20, 0x5f, 0, "avx2", TUNE_AVX2_Q("zen3", 65536)},
+    {"AuthenticAMD", 0x19, 0x10, 0x1f, 0, "avx512", TUNE_ZEN4},
+    {"AuthenticAMD", 0x19, 0x60, 0xaf, 0, "avx512", TUNE_ZEN4},
+    {"AuthenticAMD", 0x1a, 0x00, 0x4f, 0, "avx512", TUNE_ZEN5},
+    {"AuthenticAMD", 0x1a, 0x60, 0x7f, 0, "avx512", TUNE_ZEN5},
+    /* not Rocket Lake, the desktop CPU of that model (16 MiB L3) */
+    {"GenuineIntel", 0x06, 0xa7, 0xa7, (int64_t)256 << 20, "avx512", TUNE_XEON_A7},
 };
 
 static void read_cpu(fa_cpu *out);
@@ -287,7 +307,10 @@ static fa_tuning tunings[2];
 static const fa_tuning *tuning = NULL;
 
 /* The built-in tuning of table t's ISA on this CPU: its own table if one was
- * measured, else the ISA's default with sizes from this CPU's L3. */
+ * measured, else the ISA's default with sizes from this CPU's L3, counted as at
+ * most L3_CAP: a larger L3 is a server socket's, shared by dozens of cores (a
+ * VM's two cores hold far less of it: docs/tuning.md, kv_mem_bytes). */
+#define L3_CAP ((int64_t)32 << 20)
 static void builtin_for(const fa_isa_table *t, fa_tuning *out)
 {
     fa_cpu cpu;
@@ -295,15 +318,16 @@ static void builtin_for(const fa_isa_table *t, fa_tuning *out)
     for (size_t i = 0; i < sizeof cpu_tables / sizeof cpu_tables[0]; i++) {
         const cpu_table *c = &cpu_tables[i];
         if (strcmp(c->vendor, cpu.vendor) == 0 && c->family == cpu.family && cpu.model >= c->model_lo &&
-            cpu.model <= c->model_hi && strcmp(c->isa, t->name) == 0) {
+            cpu.model <= c->model_hi && cpu.l3_bytes >= c->l3_min && strcmp(c->isa, t->name) == 0) {
             *out = c->tune;
             return;
         }
     }
     *out = t->tune;
     if (cpu.l3_bytes >= ((int64_t)4 << 20)) {
-        out->kv_mem_bytes = cpu.l3_bytes / 2 * 3;
-        out->kv_far_bytes = cpu.l3_bytes / 2;
+        const int64_t l3 = cpu.l3_bytes < L3_CAP ? cpu.l3_bytes : L3_CAP;
+        out->kv_mem_bytes = l3 / 2 * 3;
+        out->kv_far_bytes = l3 / 2;
     }
 }
 
