@@ -24,9 +24,20 @@ def test_cpu_info_and_the_table_in_use():
     assert set(_core.TUNING_FIELDS) <= set(t) and t["isa"] == _core.isa_name()
     if _tune.state["source"] == "built-in":
         assert t == dict(_core.builtin_tuning(), isa=t["isa"], lanes=t["lanes"])
-    if t["name"] in ("avx512", "avx2", "generic") and c["l3_bytes"] >= 4 << 20:
-        # a CPU without a table of its own: the sizes follow its L3
-        assert (t["kv_mem_bytes"], t["kv_far_bytes"]) == (c["l3_bytes"] // 2 * 3, c["l3_bytes"] // 2)
+
+
+def test_a_default_table_sizes_follow_the_l3_up_to_32_mib(isa):
+    """A CPU without a table of its own (on this path): kv_mem_bytes and kv_far_bytes
+    are 1.5 and 0.5 times its L3, counted as at most 32 MiB (a larger L3 is a socket's,
+    shared by many cores)."""
+    l3, t = _core.cpu_info()["l3_bytes"], _core.isa_table()
+    if t["name"] not in ("avx512", "avx2", "generic"):
+        assert t["kv_mem_bytes"] > 0 and t["kv_far_bytes"] > 0   # a measured table: its own sizes
+    elif l3 < 4 << 20:
+        assert (t["kv_mem_bytes"], t["kv_far_bytes"]) == (48 << 20, 16 << 20)   # unknown: the default's
+    else:
+        l3 = min(l3, 32 << 20)
+        assert (t["kv_mem_bytes"], t["kv_far_bytes"]) == (l3 // 2 * 3, l3 // 2)
 
 
 def test_set_tuning_changes_the_plan_and_restores(rng, tuning):
