@@ -141,11 +141,12 @@ static fa_isa_table table_avx512 = {.name = "avx512", .tune = TUNE_AVX512("avx51
  * 167"): the avx512 default but for K and V from memory beyond 48 MiB (not 1.5
  * times the socket's L3, of which two cores of a VM hold far less), no
  * prefetch across passes, longer key tiles for the row kernel, shorter ones
- * for the tiled kernel from memory, and larger query tiles, prefill's and
- * the backward's. */
+ * for the tiled kernel from memory, larger query tiles, prefill's and the
+ * backward's; float64: the tiled kernel from 5 rows from memory and from 13
+ * at d128 in cache, and decoding without software prefetch. */
 #define TUNE_XEON_A7                                                                                         \
-    {.name = "xeon-a7", .rows_max = {12, 12}, .rows_max_big = {24, 20}, .rows_max_dk = {24, 20},            \
-     .rows_full = {14, 0}, .tail_max = {8, 4}, .decode_pf = {1, 1}, .fuse = 1, .stream = 0, .bk_tiled = 64, \
+    {.name = "xeon-a7", .rows_max = {12, 12}, .rows_max_big = {24, 4}, .rows_max_dk = {24, 12},             \
+     .rows_full = {14, 0}, .tail_max = {8, 4}, .decode_pf = {1, 0}, .fuse = 1, .stream = 0, .bk_tiled = 64, \
      .bk_tiled_mem = 16, .q_tile_bytes = 131072, .q_tile_bytes_band = 32768, .bk_rows = 512,               \
      .bk_decode = 256, .group_bk_max = 64,                                                                  \
      .group_tile_bytes = 256 << 10, .group_touch = 0, .fold_rows = 8, .fold_rows_big = 12,                  \
