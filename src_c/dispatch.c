@@ -54,6 +54,8 @@
  *                 into its scratch first (0: those three);
  *   tail_max      the most rows past the tiled kernel's last whole vector (of at least
  *                 16 rows) that the row kernel takes, after that block;
+ *   tail_mem      0: none after a single block with K and V from memory, where the tail
+ *                 would read them a second time;
  *   decode_pf     decoding's software prefetch of float32 and float64 K and V rows
  *                 (one row: item_rows, decode_step), where the hardware's alone falls behind;
  *   fuse          the tiled kernel's fused exp, where 32 vector registers leave it room;
@@ -87,7 +89,7 @@
      .bk_decode = 256, .group_bk_max = 64, .group_tile_bytes = 256 << 10, .group_touch = 0, .fold_rows = 8, \
      .fold_rows_big = 8,                                                                                   \
      .fold_big_bytes = INT64_MAX, .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = (int64_t)16 << 20,    \
-     .bwd_bq = 64, .bwd_bk = 256, .rows_full_dk = 0, .rows_max_kv = 0}
+     .bwd_bq = 64, .bwd_bk = 256, .rows_full_dk = 0, .rows_max_kv = 0, .tail_mem = 1}
 /* The avx2 default is Zen 3's table but for q_tile_bytes (docs/tuning.md, "Zen 3"). */
 #define TUNE_AVX2(nm) TUNE_AVX2_Q(nm, 32768)
 #define TUNE_AVX2_Q(nm, qtile)                                                                            \
@@ -97,7 +99,7 @@
      .group_bk_max = 64,                                                                                  \
      .group_tile_bytes = 256 << 10, .group_touch = 1, .fold_rows = 8, .fold_rows_big = 12,                \
      .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = (int64_t)16 << 20,     \
-     .bwd_bq = 64, .bwd_bk = 256, .rows_full_dk = 0, .rows_max_kv = 12}
+     .bwd_bq = 64, .bwd_bk = 256, .rows_full_dk = 0, .rows_max_kv = 12, .tail_mem = 1}
 #define TUNE_AVX512(nm)                                                                                     \
     {.name = nm, .rows_max = {12, 12}, .rows_max_big = {24, 20}, .rows_max_dk = {24, 20},                   \
      .rows_full = {14, 0}, .tail_max = {8, 4}, .decode_pf = {1, 1}, .fuse = 1, .stream = 1, .bk_tiled = 64, \
@@ -105,7 +107,7 @@
      .bk_decode = 256, .group_bk_max = 64,                                                                  \
      .group_tile_bytes = 256 << 10, .group_touch = 0, .fold_rows = 8, .fold_rows_big = 12,                  \
      .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = (int64_t)16 << 20,       \
-     .bwd_bq = 32, .bwd_bk = 64, .rows_full_dk = 0, .rows_max_kv = 0}
+     .bwd_bq = 32, .bwd_bk = 64, .rows_full_dk = 0, .rows_max_kv = 0, .tail_mem = 1}
 
 static fa_isa_table table_generic = {.name = "generic", .tune = TUNE_GENERIC("generic"), FA_KERNELS(generic)};
 #ifdef FA_HAVE_AVX2_BUILD
@@ -123,7 +125,7 @@ static fa_isa_table table_avx512 = {.name = "avx512", .tune = TUNE_AVX512("avx51
      .bk_decode = 1024, .group_bk_max = 256,                                                                \
      .group_tile_bytes = 1 << 20, .group_touch = 0, .fold_rows = 8, .fold_rows_big = 12,                    \
      .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = INT64_MAX, .bwd_bq = 64, \
-     .bwd_bk = 256, .rows_full_dk = 128, .rows_max_kv = 0}
+     .bwd_bk = 256, .rows_full_dk = 128, .rows_max_kv = 0, .tail_mem = 1}
 
 /* Zen 4, the avx512 default but for the row kernel's key tiles and the backward's
  * tiles (docs/tuning.md, "Zen 4"). */
@@ -134,7 +136,7 @@ static fa_isa_table table_avx512 = {.name = "avx512", .tune = TUNE_AVX512("avx51
      .bk_decode = 256, .group_bk_max = 64,                                                                  \
      .group_tile_bytes = 256 << 10, .group_touch = 0, .fold_rows = 8, .fold_rows_big = 12,                  \
      .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = (int64_t)16 << 20,       \
-     .bwd_bq = 64, .bwd_bk = 256, .rows_full_dk = 0, .rows_max_kv = 0}
+     .bwd_bq = 64, .bwd_bk = 256, .rows_full_dk = 0, .rows_max_kv = 0, .tail_mem = 1}
 
 /* An Intel Xeon that KVM reports as family 6 model 167 with a 480 MiB L3, AMX
  * and AVX512-FP16 (Granite Rapids by those; docs/tuning.md, "Intel Xeon, model
@@ -142,16 +144,17 @@ static fa_isa_table table_avx512 = {.name = "avx512", .tune = TUNE_AVX512("avx51
  * times the socket's L3, of which two cores of a VM hold far less), no
  * prefetch across passes, longer key tiles for the row kernel, shorter ones
  * for the tiled kernel from memory, larger query tiles, prefill's and the
- * backward's; float64: the tiled kernel from 5 rows from memory and from 13
- * at d128 in cache, and decoding without software prefetch. */
+ * backward's; from memory the tiled kernel from 9 rows (float64: 5), without
+ * a tail after a single block; float64 from 13 rows at d128 in cache, and its
+ * decoding without software prefetch. */
 #define TUNE_XEON_A7                                                                                         \
-    {.name = "xeon-a7", .rows_max = {12, 12}, .rows_max_big = {24, 4}, .rows_max_dk = {24, 12},             \
+    {.name = "xeon-a7", .rows_max = {12, 12}, .rows_max_big = {8, 4}, .rows_max_dk = {24, 12},              \
      .rows_full = {14, 0}, .tail_max = {8, 4}, .decode_pf = {1, 0}, .fuse = 1, .stream = 0, .bk_tiled = 64, \
      .bk_tiled_mem = 16, .q_tile_bytes = 131072, .q_tile_bytes_band = 32768, .bk_rows = 512,               \
      .bk_decode = 256, .group_bk_max = 64,                                                                  \
      .group_tile_bytes = 256 << 10, .group_touch = 0, .fold_rows = 8, .fold_rows_big = 12,                  \
      .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = (int64_t)16 << 20,       \
-     .bwd_bq = 64, .bwd_bk = 256, .rows_full_dk = 0, .rows_max_kv = 0}
+     .bwd_bq = 64, .bwd_bk = 256, .rows_full_dk = 0, .rows_max_kv = 0, .tail_mem = 0}
 
 /* The CPUs with tables of their own, by CPUID vendor, family and model ranges
  * (as Linux's arch/x86/kernel/cpu/amd.c names them) and an L3 of at least
@@ -387,7 +390,7 @@ int fa_tuning_check(const fa_tuning *t)
         !in(t->q_tile_bytes, 4096, 1 << 22) || !in(t->q_tile_bytes_band, 4096, 1 << 22) ||
         !in(t->bk_rows, 8, 4096) || !in(t->bk_decode, 8, 4096) || !in(t->group_bk_max, 8, 1024) ||
         !in(t->group_tile_bytes, 1, (int64_t)1 << 30) || !in(t->group_touch, 0, 1) ||
-        !in(t->rows_full_dk, 0, 1 << 16) || !in(t->rows_max_kv, 0, FA_ROWS_CAP) ||
+        !in(t->rows_full_dk, 0, 1 << 16) || !in(t->rows_max_kv, 0, FA_ROWS_CAP) || !in(t->tail_mem, 0, 1) ||
         !in(t->fold_rows, 0, 1024) || !in(t->fold_rows_big, 0, 1024) || t->fold_big_bytes < 0 ||
         t->kv_mem_bytes < 0 || t->kv_far_bytes < 0 || !in(t->bwd_bq, 8, 256) || !in(t->bwd_bk, 16, 1024))
         return FA_EINVAL;

@@ -194,6 +194,9 @@ typedef struct {
                                        * the row kernel, in place of the three above */
     int tail_max[2];                  /* the tiled kernel's last rows past whole vectors
                                        * take the row kernel up to this many (plan.c) */
+    int tail_mem;                     /* ... also after a single block of whole vectors
+                                       * with K and V from memory (0: that block takes
+                                       * them, so that K and V are read once) */
     int decode_pf[2];                 /* decoding (one row, item_rows) prefetches float32
                                        * or float64 K and V rows (16-bit ones: always) */
     int fuse;                         /* the tiled kernel's fused exp */

@@ -245,11 +245,13 @@ int fa_attention_plan(const fa_attention_args *a, int weights, fa_plan *p)
      * row kernel, up to tail_max of them after at least 16 rows, right after
      * the block before them on the same thread, while K and V are still in its
      * caches.  Not with packed sequences, the weights, forced rows or tiles, or
-     * split keys. */
+     * split keys; nor, where the table's tail_mem is 0, after a single block
+     * with K and V from memory: the tail would read them from memory again. */
     if (p->kernel == FA_KERNEL_TILED && !a->q_start && !f->rows_max && !f->bq && p->long_splits == 1) {
         const int64_t bq = p->tiles.bq, last = a->nq - (a->nq - 1) / bq * bq, r = last % p->lanes;
         const int64_t blocks = (a->nq - r + bq - 1) / bq;
-        if (r > 0 && r <= p->tail_max && a->nq - r >= 16 && p->n_lead * blocks >= want) {
+        if (r > 0 && r <= p->tail_max && a->nq - r >= 16 && p->n_lead * blocks >= want &&
+            (tu->tail_mem || blocks > 1 || !p->from_memory)) {
             p->tiles.q_main = a->nq - r;
             p->tail = 1;
         }

@@ -180,11 +180,15 @@ def rows_limits(dtype, kind, dk=None, contiguous=True):
     return limit, ((full, t["lanes"][x]) if full else None)
 
 
-def tail_rows(isa, dtype, nq):
+def tail_rows(isa, dtype, nq, one_block_from_memory=False):
     """The rows of nq that the row kernel takes as the tiled kernel's tail (with
-    enough blocks for the threads; the blocks are whole vectors but the last)."""
+    enough blocks for the threads; the blocks are whole vectors but the last);
+    none after a single block with K and V from memory where the table's tail_mem
+    is off."""
     t, x = _core.isa_table(), int(dtype == F64)
     assert t["isa"] == isa
+    if one_block_from_memory and not t["tail_mem"]:
+        return 0
     r = nq % t["lanes"][x]
     return r if 0 < r <= t["tail_max"][x] and nq - r >= 16 else 0
 

@@ -62,7 +62,7 @@ def test_row_kernel_choice(isa, rng, rows_max, dtype, kv_mib, d, force, tuning):
         rows_max(0)
         assert not np.array_equal(by_rows, tiled)    # the two kernels can be told apart
         few = nq <= limit and not (full and full[0] <= nq <= full[1])
-        tail = 0 if few else tail_rows(isa, dtype, nq)
+        tail = 0 if few else tail_rows(isa, dtype, nq, one_block_from_memory=kind == 1)   # (nq < any block)
         main = nq - tail   # the tiled kernel's rows; the rest: the row kernel's tail
         np.testing.assert_array_equal(out[..., :main, :], (by_rows if few else tiled)[..., :main, :],
                                       err_msg=f"{nq} rows")

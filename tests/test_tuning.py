@@ -234,10 +234,30 @@ def test_rows_max_kv_from_the_table(isa, rng, tuning, dtype):
                 check(q, k16, v16, F32, num_threads=(1, 2), causal=True)
 
 
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_tail_mem_from_the_table(isa, rng, tuning, dtype):
+    """tail_mem 0: no tail after a single block of whole vectors with K and V from memory
+    (the block takes the row, padded); a tail in cache, after two blocks (65 rows: 32-row
+    blocks for two heads on two threads), or with tail_mem 1.  Results against the
+    reference either way."""
+    lanes = _core.isa_table()["lanes"][int(dtype == F64)]
+    for on in (0, 1):
+        for mem in (False, True):
+            tuning(rows_max=(1, 1), rows_max_big=(1, 1), rows_max_dk=(1, 1), rows_full=(0, 0),
+                   tail_max=(lanes - 1, lanes - 1), tail_mem=on, kv_mem_bytes=(1 << 10) if mem else (1 << 40))
+            assert _core.isa_table()["tail_mem"] == bool(on)
+            for nq in (17, 65):
+                q, k, v = rand(rng, (2, nq, 40), dtype), rand(rng, (2, 300, 40), dtype), rand(rng, (2, 300, 24), dtype)
+                p = _plan(q, k, v, num_threads=2)
+                want = bool(on or not mem or nq == 65)
+                assert p["kernel"] == "tiled" and p["tail"] == want, (on, mem, nq, p["bq"], p["n_qb"], p["tail"])
+                check(q, k, v, dtype, num_threads=(1, 2))
+
+
 @pytest.mark.parametrize("fields, word", [
     ({"rows_max": (0, 4)}, "out of range"), ({"rows_max": (25, 4)}, "out of range"),
     ({"tail_max": (-1, 0)}, "out of range"), ({"rows_full": (17, 0)}, "out of range"),
-    ({"rows_full_dk": -1}, "out of range"), ({"rows_max_kv": 25}, "out of range"),
+    ({"rows_full_dk": -1}, "out of range"), ({"rows_max_kv": 25}, "out of range"), ({"tail_mem": 2}, "out of range"),
     ({"bk_tiled": 4}, "out of range"), ({"bk_rows": 5000}, "out of range"),
     ({"bk_decode": 0}, "out of range"), ({"group_bk_max": 4}, "out of range"),
     ({"group_tile_bytes": 0}, "out of range"), ({"group_touch": 2}, "out of range"),
