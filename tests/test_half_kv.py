@@ -43,9 +43,8 @@ def test_widen_every_value(isa, dtype):
 
 # (n_q, n_k): decoding, a few rows (the row kernel), the tiled kernel with two or more
 # query blocks a leading index (its keys widened once for them; 200 rows are two or more
-# blocks past any tail with each built-in table: 70 were one and a tail with 64-row
-# blocks and tail_max 8), with one query block (a key tile widened at a time), and split
-# keys on either (forced: partials of 512 keys, merged)
+# blocks past any tail with each built-in table), with one query block (a key tile
+# widened at a time), and split keys on either (forced: partials of 512 keys, merged)
 _SHAPES = {"decode": (1, 700), "rows": (3, 300), "tiled": (200, 200), "tiled_one_block": (16, 200),
            "split": (2, 2100), "tiled_split": (70, 2100)}
 _OPTIONS = {
