@@ -158,7 +158,7 @@ cdef extern from "runtime.h" nogil:
 
     ctypedef struct fa_tiles:
         int64_t bq, bk, bqp, ld, q_main
-        int fuse, stream, far, decode_pf, group_touch
+        int fuse, stream, far, pf_l1, decode_pf, group_touch
         int64_t kv_rows, mt_off
 
     ctypedef struct fa_plan:
@@ -183,6 +183,7 @@ cdef extern from "runtime.h" nogil:
         int rows_max_kv
         int tail_max[2]
         int tail_mem
+        int tile_pf_l1
         int decode_pf[2]
         int fuse, stream, bk_tiled, bk_tiled_mem, q_tile_bytes, q_tile_bytes_band, bk_rows, bk_decode
         int group_bk_max, group_touch
@@ -928,8 +929,8 @@ def gqa_fold(int64_t n_q, int64_t kv_bytes):
 # the fields of a tuning table (src_c/internal.h, fa_tuning): {float32, float64} pairs first
 TUNING_PAIRS = ("rows_max", "rows_max_big", "rows_max_dk", "rows_full", "tail_max", "decode_pf")   # two int each
 # the other fields and the bits of their C types
-_TUNING_BITS = {"rows_full_dk": 32, "rows_max_kv": 32, "tail_mem": 32, "fuse": 32, "stream": 32, "bk_tiled": 32,
-                "bk_tiled_mem": 32, "q_tile_bytes": 32, "q_tile_bytes_band": 32, "bk_rows": 32, "bk_decode": 32,
+_TUNING_BITS = {"rows_full_dk": 32, "rows_max_kv": 32, "tail_mem": 32, "tile_pf_l1": 32, "fuse": 32, "stream": 32,
+                "bk_tiled": 32, "bk_tiled_mem": 32, "q_tile_bytes": 32, "q_tile_bytes_band": 32, "bk_rows": 32, "bk_decode": 32,
                 "group_bk_max": 32, "group_tile_bytes": 64, "group_touch": 32, "fold_rows": 32, "fold_rows_big": 32,
                 "fold_big_bytes": 64, "kv_mem_bytes": 64, "kv_far_bytes": 64, "bwd_bq": 32, "bwd_bk": 32}
 TUNING_FIELDS = TUNING_PAIRS + tuple(_TUNING_BITS)
@@ -941,7 +942,7 @@ cdef dict _tuning_dict(const fa_tuning *t):
     for key in TUNING_PAIRS:
         d[key] = tuple(d[key])
     d["fuse"], d["stream"], d["group_touch"] = bool(d["fuse"]), bool(d["stream"]), bool(d["group_touch"])
-    d["tail_mem"] = bool(d["tail_mem"])
+    d["tail_mem"], d["tile_pf_l1"] = bool(d["tail_mem"]), bool(d["tile_pf_l1"])
     return d
 
 
@@ -1044,7 +1045,7 @@ cdef dict _plan_dict(const fa_plan *p):
         "isa": fa_isa_name().decode(),
         "bq": p.tiles.bq, "bk": p.tiles.bk, "bqp": p.tiles.bqp, "ld": p.tiles.ld,
         "fuse": bool(p.tiles.fuse), "stream": bool(p.tiles.stream), "far": bool(p.tiles.far),
-        "decode_pf": bool(p.tiles.decode_pf), "group_touch": bool(p.tiles.group_touch),
+        "pf_l1": bool(p.tiles.pf_l1), "decode_pf": bool(p.tiles.decode_pf), "group_touch": bool(p.tiles.group_touch),
         "kv_rows": p.tiles.kv_rows, "lanes": p.lanes, "rows_max": p.rows_max,
         "rows_full": (p.full_lo, p.full_hi) if p.full_lo <= p.full_hi else None,
         "tail_max": p.tail_max,

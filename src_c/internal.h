@@ -64,6 +64,8 @@ typedef struct {
                    * tile's K during its P.V (rows.h, item_rows) */
     int far;      /* K and V exceed the tuning's kv_far_bytes: the row kernel prefetches the
                    * K and V rows it reads into L2, further ahead (prefetch_row) */
+    int pf_l1;    /* the tiled kernel prefetches its next pass's rows into L1, not L2
+                   * (the tuning's tile_pf_l1; prefetch.h, tile_prefetch) */
     int decode_pf; /* one row (decoding): the row kernel prefetches the K and V rows it
                    * reads (0: it leaves them to the hardware prefetchers) */
     int group_touch; /* the group kernel's tiles: the next one read ahead by loads in
@@ -197,6 +199,9 @@ typedef struct {
     int tail_mem;                     /* ... also after a single block of whole vectors
                                        * with K and V from memory (0: that block takes
                                        * them, so that K and V are read once) */
+    int tile_pf_l1;                   /* the tiled kernel's prefetch one pass ahead
+                                       * (tile_pf) into L1, not L2, for items of at most
+                                       * 32 rows with K and V from memory */
     int decode_pf[2];                 /* decoding (one row, item_rows) prefetches float32
                                        * or float64 K and V rows (16-bit ones: always) */
     int fuse;                         /* the tiled kernel's fused exp */

@@ -254,10 +254,42 @@ def test_tail_mem_from_the_table(isa, rng, tuning, dtype):
                 check(q, k, v, dtype, num_threads=(1, 2))
 
 
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_tile_pf_l1_from_the_table(isa, rng, tuning, dtype):
+    """tile_pf_l1: the tiled kernel's items of at most 32 rows with K and V from memory
+    prefetch into L1, with key tiles of at most bk_tiled_mem rows of 512 bytes (d_k 200:
+    10 float32 keys, and at least 8, not 4, float64 ones); not in cache, not over 32 rows,
+    not for K and V rows at the heads' stride (blhd) nor for 16-bit K and V.  Results
+    against the reference either way, with tiles' tails and the last block's."""
+    esz = 4 if dtype == F32 else 8
+    for on in (0, 1):
+        for mem in (False, True):
+            tuning(rows_max=(1, 1), rows_max_big=(1, 1), rows_max_dk=(1, 1), rows_full=(0, 0), bk_tiled_mem=16,
+                   q_tile_bytes=1 << 20, tile_pf_l1=on, kv_mem_bytes=(1 << 10) if mem else (1 << 40))
+            assert _core.isa_table()["tile_pf_l1"] == bool(on)
+            for h, nq, layout in ((2, 17, "bhld"), (2, 30, "blhd"), (16, 65, "bhld")):
+                q, k = rand(rng, (h, nq, 200), dtype), rand(rng, (h, 301, 200), dtype)
+                v = rand(rng, (h, 301, 24), dtype)
+                if layout == "blhd":
+                    q, k, v = (np.ascontiguousarray(x.swapaxes(0, 1)) for x in (q, k, v))
+                p = _plan(q, k, v, num_threads=2, layout=layout)
+                few = p["bq"] <= 32
+                assert few == (nq <= 32), (nq, p["bq"])
+                want = bool(on and mem and few and layout == "bhld")
+                assert p["kernel"] == "tiled" and p["pf_l1"] == want, (on, mem, nq, layout, p["bq"])
+                assert p["bk"] == (max(8, 16 * 512 // (200 * esz)) if want else 16 if mem and few else 64)
+                check(q, k, v, dtype, num_threads=(1, 2), layout=layout)
+                if dtype == F32 and layout == "bhld":
+                    k16, v16 = k.astype(np.float16), v.astype(np.float16)
+                    assert not _plan(q, k16, v16, num_threads=2)["pf_l1"]
+                    check(q, k16, v16, F32, num_threads=2)
+
+
 @pytest.mark.parametrize("fields, word", [
     ({"rows_max": (0, 4)}, "out of range"), ({"rows_max": (25, 4)}, "out of range"),
     ({"tail_max": (-1, 0)}, "out of range"), ({"rows_full": (17, 0)}, "out of range"),
     ({"rows_full_dk": -1}, "out of range"), ({"rows_max_kv": 25}, "out of range"), ({"tail_mem": 2}, "out of range"),
+    ({"tile_pf_l1": 2}, "out of range"),
     ({"bk_tiled": 4}, "out of range"), ({"bk_rows": 5000}, "out of range"),
     ({"bk_decode": 0}, "out of range"), ({"group_bk_max": 4}, "out of range"),
     ({"group_tile_bytes": 0}, "out of range"), ({"group_touch": 2}, "out of range"),

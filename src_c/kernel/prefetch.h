@@ -20,6 +20,7 @@ typedef struct {
     int64_t nv, nk, nq, vrs, krs, qrs, dv, dk;
     int per_key;       /* rows_pv: row j with key j of the first column tile
                         * (fa_attn_group_rows), not in step with the column tiles */
+    int l1;            /* into L1, not L2 (fa_tiles.pf_l1) */
 } tile_pf;
 
 /* Software prefetch into L2 of a row p[0..n): a line every 64 bytes from p on,
@@ -42,8 +43,21 @@ INLINE void prefetch_l2_q(const T *p, int64_t n, int tail)
     if (tail && n > 0) __builtin_prefetch(p + n - 1, 0, 2);
 }
 
+/* ... into L1: a row p[0..n), with tail as prefetch_l2 */
+INLINE void prefetch_l1(const KT *p, int64_t n, int tail)
+{
+    for (int64_t c = 0; c < n; c += 64 / (int64_t)sizeof(KT)) __builtin_prefetch(p + c, 0, 3);
+    if (tail && n > 0) __builtin_prefetch(p + n - 1, 0, 3);
+}
+
 INLINE void tile_prefetch(const tile_pf *pf, int64_t j, int64_t r)
 {
+    if (pf->l1) { /* (the queries go to L2 still: the next item's, not the next pass's) */
+        for (int64_t x = j; x < j + r && x < pf->nv; x++) prefetch_l1(pf->v + x * pf->vrs, pf->dv, pf->vrs != pf->dv);
+        for (int64_t x = j; x < j + r && x < pf->nk; x++) prefetch_l1(pf->k + x * pf->krs, pf->dk, pf->krs != pf->dk);
+        for (int64_t x = j; x < j + r && x < pf->nq; x++) prefetch_l2_q(pf->q + x * pf->qrs, pf->dk, pf->qrs != pf->dk);
+        return;
+    }
     for (int64_t x = j; x < j + r && x < pf->nv; x++) prefetch_l2(pf->v + x * pf->vrs, pf->dv, pf->vrs != pf->dv);
     for (int64_t x = j; x < j + r && x < pf->nk; x++) prefetch_l2(pf->k + x * pf->krs, pf->dk, pf->krs != pf->dk);
     for (int64_t x = j; x < j + r && x < pf->nq; x++) prefetch_l2_q(pf->q + x * pf->qrs, pf->dk, pf->qrs != pf->dk);

@@ -744,14 +744,14 @@ void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_i
          * while this tile's V rows are prefetched (pf_v; tile_pf). */
         const int64_t nb_next = b.j_hi - (j0 + nb) < bk ? b.j_hi - (j0 + nb) : bk;
         const int last = nb_next <= 0;
-        tile_pf pf_v = {.v = (const KT *)it->v + j0 * a->v_rs, .nv = nb, .vrs = a->v_rs, .dv = dv};
+        tile_pf pf_v = {.v = (const KT *)it->v + j0 * a->v_rs, .nv = nb, .vrs = a->v_rs, .dv = dv, .l1 = tl->pf_l1};
         /* the next tile's K rows (in the last tile: the first K rows and the
          * queries of the thread's next item), prefetched during pass 5 */
         tile_pf pf_k = {.k = last ? it->next_k : (const KT *)it->k + (j0 + nb) * a->k_rs,
                         .q = a->q_kv ? NULL : it->next_q, /* (16-bit q: not prefetched) */
                         .nk = last ? it->next_nk : nb_next,
                         .nq = last && !a->q_kv ? it->next_bq : 0,
-                        .krs = a->k_rs, .qrs = a->q_rs, .dk = dk};
+                        .krs = a->k_rs, .qrs = a->q_rs, .dk = dk, .l1 = tl->pf_l1};
         /* the fused exp, until its rescaling costs more than it saves (FUSE_LAG) */
         fuse_t *f = tl->fuse && fz.regrows <= 2 * (bqp / L) ? &fz : NULL;
         key_runs kr = {.n = -1}; /* the keys P.V needs: all, or those a mask leaves some row */
