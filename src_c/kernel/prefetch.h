@@ -7,7 +7,8 @@
 
 /* Prefetch into L2 the rows [j, j + r) of what the item reads next (pf),
  * spread over the work of the current tile: this tile's V over Q.K^T (rows
- * [j, j + r) of the scores), the next tile's K (or the next item's first K rows
+ * [j, j + r) of the scores; in the last tile also the output rows that the item
+ * then writes, o_per a row), the next tile's K (or the next item's first K rows
  * and queries) over P.V (the columns of Ot in step with the rows).  Memory then
  * streams during both passes: faster than prefetching both during Q.K^T for
  * 12-20 query rows from memory, and no slower elsewhere (docs/tuning.md,
@@ -17,7 +18,9 @@ typedef struct {
     const KT *k;       /* K rows of the next tile, or of the thread's next item's
                         * first tile: (nk, dk) row stride krs */
     const T *q;        /* the next item's query rows: (nq, dk) row stride qrs */
-    int64_t nv, nk, nq, vrs, krs, qrs, dv, dk;
+    T *o;              /* the item's output rows, written after this tile: (no, dv) row
+                        * stride ors, o_per of them with each of the tile's rows */
+    int64_t nv, nk, nq, no, vrs, krs, qrs, ors, o_per, dv, dk;
     int per_key;       /* rows_pv: row j with key j of the first column tile
                         * (fa_attn_group_rows), not in step with the column tiles */
     int l1;            /* into L1, not L2 (fa_tiles.pf_l1) */
@@ -52,6 +55,12 @@ INLINE void prefetch_l1(const KT *p, int64_t n, int tail)
 
 INLINE void tile_prefetch(const tile_pf *pf, int64_t j, int64_t r)
 {
+    if (__builtin_expect(pf->no > 0, 0)) { /* into L2 for writing: its stores then wait for no memory */
+        const int64_t x1 = r >= pf->no ? pf->no : (j + r) * pf->o_per;
+        for (int64_t x = j * pf->o_per; x < x1 && x < pf->no; x++)
+            for (int64_t c = 0; c < pf->dv; c += 64 / (int64_t)sizeof(T))
+                __builtin_prefetch(pf->o + x * pf->ors + c, 1, 2);
+    }
     if (pf->l1) { /* (the queries go to L2 still: the next item's, not the next pass's) */
         for (int64_t x = j; x < j + r && x < pf->nv; x++) prefetch_l1(pf->v + x * pf->vrs, pf->dv, pf->vrs != pf->dv);
         for (int64_t x = j; x < j + r && x < pf->nk; x++) prefetch_l1(pf->k + x * pf->krs, pf->dk, pf->krs != pf->dk);

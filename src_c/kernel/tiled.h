@@ -741,10 +741,14 @@ void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_i
         block += nb;
 
         /* Passes 2-3: scores with every modifier and mask except a bool mask's bits,
-         * while this tile's V rows are prefetched (pf_v; tile_pf). */
+         * while this tile's V rows, and in the last tile the item's output rows, are
+         * prefetched (pf_v; tile_pf). */
         const int64_t nb_next = b.j_hi - (j0 + nb) < bk ? b.j_hi - (j0 + nb) : bk;
         const int last = nb_next <= 0;
-        tile_pf pf_v = {.v = (const KT *)it->v + j0 * a->v_rs, .nv = nb, .vrs = a->v_rs, .dv = dv, .l1 = tl->pf_l1};
+        const int out_pf = last && !it->part;
+        tile_pf pf_v = {.v = (const KT *)it->v + j0 * a->v_rs, .nv = nb, .vrs = a->v_rs, .dv = dv, .l1 = tl->pf_l1,
+                        .o = out_pf ? it->out : NULL, .no = out_pf ? it->bq : 0, .ors = a->o_rs,
+                        .o_per = (it->bq + nb - 1) / nb};
         /* the next tile's K rows (in the last tile: the first K rows and the
          * queries of the thread's next item), prefetched during pass 5 */
         tile_pf pf_k = {.k = last ? it->next_k : (const KT *)it->k + (j0 + nb) * a->k_rs,
