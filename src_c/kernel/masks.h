@@ -150,14 +150,15 @@ INLINE int runs_whole(const key_runs *kr, int64_t nb)
  *   mk  (bq, nb)   the mask in the compute dtype, strides mrs, mcs (already at
  *                  the tile's first key)
  * and in kr the keys where some row's mask is not -inf (key_runs: P.V leaves
- * the others out).  A mask row that is contiguous is read L keys of L rows at
+ * the others out); with pf_next, the next tile's rows prefetched as they go
+ * (else the caller's tile_pf has them, spread over its P.V).  A mask row that is contiguous is read L keys of L rows at
  * a time and transposed in registers; a mask the same for every row (mrs ==
  * 0: key padding) is one broadcast per key.  Element by element, the
  * transposed read cost as much as the rest of the tile (docs/tuning.md,
  * mask_tile). */
 INLINE void mask_put(T *s, vec x, int set) { vstore(s, set ? x : vload(s) + x); }
 static void mask_tile(T *St, int64_t ld, const T *mk, int64_t mrs, int64_t mcs, int64_t bq, int64_t bqp,
-                      int64_t nb, int set, key_runs *kr)
+                      int64_t nb, int set, int pf_next, key_runs *kr)
 {
     const int64_t bqv = bq / L * L; /* rows in whole vectors */
     int64_t j = 0, done = bq;       /* keys [0, j) are written in the rows [0, done) */
@@ -182,7 +183,7 @@ static void mask_tile(T *St, int64_t ld, const T *mk, int64_t mrs, int64_t mcs, 
                     r[x] = vset1(-INFINITY);
                     if (i0 + x < bq) {
                         r[x] = vload(mk + (i0 + x) * mrs + j);
-                        __builtin_prefetch(mk + (i0 + x) * mrs + j + nb, 0, 2); /* the next tile's */
+                        if (pf_next) __builtin_prefetch(mk + (i0 + x) * mrs + j + nb, 0, 2);
                     }
                 }
                 transpose_block(r);

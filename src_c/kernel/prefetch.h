@@ -20,7 +20,9 @@ typedef struct {
     const T *q;        /* the next item's query rows: (nq, dk) row stride qrs */
     T *o;              /* the item's output rows, written after this tile: (no, dv) row
                         * stride ors, o_per of them with each of the tile's rows */
-    int64_t nv, nk, nq, no, vrs, krs, qrs, ors, o_per, dv, dk;
+    const T *m;        /* a float mask's rows of the next tile, for mask_tile: (nm, mn)
+                        * row stride mrs */
+    int64_t nv, nk, nq, no, nm, vrs, krs, qrs, ors, mrs, o_per, dv, dk, mn;
     int per_key;       /* rows_pv: row j with key j of the first column tile
                         * (fa_attn_group_rows), not in step with the column tiles */
     int l1;            /* into L1, not L2 (fa_tiles.pf_l1) */
@@ -70,14 +72,15 @@ INLINE void tile_prefetch(const tile_pf *pf, int64_t j, int64_t r)
     for (int64_t x = j; x < j + r && x < pf->nv; x++) prefetch_l2(pf->v + x * pf->vrs, pf->dv, pf->vrs != pf->dv);
     for (int64_t x = j; x < j + r && x < pf->nk; x++) prefetch_l2(pf->k + x * pf->krs, pf->dk, pf->krs != pf->dk);
     for (int64_t x = j; x < j + r && x < pf->nq; x++) prefetch_l2_q(pf->q + x * pf->qrs, pf->dk, pf->qrs != pf->dk);
+    for (int64_t x = j; x < j + r && x < pf->nm; x++) prefetch_l2_q(pf->m + x * pf->mrs, pf->mn, 1);
 }
 
-/* Prefetch pf's K and query rows in step with a P.V pass over the columns of
- * V: the share of them that goes with the columns [c, c_end) of dv (c_end >=
+/* Prefetch pf's K, query and mask rows in step with a P.V pass over the columns
+ * of V: the share of them that goes with the columns [c, c_end) of dv (c_end >=
  * dv: all the rows from that share on; dv = 0: all of them). */
 INLINE void prefetch_in_step(const tile_pf *pf, int64_t c, int64_t c_end, int64_t dv)
 {
-    const int64_t n = pf->nk > pf->nq ? pf->nk : pf->nq;
+    const int64_t nkq = pf->nk > pf->nq ? pf->nk : pf->nq, n = pf->nm > nkq ? pf->nm : nkq;
     const int64_t r0 = c < dv ? c * n / dv : c > 0 ? n : 0, r1 = c_end >= dv ? INT64_MAX : c_end * n / dv;
     tile_prefetch(pf, r0, r1 - r0);
 }

@@ -422,7 +422,8 @@ static mask_cache mask_cache_open(const fa_attention_args *a, const fa_tiles *tl
  * probabilities, 1 when W must be applied, 0 otherwise.  Under a float mask,
  * kr gets the keys that some row sees (mask_tile); otherwise it is left as it
  * is.  mc: the item's mask_cache (NULL: none), of which this is tile
- * (j0 - j_lo) / bk. */
+ * (j0 - j_lo) / bk.  pf: prefetched during Q.K^T (NULL: none, and mask_tile
+ * prefetches the next tile's mask rows itself, which fa_attn_item's P.V does). */
 static int tile_scores(const fa_attention_args *a, const fa_item *it, const band_t *b, T *St,
                        const T *Qt, T *qmax, IT *W, int64_t ld, int64_t bqp, int64_t j0, int64_t nb,
                        const T *K, int64_t krs, const tile_pf *pf, fuse_t *f, const mask_cache *mc,
@@ -451,7 +452,7 @@ static int tile_scores(const fa_attention_args *a, const fa_item *it, const band
         if (hidden && hidden_tile_skips(K, krs, a->dk, nb, Qt, ld, bqp, qmax)) return -1;
         if (rec && !hidden) {
             T *Mc = mc->Mt + tile * mc->bk * ld;
-            if (mc->state == 1) mask_tile(Mc, ld, mk, a->m_rs, a->m_cs, bq, bqp, nb, 1, &rec->kr);
+            if (mc->state == 1) mask_tile(Mc, ld, mk, a->m_rs, a->m_cs, bq, bqp, nb, 1, !pf, &rec->kr);
             *kr = rec->kr;
             Mt = Mc;
         }
@@ -462,7 +463,7 @@ static int tile_scores(const fa_attention_args *a, const fa_item *it, const band
     const int cut_left = b->has_left && j0 < band_pos(b, bq - 1) - b->left;
     if (f && !bits && !cut_right && !cut_left && !(a->softcap > 0) && it->slope == 0) {
         if (mk && !Mt) { /* the mask into St first, for qk_tile to add */
-            mask_tile(St, ld, mk, a->m_rs, a->m_cs, bq, bqp, nb, 1, kr);
+            mask_tile(St, ld, mk, a->m_rs, a->m_cs, bq, bqp, nb, 1, !pf, kr);
             Mt = St;
         }
         qk_block(St, K, krs, Qt, ld, bqp, a->dk, nb, pf, f, Mt);
@@ -492,7 +493,7 @@ static int tile_scores(const fa_attention_args *a, const fa_item *it, const band
                 St[j * ld + i] -= (T)it->slope * (T)(d < 0 ? -d : d);
             }
     }
-    if (mk && !Mt) mask_tile(St, ld, mk, a->m_rs, a->m_cs, bq, bqp, nb, 0, kr);
+    if (mk && !Mt) mask_tile(St, ld, mk, a->m_rs, a->m_cs, bq, bqp, nb, 0, !pf, kr);
     if (cut_right || cut_left)
         for (int64_t j = 0; j < nb; j++) {
             const int64_t jj = j0 + j;
@@ -756,6 +757,13 @@ void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_i
                         .nk = last ? it->next_nk : nb_next,
                         .nq = last && !a->q_kv ? it->next_bq : 0,
                         .krs = a->k_rs, .qrs = a->q_rs, .dk = dk, .l1 = tl->pf_l1};
+        if (a->mask_kind == FA_MASK_ADD && a->m_cs == 1 && a->m_rs != 0 && mc.state != 2 && !last) {
+            /* the next tile's float mask rows, which mask_tile reads transposing them */
+            pf_k.m = (const T *)it->mask + j0 + nb;
+            pf_k.nm = it->bq;
+            pf_k.mrs = a->m_rs;
+            pf_k.mn = nb_next;
+        }
         /* the fused exp, until its rescaling costs more than it saves (FUSE_LAG) */
         fuse_t *f = tl->fuse && fz.regrows <= 2 * (bqp / L) ? &fz : NULL;
         key_runs kr = {.n = -1}; /* the keys P.V needs: all, or those a mask leaves some row */
