@@ -146,11 +146,11 @@ static fa_isa_table table_avx512 = {.name = "avx512", .tune = TUNE_AVX512("avx51
  * times the socket's L3, of which two cores of a VM hold far less), no
  * prefetch across passes, longer key tiles for the row kernel, shorter ones
  * for the tiled kernel from memory, larger query tiles, prefill's and the
- * backward's; from memory the tiled kernel from 9 rows (float64: 5), without
+ * backward's; from memory the tiled kernel from 9 rows (float64: 3), without
  * a tail after a single block; float64 from 13 rows at d128 in cache, and its
  * decoding without software prefetch. */
 #define TUNE_XEON_A7                                                                                         \
-    {.name = "xeon-a7", .rows_max = {12, 12}, .rows_max_big = {8, 4}, .rows_max_dk = {24, 12},              \
+    {.name = "xeon-a7", .rows_max = {12, 12}, .rows_max_big = {8, 2}, .rows_max_dk = {24, 12},              \
      .rows_full = {14, 0}, .tail_max = {8, 4}, .decode_pf = {1, 0}, .fuse = 1, .stream = 0, .bk_tiled = 64, \
      .bk_tiled_mem = 16, .q_tile_bytes = 131072, .q_tile_bytes_band = 32768, .bk_rows = 512,               \
      .bk_decode = 256, .group_bk_max = 64,                                                                  \
