@@ -23,6 +23,9 @@ What it measures (the fields of src_c/internal.h's fa_tuning; docs/tuning.md):
   bk_tiled, bk_tiled_mem, bk_rows, bk_decode
         the tiled kernel's keys a tile, in cache and (few rows) from memory; the
         row kernel's, for several rows and for one (decoding);
+  tile_pf_l1
+        with bk_tiled_mem: the tiled kernel's prefetch into L1 or L2 (16 and 32
+        rows from memory);
   q_tile_bytes, q_tile_bytes_band
         the tiled kernel's query rows a block at d128 and d256 (float32); the
         same under a causal band (d128, 2048 rows);
@@ -31,7 +34,7 @@ What it measures (the fields of src_c/internal.h's fa_tuning; docs/tuning.md):
         and how it reads the next tile ahead (loads or software prefetch).
   bwd_bq, bwd_bk
         the backward's query rows a block and keys a unit (float32, d64 and d128).
-The GQA fold, rows_full_dk, rows_max_kv, tail_mem, tile_pf_l1 and kv_mem_bytes keep the built-in table's values
+The GQA fold, rows_full_dk, rows_max_kv, tail_mem and kv_mem_bytes keep the built-in table's values
 (kv_far_bytes is only turned off or on: on, the built-in size or 16 MiB).
 
 A choice replaces the built-in one only where it measured at least TIE (2 %)
@@ -307,7 +310,7 @@ def _measure_tiles(b: _Bench, chosen: Dict[str, Any]) -> None:
     """The key tiles and the row kernel's prefetch, float32: bk_tiled (in cache),
     q_tile_bytes (the query blocks at d128 and d256, in cache) and q_tile_bytes_band (causal),
     bk_rows and bk_decode (in cache and from memory), then with K and V from memory
-    bk_tiled_mem and the prefetch across passes (stream) and far (into L2)."""
+    bk_tiled_mem with tile_pf_l1 and the prefetch across passes (stream) and far (into L2)."""
     call = b.call(*(b.q(8, 2048, 64, np.float32) for _ in range(3)))
     chosen["bk_tiled"] = _pick_size(b, "bk_tiled", (32, 64, 128), [call])
     calls = [b.call(*(b.q(h, 1024, d, np.float32) for _ in range(3))) for h, d in ((8, 128), (4, 256))]
@@ -320,8 +323,12 @@ def _measure_tiles(b: _Bench, chosen: Dict[str, Any]) -> None:
                                ("bk_rows", (4, 8, 12), (64, 128, 256, 512, 1024))):
         calls = [b.call(b.q(kk.shape[1], n, 128, np.float32), kk, vv) for n in rows for kk, vv in ((k, v), (kc, vc))]
         chosen[field] = _pick_size(b, field, sizes, calls)
-    call = b.call(b.q(32, 32, 128, np.float32), k, v)
-    chosen["bk_tiled_mem"] = _pick_size(b, "bk_tiled_mem", (16, 32, 64), [call])
+    # few rows from memory: 32 and 16 (the tiled kernel forced) rows, prefetched into L2 or L1
+    calls = [b.call(b.q(32, n, 128, np.float32), k, v) for n in (32, 16)]
+    pf_l1, chosen["bk_tiled_mem"] = _pick_combo(b, ("tile_pf_l1", "bk_tiled_mem"),
+                                                [(p, n) for p in (0, 1) for n in (16, 32, 64)], calls,
+                                                also={"rows_max_big": (1, 1)})
+    chosen["tile_pf_l1"] = bool(pf_l1)
     # the group kernel's tiles: heads of a (B, n, H, d) cache from memory, GQA 32/8 one
     # token (four rows an item) and H32 two and four tokens (q: (1, n, H, d))
     kb, vb = (np.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in (k, v))     # (1, n_k, 32, 128)
@@ -468,12 +475,13 @@ def _norm(value):
 
 
 def _pick_combo(b: _Bench, fields: Tuple[str, ...], combos: List[Tuple[int, ...]],
-                calls: List[Callable[[], Any]]) -> Tuple[int, ...]:
+                calls: List[Callable[[], Any]], also: Optional[Dict[str, Any]] = None) -> Tuple[int, ...]:
     """The values of `fields` among `combos` (and those in use) that measured fastest
-    over `calls` (each call's time over its best, summed), if by TIE."""
+    over `calls` (each call's time over its best, summed), if by TIE; `also`: fields
+    in place for every combo, not chosen."""
     now = tuple(int(b.base[f]) for f in fields)
     combos = sorted(set(combos) | {now})
-    fns = [_tuned(c, dict(zip(fields, combo)), b.base) for combo in combos for c in calls]
+    fns = [_tuned(c, dict(also or {}, **dict(zip(fields, combo))), b.base) for combo in combos for c in calls]
     t = b.race(fns)
     n = len(calls)
     best_each = [min(t[i * n + j] for i in range(len(combos))) for j in range(n)]
