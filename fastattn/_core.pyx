@@ -185,6 +185,7 @@ cdef extern from "runtime.h" nogil:
         int tail_mem
         int tile_pf_l1
         int decode_pf[2]
+        int decode_far
         int fuse, stream, bk_tiled, bk_tiled_mem, q_tile_bytes, q_tile_bytes_band, bk_rows, bk_decode
         int group_bk_max, group_touch
         int fold_rows, fold_rows_big
@@ -929,10 +930,11 @@ def gqa_fold(int64_t n_q, int64_t kv_bytes):
 # the fields of a tuning table (src_c/internal.h, fa_tuning): {float32, float64} pairs first
 TUNING_PAIRS = ("rows_max", "rows_max_big", "rows_max_dk", "rows_full", "tail_max", "decode_pf")   # two int each
 # the other fields and the bits of their C types
-_TUNING_BITS = {"rows_full_dk": 32, "rows_max_kv": 32, "tail_mem": 32, "tile_pf_l1": 32, "fuse": 32, "stream": 32,
-                "bk_tiled": 32, "bk_tiled_mem": 32, "q_tile_bytes": 32, "q_tile_bytes_band": 32, "bk_rows": 32, "bk_decode": 32,
-                "group_bk_max": 32, "group_tile_bytes": 64, "group_touch": 32, "fold_rows": 32, "fold_rows_big": 32,
-                "fold_big_bytes": 64, "kv_mem_bytes": 64, "kv_far_bytes": 64, "bwd_bq": 32, "bwd_bk": 32}
+_TUNING_BITS = {"rows_full_dk": 32, "rows_max_kv": 32, "tail_mem": 32, "tile_pf_l1": 32, "decode_far": 32,
+                "fuse": 32, "stream": 32, "bk_tiled": 32, "bk_tiled_mem": 32, "q_tile_bytes": 32,
+                "q_tile_bytes_band": 32, "bk_rows": 32, "bk_decode": 32, "group_bk_max": 32, "group_tile_bytes": 64,
+                "group_touch": 32, "fold_rows": 32, "fold_rows_big": 32, "fold_big_bytes": 64, "kv_mem_bytes": 64,
+                "kv_far_bytes": 64, "bwd_bq": 32, "bwd_bk": 32}
 TUNING_FIELDS = TUNING_PAIRS + tuple(_TUNING_BITS)
 
 
@@ -941,8 +943,8 @@ cdef dict _tuning_dict(const fa_tuning *t):
     d["name"] = d["name"].decode(errors="replace")
     for key in TUNING_PAIRS:
         d[key] = tuple(d[key])
-    d["fuse"], d["stream"], d["group_touch"] = bool(d["fuse"]), bool(d["stream"]), bool(d["group_touch"])
-    d["tail_mem"], d["tile_pf_l1"] = bool(d["tail_mem"]), bool(d["tile_pf_l1"])
+    for key in ("fuse", "stream", "group_touch", "tail_mem", "tile_pf_l1", "decode_far"):
+        d[key] = bool(d[key])
     return d
 
 

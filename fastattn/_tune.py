@@ -14,9 +14,9 @@ What it measures (the fields of src_c/internal.h's fa_tuning; docs/tuning.md):
   tail_max
         the row kernel as the tiled kernel's tail, against a whole vector;
   fuse  the tiled kernel's fused exp;
-  stream, kv_far_bytes
+  stream, kv_far_bytes, decode_far
         the row kernel's prefetch across passes and its far prefetch, K and V
-        from memory (decoding, 4 and 8 rows);
+        from memory (decoding, 4 and 8 rows); then decoding's far or near;
   decode_pf
         decoding's own prefetch of K and V, from memory and in cache, float32
         and float64;
@@ -358,6 +358,10 @@ def _measure_tiles(b: _Bench, chosen: Dict[str, Any]) -> None:
     b.say("  prefetch from memory (stream, far) time, relative: "
           + ", ".join(f"{c}: {cost[c] / 3:.3f}" for c in combos)
           + f" -> stream {bool(chosen['stream'])}, far {chosen['kv_far_bytes'] != never}")
+    if chosen["kv_far_bytes"] != never:   # decoding's own: far, or near at any size
+        call = b.call(b.q(32, 1, 128, np.float32), k, v)
+        chosen["decode_far"] = bool(_pick_size(b, "decode_far", (0, 1), [call], also={
+            "stream": chosen["stream"], "kv_far_bytes": chosen["kv_far_bytes"]}))
 
 
 def _measure_backward(b: _Bench, chosen: Dict[str, Any]) -> None:
@@ -495,6 +499,7 @@ def _pick_combo(b: _Bench, fields: Tuple[str, ...], combos: List[Tuple[int, ...]
     return pick
 
 
-def _pick_size(b: _Bench, field: str, sizes: Sequence[int], calls: List[Callable[[], Any]]) -> int:
+def _pick_size(b: _Bench, field: str, sizes: Sequence[int], calls: List[Callable[[], Any]],
+               also: Optional[Dict[str, Any]] = None) -> int:
     """_pick_combo of one field."""
-    return _pick_combo(b, (field,), [(size,) for size in sizes], calls)[0]
+    return _pick_combo(b, (field,), [(size,) for size in sizes], calls, also)[0]

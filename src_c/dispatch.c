@@ -60,6 +60,9 @@
  *                 for items of at most 32 rows with K and V from memory;
  *   decode_pf     decoding's software prefetch of float32 and float64 K and V rows
  *                 (one row: item_rows, decode_step), where the hardware's alone falls behind;
+ *   decode_far    ... into L2 and further ahead (the far kind, prefetch_row) where K and V
+ *                 exceed kv_far_bytes, as for more rows (0: the near kind at any size; 16-bit
+ *                 K and V: far);
  *   fuse          the tiled kernel's fused exp, where 32 vector registers leave it room;
  *   stream        the row kernel's prefetch across passes with K and V from memory;
  *   bk_tiled, bk_tiled_mem  the tiled kernel's keys a tile (from memory, blocks of at
@@ -91,7 +94,7 @@
      .bk_decode = 256, .group_bk_max = 64, .group_tile_bytes = 256 << 10, .group_touch = 0, .fold_rows = 8, \
      .fold_rows_big = 8,                                                                                   \
      .fold_big_bytes = INT64_MAX, .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = (int64_t)16 << 20,    \
-     .bwd_bq = 64, .bwd_bk = 256, .rows_full_dk = 0, .rows_max_kv = 0, .tail_mem = 1, .tile_pf_l1 = 0}
+     .bwd_bq = 64, .bwd_bk = 256, .rows_full_dk = 0, .rows_max_kv = 0, .tail_mem = 1, .tile_pf_l1 = 0, .decode_far = 1}
 /* The avx2 default is Zen 3's table but for q_tile_bytes (docs/tuning.md, "Zen 3"). */
 #define TUNE_AVX2(nm) TUNE_AVX2_Q(nm, 32768)
 #define TUNE_AVX2_Q(nm, qtile)                                                                            \
@@ -101,7 +104,7 @@
      .group_bk_max = 64,                                                                                  \
      .group_tile_bytes = 256 << 10, .group_touch = 1, .fold_rows = 8, .fold_rows_big = 12,                \
      .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = (int64_t)16 << 20,     \
-     .bwd_bq = 64, .bwd_bk = 256, .rows_full_dk = 0, .rows_max_kv = 12, .tail_mem = 1, .tile_pf_l1 = 0}
+     .bwd_bq = 64, .bwd_bk = 256, .rows_full_dk = 0, .rows_max_kv = 12, .tail_mem = 1, .tile_pf_l1 = 0, .decode_far = 1}
 #define TUNE_AVX512(nm)                                                                                     \
     {.name = nm, .rows_max = {12, 12}, .rows_max_big = {24, 20}, .rows_max_dk = {24, 20},                   \
      .rows_full = {14, 0}, .tail_max = {8, 4}, .decode_pf = {1, 1}, .fuse = 1, .stream = 1, .bk_tiled = 64, \
@@ -109,7 +112,7 @@
      .bk_decode = 256, .group_bk_max = 64,                                                                  \
      .group_tile_bytes = 256 << 10, .group_touch = 0, .fold_rows = 8, .fold_rows_big = 12,                  \
      .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = (int64_t)16 << 20,       \
-     .bwd_bq = 32, .bwd_bk = 64, .rows_full_dk = 0, .rows_max_kv = 0, .tail_mem = 1, .tile_pf_l1 = 0}
+     .bwd_bq = 32, .bwd_bk = 64, .rows_full_dk = 0, .rows_max_kv = 0, .tail_mem = 1, .tile_pf_l1 = 0, .decode_far = 1}
 
 static fa_isa_table table_generic = {.name = "generic", .tune = TUNE_GENERIC("generic"), FA_KERNELS(generic)};
 #ifdef FA_HAVE_AVX2_BUILD
@@ -127,7 +130,7 @@ static fa_isa_table table_avx512 = {.name = "avx512", .tune = TUNE_AVX512("avx51
      .bk_decode = 1024, .group_bk_max = 256,                                                                \
      .group_tile_bytes = 1 << 20, .group_touch = 0, .fold_rows = 8, .fold_rows_big = 12,                    \
      .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = INT64_MAX, .bwd_bq = 64, \
-     .bwd_bk = 256, .rows_full_dk = 128, .rows_max_kv = 0, .tail_mem = 1, .tile_pf_l1 = 0}
+     .bwd_bk = 256, .rows_full_dk = 128, .rows_max_kv = 0, .tail_mem = 1, .tile_pf_l1 = 0, .decode_far = 1}
 
 /* Zen 4, the avx512 default but for the row kernel's key tiles and the backward's
  * tiles (docs/tuning.md, "Zen 4"). */
@@ -138,7 +141,7 @@ static fa_isa_table table_avx512 = {.name = "avx512", .tune = TUNE_AVX512("avx51
      .bk_decode = 256, .group_bk_max = 64,                                                                  \
      .group_tile_bytes = 256 << 10, .group_touch = 0, .fold_rows = 8, .fold_rows_big = 12,                  \
      .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = (int64_t)16 << 20,       \
-     .bwd_bq = 64, .bwd_bk = 256, .rows_full_dk = 0, .rows_max_kv = 0, .tail_mem = 1, .tile_pf_l1 = 0}
+     .bwd_bq = 64, .bwd_bk = 256, .rows_full_dk = 0, .rows_max_kv = 0, .tail_mem = 1, .tile_pf_l1 = 0, .decode_far = 1}
 
 /* An Intel Xeon that KVM reports as family 6 model 167 with a 480 MiB L3, AMX
  * and AVX512-FP16 (Granite Rapids by those; docs/tuning.md, "Intel Xeon, model
@@ -156,7 +159,7 @@ static fa_isa_table table_avx512 = {.name = "avx512", .tune = TUNE_AVX512("avx51
      .bk_decode = 256, .group_bk_max = 64,                                                                  \
      .group_tile_bytes = 256 << 10, .group_touch = 0, .fold_rows = 8, .fold_rows_big = 12,                  \
      .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = (int64_t)16 << 20,       \
-     .bwd_bq = 64, .bwd_bk = 256, .rows_full_dk = 0, .rows_max_kv = 0, .tail_mem = 0, .tile_pf_l1 = 1}
+     .bwd_bq = 64, .bwd_bk = 256, .rows_full_dk = 0, .rows_max_kv = 0, .tail_mem = 0, .tile_pf_l1 = 1, .decode_far = 0}
 
 /* The CPUs with tables of their own, by CPUID vendor, family and model ranges
  * (as Linux's arch/x86/kernel/cpu/amd.c names them) and an L3 of at least
@@ -393,7 +396,7 @@ int fa_tuning_check(const fa_tuning *t)
         !in(t->bk_rows, 8, 4096) || !in(t->bk_decode, 8, 4096) || !in(t->group_bk_max, 8, 1024) ||
         !in(t->group_tile_bytes, 1, (int64_t)1 << 30) || !in(t->group_touch, 0, 1) ||
         !in(t->rows_full_dk, 0, 1 << 16) || !in(t->rows_max_kv, 0, FA_ROWS_CAP) || !in(t->tail_mem, 0, 1) ||
-        !in(t->tile_pf_l1, 0, 1) ||
+        !in(t->tile_pf_l1, 0, 1) || !in(t->decode_far, 0, 1) ||
         !in(t->fold_rows, 0, 1024) || !in(t->fold_rows_big, 0, 1024) || t->fold_big_bytes < 0 ||
         t->kv_mem_bytes < 0 || t->kv_far_bytes < 0 || !in(t->bwd_bq, 8, 256) || !in(t->bwd_bk, 16, 1024))
         return FA_EINVAL;

@@ -204,6 +204,9 @@ typedef struct {
                                        * 32 rows with K and V from memory */
     int decode_pf[2];                 /* decoding (one row, item_rows) prefetches float32
                                        * or float64 K and V rows (16-bit ones: always) */
+    int decode_far;                   /* ... float32 and float64 ones into L2, further
+                                       * ahead, beyond kv_far_bytes (0: into L1 at any
+                                       * size) */
     int fuse;                         /* the tiled kernel's fused exp */
     int stream;                       /* the row kernel's prefetch across passes, K
                                        * and V from memory (rows.h, item_rows) */

@@ -241,7 +241,10 @@ int fa_attention_plan(const fa_attention_args *a, int weights, fa_plan *p)
     choose_tiles(a, f, tu, p->lanes, p->rows_max, rows_kernel, p->from_memory, p->n_lead, want, &p->tiles);
     p->tiles.fuse = f->fuse >= 0 ? f->fuse : tu->fuse;
     p->tiles.stream = f->stream >= 0 ? f->stream : p->from_memory && tu->stream;
-    p->tiles.far = f->far >= 0 ? f->far : f->stream >= 0 ? f->stream : p->kv_bytes > tu->kv_far_bytes;
+    const int decoding = rows_kernel && p->tiles.bq == 1 && a->kv_dtype == FA_KV_SAME; /* (decode_far) */
+    p->tiles.far = f->far >= 0      ? f->far
+                   : f->stream >= 0 ? f->stream
+                                    : p->kv_bytes > tu->kv_far_bytes && (tu->decode_far || !decoding);
     p->tiles.decode_pf = f->decode_pf >= 0 ? f->decode_pf : a->kv_dtype != FA_KV_SAME || tu->decode_pf[dt];
     p->tiles.group_touch = f->group_touch >= 0 ? f->group_touch : tu->group_touch;
 

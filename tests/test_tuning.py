@@ -60,7 +60,7 @@ def test_tuning_sizes_and_switches_reach_the_plan(rng, tuning):
     few rows from memory; results agree with the reference either way."""
     k, v = rand(rng, (4, 2000, 64)), rand(rng, (4, 2000, 64))   # 4 MB
     q1, q20 = rand(rng, (4, 1, 64)), rand(rng, (4, 20, 64))
-    tuning(kv_mem_bytes=1 << 20, kv_far_bytes=1 << 20, stream=1, bk_tiled_mem=16, rows_max_big=(8, 8))
+    tuning(kv_mem_bytes=1 << 20, kv_far_bytes=1 << 20, decode_far=1, stream=1, bk_tiled_mem=16, rows_max_big=(8, 8))
     p = _plan(q1, k, v)
     assert p["from_memory"] and p["stream"] and p["far"]
     p = _plan(q20, k, v)
@@ -285,11 +285,31 @@ def test_tile_pf_l1_from_the_table(isa, rng, tuning, dtype):
                     check(q, k16, v16, F32, num_threads=2)
 
 
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_decode_far_from_the_table(isa, rng, tuning, dtype):
+    """decode_far 0: decoding (one row, the row kernel) prefetches near, into L1, even
+    beyond kv_far_bytes; two rows and 16-bit K and V keep the far prefetch.  Results
+    against the reference either way (a key tile's tail and a padded cache)."""
+    for on in (0, 1):
+        for far_bytes in (1 << 10, 1 << 40):
+            tuning(kv_far_bytes=far_bytes, decode_far=on, decode_pf=(1, 1))
+            assert _core.isa_table()["decode_far"] == bool(on)
+            for nq in (1, 2):
+                q, k, v = rand(rng, (3, nq, 64), dtype), rand(rng, (3, 700, 64), dtype), rand(rng, (3, 700, 40), dtype)
+                p = _plan(q, k, v, num_threads=2)
+                assert p["kernel"] == "rows" and p["far"] == (far_bytes == 1 << 10 and (on or nq > 1)), (on, nq)
+                check(q, k, v, dtype, num_threads=(1, 2), kv_lengths=np.array([700, 333, 1]))
+                if dtype == F32:
+                    k16, v16 = k.astype(np.float16), v.astype(np.float16)
+                    assert _plan(q, k16, v16, num_threads=2)["far"] == (far_bytes == 1 << 10)
+                    check(q, k16, v16, F32, num_threads=2)
+
+
 @pytest.mark.parametrize("fields, word", [
     ({"rows_max": (0, 4)}, "out of range"), ({"rows_max": (25, 4)}, "out of range"),
     ({"tail_max": (-1, 0)}, "out of range"), ({"rows_full": (17, 0)}, "out of range"),
     ({"rows_full_dk": -1}, "out of range"), ({"rows_max_kv": 25}, "out of range"), ({"tail_mem": 2}, "out of range"),
-    ({"tile_pf_l1": 2}, "out of range"),
+    ({"tile_pf_l1": 2}, "out of range"), ({"decode_far": -1}, "out of range"),
     ({"bk_tiled": 4}, "out of range"), ({"bk_rows": 5000}, "out of range"),
     ({"bk_decode": 0}, "out of range"), ({"group_bk_max": 4}, "out of range"),
     ({"group_tile_bytes": 0}, "out of range"), ({"group_touch": 2}, "out of range"),
