@@ -279,6 +279,7 @@ def test_tile_pf_l1_from_the_table(isa, rng, tuning, dtype):
                 assert p["kernel"] == "tiled" and p["pf_l1"] == want, (on, mem, nq, layout, p["bq"])
                 assert p["bk"] == (max(8, 16 * 512 // (200 * esz)) if want else 16 if mem and few else 64)
                 check(q, k, v, dtype, num_threads=(1, 2), layout=layout)
+                check(q, k, v, dtype, num_threads=2, layout=layout, mask=rand(rng, (nq, 301), dtype))   # tile_pf's m
                 if dtype == F32 and layout == "bhld":
                     k16, v16 = k.astype(np.float16), v.astype(np.float16)
                     assert not _plan(q, k16, v16, num_threads=2)["pf_l1"]

@@ -151,11 +151,11 @@ INLINE int runs_whole(const key_runs *kr, int64_t nb)
  *                  the tile's first key)
  * and in kr the keys where some row's mask is not -inf (key_runs: P.V leaves
  * the others out); with pf_next, the next tile's rows prefetched as they go
- * (else the caller's tile_pf has them, spread over its P.V).  A mask row that is contiguous is read L keys of L rows at
- * a time and transposed in registers; a mask the same for every row (mrs ==
- * 0: key padding) is one broadcast per key.  Element by element, the
- * transposed read cost as much as the rest of the tile (docs/tuning.md,
- * mask_tile). */
+ * (else the caller's tile_pf has them, spread over its P.V).  A mask row that
+ * is contiguous is read L keys of L rows at a time and transposed in
+ * registers; a mask the same for every row (mrs == 0: key padding) is one
+ * broadcast per key.  Element by element, the transposed read cost as much as
+ * the rest of the tile (docs/tuning.md, mask_tile). */
 INLINE void mask_put(T *s, vec x, int set) { vstore(s, set ? x : vload(s) + x); }
 static void mask_tile(T *St, int64_t ld, const T *mk, int64_t mrs, int64_t mcs, int64_t bq, int64_t bqp,
                       int64_t nb, int set, int pf_next, key_runs *kr)

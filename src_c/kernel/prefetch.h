@@ -63,6 +63,7 @@ INLINE void tile_prefetch(const tile_pf *pf, int64_t j, int64_t r)
             for (int64_t c = 0; c < pf->dv; c += 64 / (int64_t)sizeof(T))
                 __builtin_prefetch(pf->o + x * pf->ors + c, 1, 2);
     }
+    for (int64_t x = j; x < j + r && x < pf->nm; x++) prefetch_l2_q(pf->m + x * pf->mrs, pf->mn, 1);
     if (pf->l1) { /* (the queries go to L2 still: the next item's, not the next pass's) */
         for (int64_t x = j; x < j + r && x < pf->nv; x++) prefetch_l1(pf->v + x * pf->vrs, pf->dv, pf->vrs != pf->dv);
         for (int64_t x = j; x < j + r && x < pf->nk; x++) prefetch_l1(pf->k + x * pf->krs, pf->dk, pf->krs != pf->dk);
@@ -72,7 +73,6 @@ INLINE void tile_prefetch(const tile_pf *pf, int64_t j, int64_t r)
     for (int64_t x = j; x < j + r && x < pf->nv; x++) prefetch_l2(pf->v + x * pf->vrs, pf->dv, pf->vrs != pf->dv);
     for (int64_t x = j; x < j + r && x < pf->nk; x++) prefetch_l2(pf->k + x * pf->krs, pf->dk, pf->krs != pf->dk);
     for (int64_t x = j; x < j + r && x < pf->nq; x++) prefetch_l2_q(pf->q + x * pf->qrs, pf->dk, pf->qrs != pf->dk);
-    for (int64_t x = j; x < j + r && x < pf->nm; x++) prefetch_l2_q(pf->m + x * pf->mrs, pf->mn, 1);
 }
 
 /* Prefetch pf's K, query and mask rows in step with a P.V pass over the columns
