@@ -28,31 +28,41 @@ typedef struct {
     int l1;            /* into L1, not L2 (fa_tiles.pf_l1) */
 } tile_pf;
 
-/* Software prefetch into L2 of a row p[0..n): a line every 64 bytes from p on,
- * and with tail the line of p[n - 1] too.  NumPy's large arrays start 16 bytes
- * into a line, so that a row of d128 float32 spans 9 lines, not 8: where rows
- * abut, the next row's first prefetch takes that last line; where they do not
- * (tail: the stride is not n; K and V of a (B, n, H, d) cache, each head's
- * rows H*d apart) it was a demand miss from memory on every row.  The callers
- * ask for the tail only where rows do not abut: there it pays, for abutting
- * rows it costs a little (docs/tuning.md, prefetch_l2). */
-INLINE void prefetch_l2(const KT *p, int64_t n, int tail)
+/* Software prefetch of a row p[0..n) of esz-byte elements, into L1 or L2: a
+ * line every 64 bytes from p on, and with tail the line of p[n - 1] too.
+ * NumPy's large arrays start 16 bytes into a line, so that a row of d128
+ * float32 spans 9 lines, not 8: where rows abut, the next row's first prefetch
+ * takes that last line; where they do not (tail: the stride is not n; K and V
+ * of a (B, n, H, d) cache, each head's rows H*d apart) it was a demand miss
+ * from memory on every row.  The callers ask for the tail only where rows do
+ * not abut: there it pays, for abutting rows it costs a little (docs/tuning.md,
+ * prefetch_l2).  The locality hint must be a constant, hence the two calls. */
+INLINE void prefetch_lines(const void *p, int64_t n, int64_t esz, int tail, int l1)
 {
-    for (int64_t c = 0; c < n; c += 64 / (int64_t)sizeof(KT)) __builtin_prefetch(p + c, 0, 2);
-    if (tail && n > 0) __builtin_prefetch(p + n - 1, 0, 2);
+    const char *b = (const char *)p;
+    const int64_t bytes = n * esz;
+    for (int64_t c = 0; c < bytes; c += 64) {
+        if (l1) __builtin_prefetch(b + c, 0, 3);
+        else    __builtin_prefetch(b + c, 0, 2);
+    }
+    if (tail && n > 0) {
+        if (l1) __builtin_prefetch(b + bytes - esz, 0, 3);
+        else    __builtin_prefetch(b + bytes - esz, 0, 2);
+    }
 }
-/* ... a row of queries (the next item's) */
-INLINE void prefetch_l2_q(const T *p, int64_t n, int tail)
-{
-    for (int64_t c = 0; c < n; c += 64 / (int64_t)sizeof(T)) __builtin_prefetch(p + c, 0, 2);
-    if (tail && n > 0) __builtin_prefetch(p + n - 1, 0, 2);
-}
+/* A K or V row into L2 */
+INLINE void prefetch_l2(const KT *p, int64_t n, int tail) { prefetch_lines(p, n, (int64_t)sizeof(KT), tail, 0); }
 
-/* ... into L1: a row p[0..n), with tail as prefetch_l2 */
-INLINE void prefetch_l1(const KT *p, int64_t n, int tail)
+/* tile_prefetch's V, K and query rows: K and V into L1 (l1) or L2, the queries
+ * to L2 (the next item's, not the next pass's) */
+INLINE void tile_prefetch_kv(const tile_pf *pf, int64_t j, int64_t r, int l1)
 {
-    for (int64_t c = 0; c < n; c += 64 / (int64_t)sizeof(KT)) __builtin_prefetch(p + c, 0, 3);
-    if (tail && n > 0) __builtin_prefetch(p + n - 1, 0, 3);
+    for (int64_t x = j; x < j + r && x < pf->nv; x++)
+        prefetch_lines(pf->v + x * pf->vrs, pf->dv, (int64_t)sizeof(KT), pf->vrs != pf->dv, l1);
+    for (int64_t x = j; x < j + r && x < pf->nk; x++)
+        prefetch_lines(pf->k + x * pf->krs, pf->dk, (int64_t)sizeof(KT), pf->krs != pf->dk, l1);
+    for (int64_t x = j; x < j + r && x < pf->nq; x++)
+        prefetch_lines(pf->q + x * pf->qrs, pf->dk, (int64_t)sizeof(T), pf->qrs != pf->dk, 0);
 }
 
 INLINE void tile_prefetch(const tile_pf *pf, int64_t j, int64_t r)
@@ -63,16 +73,9 @@ INLINE void tile_prefetch(const tile_pf *pf, int64_t j, int64_t r)
             for (int64_t c = 0; c < pf->dv; c += 64 / (int64_t)sizeof(T))
                 __builtin_prefetch(pf->o + x * pf->ors + c, 1, 2);
     }
-    for (int64_t x = j; x < j + r && x < pf->nm; x++) prefetch_l2_q(pf->m + x * pf->mrs, pf->mn, 1);
-    if (pf->l1) { /* (the queries go to L2 still: the next item's, not the next pass's) */
-        for (int64_t x = j; x < j + r && x < pf->nv; x++) prefetch_l1(pf->v + x * pf->vrs, pf->dv, pf->vrs != pf->dv);
-        for (int64_t x = j; x < j + r && x < pf->nk; x++) prefetch_l1(pf->k + x * pf->krs, pf->dk, pf->krs != pf->dk);
-        for (int64_t x = j; x < j + r && x < pf->nq; x++) prefetch_l2_q(pf->q + x * pf->qrs, pf->dk, pf->qrs != pf->dk);
-        return;
-    }
-    for (int64_t x = j; x < j + r && x < pf->nv; x++) prefetch_l2(pf->v + x * pf->vrs, pf->dv, pf->vrs != pf->dv);
-    for (int64_t x = j; x < j + r && x < pf->nk; x++) prefetch_l2(pf->k + x * pf->krs, pf->dk, pf->krs != pf->dk);
-    for (int64_t x = j; x < j + r && x < pf->nq; x++) prefetch_l2_q(pf->q + x * pf->qrs, pf->dk, pf->qrs != pf->dk);
+    for (int64_t x = j; x < j + r && x < pf->nm; x++) prefetch_lines(pf->m + x * pf->mrs, pf->mn, (int64_t)sizeof(T), 1, 0);
+    if (pf->l1) tile_prefetch_kv(pf, j, r, 1); /* a constant level in each call, branch out of the loops */
+    else        tile_prefetch_kv(pf, j, r, 0);
 }
 
 /* Prefetch pf's K, query and mask rows in step with a P.V pass over the columns
@@ -112,8 +115,6 @@ INLINE int64_t prefetch_dist(int64_t row_elems, int far)
  * prefetch_l2). */
 INLINE void prefetch_row(const KT *p, int64_t n, int far, int tail)
 {
-    if (far)
-        prefetch_l2(p, n, tail);
-    else
-        for (int64_t c = 0; c < n; c += 64 / (int64_t)sizeof(KT)) __builtin_prefetch(p + c, 0, 3);
+    if (far) prefetch_lines(p, n, (int64_t)sizeof(KT), tail, 0); /* constant levels: see tile_prefetch */
+    else     prefetch_lines(p, n, (int64_t)sizeof(KT), 0, 1);
 }
