@@ -59,6 +59,25 @@ def test_single_vector_items(isa, rng, force, dtype, nq, bq, dv):
     check(q, k, v, dtype, scale=1.0, num_threads=2, causal=True)
 
 
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("H,d", [(1, 64), (1, 128), (2, 32), (4, 32), (2, 64), (3, 40)],
+                         ids=["d64", "d128", "H2d32", "H4d32", "H2d64", "H3d40"])
+@pytest.mark.parametrize("nq", [16, 40])
+def test_key_row_strides(isa, rng, force, fused, dtype, H, d, nq):
+    """K's row stride 64 or 128 elements takes copies of qk_block with the
+    stride a constant (QK_CONST_KRS on AVX-512): contiguous d64 and d128, and
+    (B, n, H, d) rows of d32 or d64 whose stride H*d is 64 or 128, not d; H3
+    d40 (stride 120) the general copy.  One and two vectors of query rows
+    (16, 40), keys past the last 12- and 4-row register tiles (nk 77), fused
+    and unfused, a float mask.  The tiled kernel forced (rows_max 1)."""
+    force.set(rows_max=1)
+    nk = 77
+    q, k, v = rand(rng, (2, nq, H, d), dtype), rand(rng, (2, nk, H, d), dtype), rand(rng, (2, nk, H, 24), dtype)
+    check(q, k, v, dtype, layout="blhd", num_threads=[1, 2])
+    check(q, k, v, dtype, layout="blhd", causal=True,
+          mask=rng.standard_normal((H, nq, nk)).astype(dtype))
+
+
 # ---------------------------------------------------------------------------
 # the fused exp (kernel_body.h, FUSE_LAG): a key tile takes its probabilities
 # against a reference max that may lag the true one by up to 24; a register

@@ -14,7 +14,10 @@
  * odd vector of query rows, so that bqp is a multiple of L, not of TW: few
  * query rows waste less (5 rows on AVX-512 pad to 16, not 32).  One loop over
  * the head dim serves every d: copies specialised for d = 64 and 128, or the
- * dk loop unrolled by 4, were no faster (docs/tuning.md, RB).
+ * dk loop unrolled by 4, were no faster (docs/tuning.md, RB).  On AVX-512,
+ * qk_block has copies for K's row stride 64 and 128 (QK_CONST_KRS): with a
+ * constant stride the 12 rows' broadcasts take one base register, where a
+ * variable one needs 12 index registers and spills the loop's others.
  * ------------------------------------------------------------------------- */
 #ifndef FA_RB64
 #define FA_RB64 12
@@ -192,8 +195,8 @@ INLINE int64_t rb_tiles_end(int64_t n)
  * Mt (nb, bqp) a float mask's tile transposed or NULL (it may be St); St, Qt and
  * Mt have row stride ld.  Or, with f (f->St == St), their probabilities (the
  * fused exp).  Meanwhile prefetches pf's rows (NULL: none). */
-static void qk_block(T *St, const T *restrict K, int64_t krs, const T *restrict Qt, int64_t ld,
-                     int64_t bqp, int64_t dk, int64_t nb, const tile_pf *pf, fuse_t *f, const T *Mt)
+INLINE void qk_block_body(T *St, const T *restrict K, int64_t krs, const T *restrict Qt, int64_t ld,
+                          int64_t bqp, int64_t dk, int64_t nb, const tile_pf *pf, fuse_t *f, const T *Mt)
 {
     int64_t j = 0;
     const int64_t end = rb_tiles_end(nb);
@@ -206,6 +209,19 @@ static void qk_block(T *St, const T *restrict K, int64_t krs, const T *restrict 
     for (; j + 4 <= nb; j += 4) qk_rows(4, St + j * ld, K + j * krs, krs, Qt, ld, bqp, dk, f, QK_MT(j), j);
     for (; j < nb; j++) qk_rows(1, St + j * ld, K + j * krs, krs, Qt, ld, bqp, dk, f, QK_MT(j), j);
 #undef QK_MT
+}
+
+/* qk_block_body, with K's row stride a constant where it is 64 or 128
+ * (QK_CONST_KRS, see the top of this file) */
+#ifndef QK_CONST_KRS
+#define QK_CONST_KRS (FA_VB == 64)
+#endif
+static void qk_block(T *St, const T *restrict K, int64_t krs, const T *restrict Qt, int64_t ld,
+                     int64_t bqp, int64_t dk, int64_t nb, const tile_pf *pf, fuse_t *f, const T *Mt)
+{
+    if (QK_CONST_KRS && krs == 128) qk_block_body(St, K, 128, Qt, ld, bqp, dk, nb, pf, f, Mt);
+    else if (QK_CONST_KRS && krs == 64) qk_block_body(St, K, 64, Qt, ld, bqp, dk, nb, pf, f, Mt);
+    else qk_block_body(St, K, krs, Qt, ld, bqp, dk, nb, pf, f, Mt);
 }
 
 /* Ot columns [i, i + NV*L) += Pt^T-contracted with V, over all dv rows of Ot;
