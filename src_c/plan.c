@@ -39,7 +39,8 @@ static int64_t kv_bytes(const fa_attention_args *a)
  * the tuning's bk_decode for one row, bk_rows for more); the tiled kernel the
  * tuning's bk_tiled (64: a tile's K and V arrive from memory
  * in time through the prefetch one pass ahead), bk_tiled_mem for few rows from
- * memory (with tile_pf_l1, fewer keys of rows longer than 512 bytes). */
+ * memory (with tile_pf_l1, fewer keys of rows longer than 512 bytes, more of float32 rows
+ * up to 256 bytes). */
 static void choose_tiles(const fa_attention_args *a, const fa_overrides *f, const fa_tuning *tu, int64_t lanes,
                          int64_t rows_max, int rows_kernel, int from_memory, int64_t n_lead, int threads, fa_tiles *t)
 {
@@ -67,9 +68,10 @@ static void choose_tiles(const fa_attention_args *a, const fa_overrides *f, cons
     t->pf_l1 = !rows_kernel && t->bq <= 32 && from_memory && tu->tile_pf_l1 && a->k_rs == a->dk &&
                a->v_rs == a->dv && a->kv_dtype == FA_KV_SAME;
     if (!rows_kernel && t->bq <= 32 && from_memory) bk_max = tu->bk_tiled_mem;
-    if (t->pf_l1) { /* K and V tiles that L1 holds beside the item's: bk_tiled_mem rows of 512 bytes */
+    if (t->pf_l1) { /* K and V tiles that L1 holds beside the item's: bk_tiled_mem rows of 512 bytes;
+                     * of float32 rows up to 256 bytes, half as many more (docs/tuning.md, tile_pf_l1) */
         const int64_t fit = (int64_t)tu->bk_tiled_mem * 512 / (a->dk * esz);
-        bk_max = fit < 8 ? 8 : fit < bk_max ? fit : bk_max;
+        bk_max = fit < 8 ? 8 : fit >= 2 * bk_max && esz == 4 ? bk_max * 3 / 2 : fit < bk_max ? fit : bk_max;
     }
     if (f->bk) bk_max = f->bk;
     t->bk = a->nk < bk_max ? a->nk : bk_max;

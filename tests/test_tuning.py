@@ -60,7 +60,8 @@ def test_tuning_sizes_and_switches_reach_the_plan(rng, tuning):
     few rows from memory; results agree with the reference either way."""
     k, v = rand(rng, (4, 2000, 64)), rand(rng, (4, 2000, 64))   # 4 MB
     q1, q20 = rand(rng, (4, 1, 64)), rand(rng, (4, 20, 64))
-    tuning(kv_mem_bytes=1 << 20, kv_far_bytes=1 << 20, decode_far=1, stream=1, bk_tiled_mem=16, rows_max_big=(8, 8))
+    tuning(kv_mem_bytes=1 << 20, kv_far_bytes=1 << 20, decode_far=1, stream=1, bk_tiled_mem=16, rows_max_big=(8, 8),
+           tile_pf_l1=0)   # (its own key tiles: test_tile_pf_l1_from_the_table)
     p = _plan(q1, k, v)
     assert p["from_memory"] and p["stream"] and p["far"]
     p = _plan(q20, k, v)
@@ -258,7 +259,8 @@ def test_tail_mem_from_the_table(isa, rng, tuning, dtype):
 def test_tile_pf_l1_from_the_table(isa, rng, tuning, dtype):
     """tile_pf_l1: the tiled kernel's items of at most 32 rows with K and V from memory
     prefetch into L1, with key tiles of at most bk_tiled_mem rows of 512 bytes (d_k 200:
-    10 float32 keys, and at least 8, not 4, float64 ones); not in cache, not over 32 rows,
+    10 float32 keys, and at least 8, not 4, float64 ones), of float32 rows up to 256
+    bytes 1.5 bk_tiled_mem; not in cache, not over 32 rows,
     not for K and V rows at the heads' stride (blhd) nor for 16-bit K and V.  Results
     against the reference either way, with tiles' tails and the last block's."""
     esz = 4 if dtype == F32 else 8
@@ -284,6 +286,14 @@ def test_tile_pf_l1_from_the_table(isa, rng, tuning, dtype):
                     k16, v16 = k.astype(np.float16), v.astype(np.float16)
                     assert not _plan(q, k16, v16, num_threads=2)["pf_l1"]
                     check(q, k16, v16, F32, num_threads=2)
+            if on and mem:   # rows of 256 bytes or fewer: float32 takes 24 keys a tile, float64 16
+                for dk in (32, 64, 96, 128):
+                    q, k, v = rand(rng, (2, 16, dk), dtype), rand(rng, (2, 301, dk), dtype), rand(rng, (2, 301, 24), dtype)
+                    fit = 16 * 512 // (dk * esz)
+                    want = 24 if fit >= 32 and esz == 4 else min(fit, 16)
+                    p = _plan(q, k, v, num_threads=2)
+                    assert p["pf_l1"] and p["bk"] == want, (dk, p["bk"])
+                    check(q, k, v, dtype, num_threads=(1, 2))
 
 
 @pytest.mark.parametrize("dtype", [F32, F64])
