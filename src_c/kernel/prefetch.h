@@ -50,7 +50,7 @@ INLINE void prefetch_lines(const void *p, int64_t n, int64_t esz, int tail, int 
         else    __builtin_prefetch(b + bytes - esz, 0, 2);
     }
 }
-/* A K or V row into L2 */
+/* A K or V row into L2 (the group kernel's prefetch) */
 INLINE void prefetch_l2(const KT *p, int64_t n, int tail) { prefetch_lines(p, n, (int64_t)sizeof(KT), tail, 0); }
 
 /* tile_prefetch's V, K and query rows: K and V into L1 (l1) or L2, the queries
@@ -110,7 +110,7 @@ INLINE int64_t prefetch_dist(int64_t row_elems, int far)
 {
     return prefetch_dist_bytes(row_elems, far ? FAR_PF_BYTES : PF_BYTES);
 }
-/* One K or V row (n elements), into L2 (far; tail: see prefetch_l2) or into
+/* One K or V row (n elements), into L2 (far; tail: see prefetch_lines) or into
  * L1 without the tail (in cache it makes no difference: docs/tuning.md,
  * prefetch_l2). */
 INLINE void prefetch_row(const KT *p, int64_t n, int far, int tail)

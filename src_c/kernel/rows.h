@@ -228,7 +228,7 @@ INLINE void rows_pv_keys(const int R, const int NV, const int PF, vec (*acc)[8],
  *   A (R, lda)   S (R, ls)   V (nb, NV*L) row stride vrs
  * An R x NV register tile: each V vector, loaded once, serves R rows.
  * Rows j < npf of V exist and may be prefetched: pfn elements of the row pf
- * rows ahead (far: into L2; tail: see prefetch_l2); and kp's row j with key j
+ * rows ahead (far: into L2; tail: see prefetch_lines); and kp's row j with key j
  * (NULL: none).  A tile with nothing to prefetch (npf 0 and no kp: the column
  * tiles after the first of a row group) takes a loop without the prefetch
  * tests (docs/tuning.md, rows_pv_keys). */
