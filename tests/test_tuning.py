@@ -288,7 +288,8 @@ def test_tile_pf_l1_from_the_table(isa, rng, tuning, dtype):
                     check(q, k16, v16, F32, num_threads=2)
             if on and mem:   # rows of 256 bytes or fewer: float32 takes 24 keys a tile, float64 16
                 for dk in (32, 64, 96, 128):
-                    q, k, v = rand(rng, (2, 16, dk), dtype), rand(rng, (2, 301, dk), dtype), rand(rng, (2, 301, 24), dtype)
+                    q, k = rand(rng, (2, 16, dk), dtype), rand(rng, (2, 301, dk), dtype)
+                    v = rand(rng, (2, 301, 24), dtype)
                     fit = 16 * 512 // (dk * esz)
                     want = 24 if fit >= 32 and esz == 4 else min(fit, 16)
                     p = _plan(q, k, v, num_threads=2)
