@@ -71,7 +71,9 @@ static void choose_tiles(const fa_attention_args *a, const fa_overrides *f, cons
     if (t->pf_l1) { /* K and V tiles that L1 holds beside the item's: bk_tiled_mem rows of 512 bytes;
                      * of float32 rows up to 256 bytes, half as many more (docs/tuning.md, tile_pf_l1) */
         const int64_t fit = (int64_t)tu->bk_tiled_mem * 512 / (a->dk * esz);
-        bk_max = fit < 8 ? 8 : fit >= 2 * bk_max && esz == 4 ? bk_max * 3 / 2 : fit < bk_max ? fit : bk_max;
+        int64_t bk = fit < bk_max ? fit : bk_max;
+        if (esz == 4 && fit >= 2 * bk_max) bk = bk_max * 3 / 2;
+        bk_max = bk < 8 ? 8 : bk;
     }
     if (f->bk) bk_max = f->bk;
     t->bk = a->nk < bk_max ? a->nk : bk_max;

@@ -3,6 +3,7 @@ max, the tail rows it hands to the row kernel, and masks read per tile (bool
 masks packed into bits or read as bytes, float masks transposed in registers,
 hidden tiles skipped)."""
 
+import ml_dtypes
 import numpy as np
 import pytest
 from conftest import assert_close, rand
@@ -69,13 +70,18 @@ def test_key_row_strides(isa, rng, force, fused, dtype, H, d, nq):
     (B, n, H, d) rows of d32 or d64 whose stride H*d is 64 or 128, not d; H3
     d40 (stride 120) the general copy.  One and two vectors of query rows
     (16, 40), keys past the last 12- and 4-row register tiles (nk 77), fused
-    and unfused, a float mask.  The tiled kernel forced (rows_max 1)."""
+    and unfused, a float mask; 16-bit K and V, whose rows the kernel widens
+    into its scratch at stride d (d64: the 64 copy).  The tiled kernel forced
+    (rows_max 1)."""
     force.set(rows_max=1)
     nk = 77
     q, k, v = rand(rng, (2, nq, H, d), dtype), rand(rng, (2, nk, H, d), dtype), rand(rng, (2, nk, H, 24), dtype)
     check(q, k, v, dtype, layout="blhd", num_threads=[1, 2])
     check(q, k, v, dtype, layout="blhd", causal=True,
           mask=rng.standard_normal((H, nq, nk)).astype(dtype))
+    if dtype == F32:
+        for half in (np.float16, ml_dtypes.bfloat16):
+            check(q, k.astype(half), v.astype(half), F32, layout="blhd", num_threads=[1, 2])
 
 
 # ---------------------------------------------------------------------------
