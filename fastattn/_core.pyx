@@ -42,7 +42,7 @@ cdef extern from "fastattn.h" nogil:
         int64_t split_keys, parts_bytes
 
     ctypedef struct fa_stats:
-        int64_t group_runs, tail_rows, redo_rows, kv_widened
+        int64_t group_runs, tail_rows, redo_rows, kv_widened, chunk_rows
 
     ctypedef struct fa_attention_args:
         int n_lead
@@ -158,7 +158,7 @@ cdef extern from "runtime.h" nogil:
 
     ctypedef struct fa_tiles:
         int64_t bq, bk, bqp, ld, q_main
-        int fuse, stream, far, pf_l1, decode_pf, group_touch
+        int fuse, stream, far, pf_l1, decode_pf, group_touch, chunks_rows
         int64_t kv_rows, mt_off
 
     ctypedef struct fa_plan:
@@ -187,7 +187,7 @@ cdef extern from "runtime.h" nogil:
         int decode_pf[2]
         int decode_far
         int fuse, stream, bk_tiled, bk_tiled_mem, q_tile_bytes, q_tile_bytes_band, bk_rows, bk_decode
-        int group_bk_max, group_touch
+        int group_bk_max, group_touch, group_chunks_rows
         int fold_rows, fold_rows_big
         int64_t group_tile_bytes, fold_big_bytes, kv_mem_bytes, kv_far_bytes
         int bwd_bq, bwd_bk
@@ -801,7 +801,8 @@ cdef class Forcing:
     The counts, over the calls of the block: group_runs (item groups the group
     kernel ran), tail_rows (query rows the row kernel ran as the tiled kernel's
     tails), redo_rows (rows recomputed carefully after a non-finite result),
-    kv_widened (16-bit key rows the tiled and weights kernels widened)."""
+    kv_widened (16-bit key rows the tiled and weights kernels widened), chunk_rows
+    (query rows the group kernel ran in chunks of keys, group_chunks)."""
     cdef fa_overrides ov
     cdef fa_stats st
 
@@ -810,7 +811,7 @@ cdef class Forcing:
         self.ov.fuse = self.ov.stream = self.ov.far = self.ov.decode_pf = self.ov.group = self.ov.mask_pack = -1
         self.ov.head_turns = self.ov.group_touch = self.ov.mask_cache = -1
         self.ov.split_keys = self.ov.parts_bytes = 0
-        self.st.group_runs = self.st.tail_rows = self.st.redo_rows = self.st.kv_widened = 0
+        self.st.group_runs = self.st.tail_rows = self.st.redo_rows = self.st.kv_widened = self.st.chunk_rows = 0
 
     def set(self, **overrides):
         """Change some overrides (names as above); returns self."""
@@ -873,8 +874,12 @@ cdef class Forcing:
     def kv_widened(self):
         return self.st.kv_widened
 
+    @property
+    def chunk_rows(self):
+        return self.st.chunk_rows
+
     def reset_counts(self):
-        self.st.group_runs = self.st.tail_rows = self.st.redo_rows = self.st.kv_widened = 0
+        self.st.group_runs = self.st.tail_rows = self.st.redo_rows = self.st.kv_widened = self.st.chunk_rows = 0
 
     def __enter__(self):
         global _n_forcing
@@ -933,8 +938,8 @@ TUNING_PAIRS = ("rows_max", "rows_max_big", "rows_max_dk", "rows_full", "tail_ma
 _TUNING_BITS = {"rows_full_dk": 32, "rows_max_kv": 32, "tail_mem": 32, "tile_pf_l1": 32, "decode_far": 32,
                 "fuse": 32, "stream": 32, "bk_tiled": 32, "bk_tiled_mem": 32, "q_tile_bytes": 32,
                 "q_tile_bytes_band": 32, "bk_rows": 32, "bk_decode": 32, "group_bk_max": 32, "group_tile_bytes": 64,
-                "group_touch": 32, "fold_rows": 32, "fold_rows_big": 32, "fold_big_bytes": 64, "kv_mem_bytes": 64,
-                "kv_far_bytes": 64, "bwd_bq": 32, "bwd_bk": 32}
+                "group_touch": 32, "group_chunks_rows": 32, "fold_rows": 32, "fold_rows_big": 32,
+                "fold_big_bytes": 64, "kv_mem_bytes": 64, "kv_far_bytes": 64, "bwd_bq": 32, "bwd_bk": 32}
 TUNING_FIELDS = TUNING_PAIRS + tuple(_TUNING_BITS)
 
 
@@ -943,7 +948,7 @@ cdef dict _tuning_dict(const fa_tuning *t):
     d["name"] = d["name"].decode(errors="replace")
     for key in TUNING_PAIRS:
         d[key] = tuple(d[key])
-    for key in ("fuse", "stream", "group_touch", "tail_mem", "tile_pf_l1", "decode_far"):
+    for key in ("fuse", "stream", "group_touch", "group_chunks_rows", "tail_mem", "tile_pf_l1", "decode_far"):
         d[key] = bool(d[key])
     return d
 
@@ -1048,6 +1053,7 @@ cdef dict _plan_dict(const fa_plan *p):
         "bq": p.tiles.bq, "bk": p.tiles.bk, "bqp": p.tiles.bqp, "ld": p.tiles.ld,
         "fuse": bool(p.tiles.fuse), "stream": bool(p.tiles.stream), "far": bool(p.tiles.far),
         "pf_l1": bool(p.tiles.pf_l1), "decode_pf": bool(p.tiles.decode_pf), "group_touch": bool(p.tiles.group_touch),
+        "chunks_rows": bool(p.tiles.chunks_rows),
         "kv_rows": p.tiles.kv_rows, "lanes": p.lanes, "rows_max": p.rows_max,
         "rows_full": (p.full_lo, p.full_hi) if p.full_lo <= p.full_hi else None,
         "tail_max": p.tail_max,

@@ -29,9 +29,10 @@ What it measures (the fields of src_c/internal.h's fa_tuning; docs/tuning.md):
   q_tile_bytes, q_tile_bytes_band
         the tiled kernel's query rows a block at d128 and d256 (float32); the
         same under a causal band (d128, 2048 rows);
-  group_tile_bytes, group_bk_max, group_touch
-        the group kernel's key tiles (heads of a (B, n, H, d) cache from memory),
-        and how it reads the next tile ahead (loads or software prefetch).
+  group_chunks_rows, group_tile_bytes, group_bk_max, group_touch
+        the group kernel (heads of a (B, n, H, d) cache from memory): whether
+        items of several rows take chunks of keys, its key tiles, and how it
+        reads the next tile ahead (loads or software prefetch).
   bwd_bq, bwd_bk
         the backward's query rows a block and keys a unit (float32, d64 and d128).
 The GQA fold, rows_full_dk, rows_max_kv, tail_mem and kv_mem_bytes keep the built-in table's values
@@ -336,6 +337,7 @@ def _measure_tiles(b: _Bench, chosen: Dict[str, Any]) -> None:
     kg, vg = (x.reshape(1, nk * 4, 8, 128) for x in (kb, vb))                   # 8 heads, 4 n_k
     group_calls = [b.call(b.q(1, 32, 128, np.float32), kg, vg, layout="blhd", enable_gqa=True)]
     group_calls += [b.call(b.q(n, 32, 128, np.float32), kb, vb, layout="blhd") for n in (2, 4)]
+    chosen["group_chunks_rows"] = bool(_pick_size(b, "group_chunks_rows", (0, 1), group_calls))
     chosen["group_tile_bytes"], chosen["group_bk_max"] = _pick_combo(
         b, ("group_tile_bytes", "group_bk_max"), [(256 << 10, 64), (512 << 10, 128), (1 << 20, 256), (2 << 20, 256)],
         group_calls)

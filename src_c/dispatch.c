@@ -78,6 +78,9 @@
  *                 rows: about that many bytes of the group's K and V, 8 to group_bk_max keys;
  *   group_touch   the group kernel reads its next tile ahead by loads in address order,
  *                 where software prefetch at the heads' stride falls behind (Zen 3);
+ *   group_chunks_rows  the group kernel's items of several rows (GQA's folded heads,
+ *                 a few tokens) take chunks of keys as one-row items do, where they
+ *                 keep up with memory better than key tiles (the Xeon of xeon-a7);
  *   fold_rows, fold_rows_big, fold_big_bytes  the GQA fold (fa_gqa_fold): a group's
  *                 heads as one item's rows, where the row kernel then reads K and V
  *                 once for them; more rows with large K and V on the SIMD paths;
@@ -91,8 +94,8 @@
     {.name = nm, .rows_max = {10, 10}, .rows_max_big = {10, 10}, .rows_max_dk = {10, 10},                  \
      .rows_full = {0, 0}, .tail_max = {3, 1}, .decode_pf = {1, 1}, .fuse = 0, .stream = 1, .bk_tiled = 64, \
      .bk_tiled_mem = 32, .q_tile_bytes = 32768, .q_tile_bytes_band = 32768, .bk_rows = 128,               \
-     .bk_decode = 256, .group_bk_max = 64, .group_tile_bytes = 256 << 10, .group_touch = 0, .fold_rows = 8, \
-     .fold_rows_big = 8,                                                                                   \
+     .bk_decode = 256, .group_bk_max = 64, .group_tile_bytes = 256 << 10, .group_touch = 0,                \
+     .group_chunks_rows = 0, .fold_rows = 8, .fold_rows_big = 8,                                           \
      .fold_big_bytes = INT64_MAX, .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = (int64_t)16 << 20,    \
      .bwd_bq = 64, .bwd_bk = 256, .rows_full_dk = 0, .rows_max_kv = 0, .tail_mem = 1, .tile_pf_l1 = 0, .decode_far = 1}
 /* The avx2 default is Zen 3's table but for q_tile_bytes (docs/tuning.md, "Zen 3"). */
@@ -102,7 +105,8 @@
      .tail_max = {4, 2}, .decode_pf = {1, 1}, .fuse = 0, .stream = 1, .bk_tiled = 64, .bk_tiled_mem = 32, \
      .q_tile_bytes = qtile, .q_tile_bytes_band = 32768, .bk_rows = 128, .bk_decode = 256,                 \
      .group_bk_max = 64,                                                                                  \
-     .group_tile_bytes = 256 << 10, .group_touch = 1, .fold_rows = 8, .fold_rows_big = 12,                \
+     .group_tile_bytes = 256 << 10, .group_touch = 1, .group_chunks_rows = 0,                             \
+     .fold_rows = 8, .fold_rows_big = 12,                                                                 \
      .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = (int64_t)16 << 20,     \
      .bwd_bq = 64, .bwd_bk = 256, .rows_full_dk = 0, .rows_max_kv = 12, .tail_mem = 1, .tile_pf_l1 = 0, .decode_far = 1}
 #define TUNE_AVX512(nm)                                                                                     \
@@ -110,7 +114,8 @@
      .rows_full = {14, 0}, .tail_max = {8, 4}, .decode_pf = {1, 1}, .fuse = 1, .stream = 1, .bk_tiled = 64, \
      .bk_tiled_mem = 32, .q_tile_bytes = 32768, .q_tile_bytes_band = 32768, .bk_rows = 128,                \
      .bk_decode = 256, .group_bk_max = 64,                                                                  \
-     .group_tile_bytes = 256 << 10, .group_touch = 0, .fold_rows = 8, .fold_rows_big = 12,                  \
+     .group_tile_bytes = 256 << 10, .group_touch = 0, .group_chunks_rows = 0,                               \
+     .fold_rows = 8, .fold_rows_big = 12,                                                                   \
      .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = (int64_t)16 << 20,       \
      .bwd_bq = 32, .bwd_bk = 64, .rows_full_dk = 0, .rows_max_kv = 0, .tail_mem = 1, .tile_pf_l1 = 0, .decode_far = 1}
 
@@ -128,7 +133,8 @@ static fa_isa_table table_avx512 = {.name = "avx512", .tune = TUNE_AVX512("avx51
      .rows_full = {14, 0}, .tail_max = {8, 4}, .decode_pf = {0, 0}, .fuse = 1, .stream = 0, .bk_tiled = 64, \
      .bk_tiled_mem = 16, .q_tile_bytes = 131072, .q_tile_bytes_band = 131072, .bk_rows = 512,             \
      .bk_decode = 1024, .group_bk_max = 256,                                                                \
-     .group_tile_bytes = 1 << 20, .group_touch = 0, .fold_rows = 8, .fold_rows_big = 12,                    \
+     .group_tile_bytes = 1 << 20, .group_touch = 0, .group_chunks_rows = 0,                                 \
+     .fold_rows = 8, .fold_rows_big = 12,                                                                   \
      .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = INT64_MAX, .bwd_bq = 64, \
      .bwd_bk = 256, .rows_full_dk = 128, .rows_max_kv = 0, .tail_mem = 1, .tile_pf_l1 = 0, .decode_far = 1}
 
@@ -139,7 +145,8 @@ static fa_isa_table table_avx512 = {.name = "avx512", .tune = TUNE_AVX512("avx51
      .rows_full = {14, 0}, .tail_max = {8, 4}, .decode_pf = {1, 1}, .fuse = 1, .stream = 1, .bk_tiled = 64, \
      .bk_tiled_mem = 32, .q_tile_bytes = 32768, .q_tile_bytes_band = 32768, .bk_rows = 512,                \
      .bk_decode = 256, .group_bk_max = 64,                                                                  \
-     .group_tile_bytes = 256 << 10, .group_touch = 0, .fold_rows = 8, .fold_rows_big = 12,                  \
+     .group_tile_bytes = 256 << 10, .group_touch = 0, .group_chunks_rows = 0,                               \
+     .fold_rows = 8, .fold_rows_big = 12,                                                                   \
      .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = (int64_t)16 << 20,       \
      .bwd_bq = 64, .bwd_bk = 256, .rows_full_dk = 0, .rows_max_kv = 0, .tail_mem = 1, .tile_pf_l1 = 0, .decode_far = 1}
 
@@ -157,7 +164,8 @@ static fa_isa_table table_avx512 = {.name = "avx512", .tune = TUNE_AVX512("avx51
      .rows_full = {14, 0}, .tail_max = {8, 4}, .decode_pf = {1, 0}, .fuse = 1, .stream = 0, .bk_tiled = 64, \
      .bk_tiled_mem = 16, .q_tile_bytes = 131072, .q_tile_bytes_band = 32768, .bk_rows = 512,               \
      .bk_decode = 256, .group_bk_max = 64,                                                                  \
-     .group_tile_bytes = 256 << 10, .group_touch = 0, .fold_rows = 8, .fold_rows_big = 12,                  \
+     .group_tile_bytes = 256 << 10, .group_touch = 0, .group_chunks_rows = 1,                               \
+     .fold_rows = 8, .fold_rows_big = 12,                                                                   \
      .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = (int64_t)16 << 20,       \
      .bwd_bq = 64, .bwd_bk = 256, .rows_full_dk = 0, .rows_max_kv = 0, .tail_mem = 0, .tile_pf_l1 = 1, .decode_far = 0}
 
@@ -395,6 +403,7 @@ int fa_tuning_check(const fa_tuning *t)
         !in(t->q_tile_bytes, 4096, 1 << 22) || !in(t->q_tile_bytes_band, 4096, 1 << 22) ||
         !in(t->bk_rows, 8, 4096) || !in(t->bk_decode, 8, 4096) || !in(t->group_bk_max, 8, 1024) ||
         !in(t->group_tile_bytes, 1, (int64_t)1 << 30) || !in(t->group_touch, 0, 1) ||
+        !in(t->group_chunks_rows, 0, 1) ||
         !in(t->rows_full_dk, 0, 1 << 16) || !in(t->rows_max_kv, 0, FA_ROWS_CAP) || !in(t->tail_mem, 0, 1) ||
         !in(t->tile_pf_l1, 0, 1) || !in(t->decode_far, 0, 1) ||
         !in(t->fold_rows, 0, 1024) || !in(t->fold_rows_big, 0, 1024) || t->fold_big_bytes < 0 ||

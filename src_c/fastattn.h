@@ -89,6 +89,7 @@ typedef struct {
     int64_t tail_rows;   /* query rows the row kernel ran as the tiled kernel's tails */
     int64_t redo_rows;   /* rows recomputed carefully (a result came out non-finite) */
     int64_t kv_widened;  /* 16-bit key rows the tiled, weights and backward kernels widened */
+    int64_t chunk_rows;  /* query rows the group kernel ran in chunks (group_chunks) */
 } fa_stats;
 
 /* Arguments of fa_attention.

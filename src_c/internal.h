@@ -70,6 +70,8 @@ typedef struct {
                    * reads (0: it leaves them to the hardware prefetchers) */
     int group_touch; /* the group kernel's tiles: the next one read ahead by loads in
                    * address order (group.h, group_touch), not by software prefetch */
+    int chunks_rows; /* the group kernel's items of several rows take chunks of keys
+                   * (the tuning's group_chunks_rows; group.h, group_chunks) */
     int64_t kv_off, kv_rows; /* 16-bit K and V under the tiled or weights kernel: their
                    * float32 rows in each thread's scratch from element kv_off on (0:
                    * none), kv_rows of them (tiled.h, kv_rows_widened; attention.c
@@ -224,6 +226,8 @@ typedef struct {
     int64_t group_tile_bytes;         /* the group's K and V, 8 to group_bk_max keys */
     int group_touch;                  /* the group kernel reads its next tile ahead by
                                        * loads in address order (group.h) */
+    int group_chunks_rows;            /* the group kernel's items of several rows take
+                                       * chunks of keys, as one row does (group.h) */
     int fold_rows, fold_rows_big;     /* GQA: up to fold_rows query rows a head (or up
                                        * to fold_rows_big with K and V of at least */
     int64_t fold_big_bytes;           /* fold_big_bytes), a group's heads fold into the

@@ -251,6 +251,7 @@ int fa_attention_plan(const fa_attention_args *a, int weights, fa_plan *p)
                                     : p->kv_bytes > tu->kv_far_bytes && (tu->decode_far || !decoding);
     p->tiles.decode_pf = f->decode_pf >= 0 ? f->decode_pf : a->kv_dtype != FA_KV_SAME || tu->decode_pf[dt];
     p->tiles.group_touch = f->group_touch >= 0 ? f->group_touch : tu->group_touch;
+    p->tiles.chunks_rows = tu->group_chunks_rows;
 
     const int64_t split_keys = f->split_keys ? f->split_keys : FA_SPLIT_KEYS;
     p->long_splits = !weights && a->nk > split_keys ? (a->nk + split_keys - 1) / split_keys : 1;

@@ -93,7 +93,7 @@ def rand(rng, shape, dtype=np.float32, scale=1.0):
 def force():
     """The overrides of this test's calls: force.set(bq=..., rows_max=..., ...)
     (fastattn._core.Forcing names them), and what the calls ran: force.group_runs,
-    force.tail_rows, force.redo_rows, force.kv_widened, counted from force.reset_counts()."""
+    force.tail_rows, force.redo_rows, force.kv_widened, force.chunk_rows, counted from force.reset_counts()."""
     with _core.forcing() as f:
         yield f
 

@@ -169,6 +169,59 @@ def test_group_rows_several(isa, rng, group, rows_max, dtype, B, nk, threads, to
     assert_close(out, np.swapaxes(want, 1, 2), dtype)
 
 
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("B,nk", [(1, 2), (2, 7), (1, 150), (1, 1030), (3, 1100)])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_group_chunks_several(isa, rng, group, rows_max, tuning, dtype, B, nk, threads, prefetch, force):
+    """Items of several query rows in chunks (group.h, group_chunks: a lane per
+    row) where every row of an item sees the item's keys: GQA's heads folded into
+    one item (2, 4 and 8 rows, causal decoding: one position), rows without
+    causal or a window, kv_lengths per batch entry, 40 heads of 3 rows (two
+    groups of 60 rows: a partial vector), NaN in one head's K (that head's rows
+    NaN, the others not).  Against the reference, with force.chunk_rows counting
+    every row (times the key splits); rows at different positions under causal,
+    masks, softcap, ALiBi and kv_lengths per head take the key tiles (0 rows).
+    Where the table leaves group_chunks_rows off, they all take the key tiles."""
+    tuning(group_chunks_rows=1)
+    group(1)
+    rows_max(8)
+    force.set(decode_pf=prefetch)
+    H, d, dv = 5, 24, 12
+
+    def run(nq, hq=H, chunked=True, heads=H, nan=False, **kw):
+        qh = rand(rng, (B, hq, nq, d), dtype)
+        kh, vh = rand(rng, (B, heads, nk, d), dtype), rand(rng, (B, heads, nk, dv), dtype)
+        if nan:
+            kh[0, 1, nk // 2, 0] = np.nan
+        force.reset_counts()
+        check(heads_last(qh), heads_last(kh), heads_last(vh), dtype, layout="blhd", num_threads=threads,
+              enable_gqa=hq != heads, **kw)
+        assert force.group_runs >= 1
+        if chunked:
+            assert force.chunk_rows >= B * hq * nq
+        else:
+            assert force.chunk_rows == 0
+
+    run(1, hq=2 * H)
+    run(1, hq=4 * H, causal=True)
+    run(1, hq=8 * H, causal=True, kv_lengths=rng.integers(0, nk + 1, (B, 1)))
+    run(3)
+    run(2, hq=4 * H)                                        # 8 rows an item, two positions
+    run(1, hq=40, heads=40)
+    run(3, hq=40, heads=40)                                 # 120 rows: two groups of 60
+    run(1, hq=4 * H, nan=True)
+    run(3, causal=True, chunked=False)                      # a row's keys: its position's
+    run(2, hq=4 * H, causal=True, chunked=False)
+    run(1, hq=2 * H, mask=rng.random((B, 1, 1, nk)) < 0.7, chunked=False)
+    run(1, hq=2 * H, softcap=3.0, chunked=False)
+    run(3, kv_lengths=np.tile(np.arange(H) % (nk + 1), (B, 1)), chunked=False)   # keys that differ by head
+    tuning(group_chunks_rows=0)
+    run(1, hq=4 * H, chunked=False)
+    run(3, chunked=False)
+    run(1, hq=H)                                            # one row an item: chunks whatever the table
+
+
 @pytest.mark.parametrize("nq", [1, 3])
 def test_group_rows_empty_head_dims(isa, group, nq, force):
     """d_k = d_v = 0 from views whose heads lie apart (slices of a wider cache),

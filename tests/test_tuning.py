@@ -184,6 +184,23 @@ def test_group_touch_from_the_table(rng, tuning, force):
     np.testing.assert_array_equal(outs[0], outs[1])
 
 
+def test_group_chunks_rows_from_the_table(rng, tuning, force):
+    """group_chunks_rows: the group kernel's items of several rows (here GQA's two
+    query heads a K and V head, folded) take chunks of keys where the table says
+    so, and key tiles where not; the plan says which; both agree with the reference."""
+    k, v = rand(rng, (1, 300, 4, 16)), rand(rng, (1, 300, 4, 16))
+    q = rand(rng, (1, 1, 8, 16))
+    force.set(group=1)
+    for on in (0, 1):
+        tuning(group_chunks_rows=on)
+        assert _core.isa_table()["group_chunks_rows"] is bool(on)
+        assert _plan(q, k, v, layout="blhd", enable_gqa=True)["chunks_rows"] is bool(on)
+        force.reset_counts()
+        check(q, k, v, layout="blhd", enable_gqa=True, num_threads=2)
+        assert force.group_runs > 0
+        assert force.chunk_rows == (8 * force.group_runs if on else 0)   # each run: 4 items of 2 rows
+
+
 @pytest.mark.parametrize("half", [False, True])
 def test_rows_full_dk_from_the_table(rng, tuning, rows_max, half):
     """rows_full_dk: where set, rows_full's rows keep the row kernel from that dk on,
@@ -325,6 +342,7 @@ def test_decode_far_from_the_table(isa, rng, tuning, dtype):
     ({"bk_tiled": 4}, "out of range"), ({"bk_rows": 5000}, "out of range"),
     ({"bk_decode": 0}, "out of range"), ({"group_bk_max": 4}, "out of range"),
     ({"group_tile_bytes": 0}, "out of range"), ({"group_touch": 2}, "out of range"),
+    ({"group_chunks_rows": -1}, "out of range"),
     ({"bk_tiled_mem": 1024}, "out of range"), ({"fuse": 2}, "out of range"),
     ({"kv_mem_bytes": -1}, "out of range"), ({"rows_max": (4,)}, "pair"), ({"rows_maxx": (4, 4)}, "rows_maxx"),
     ({"bk_rows": 12.5}, "bk_rows must be an integer"), ({"bk_rows": 2 ** 40}, "bk_rows is out of range"),

@@ -16,7 +16,8 @@
  * are prefetched into L2 in step with the tiles, or (tl->group_touch) the
  * next tile is loaded ahead in address order (group_touch).  One-row items
  * with plain scores take chunks of keys instead, with one softmax step a
- * chunk for all of them (group_chunks).
+ * chunk for all of them (group_chunks), and so do items of several rows that
+ * all see the item's keys where the tuning says so (group_chunks_rows).
  * Items of several rows (GQA's folded heads, a few new tokens) take longer
  * tiles (attention.c), and their work on a tile is long enough that a burst
  * of prefetches at its start stalls it: there the rows of the tile ahead are
@@ -82,115 +83,133 @@ INLINE void group_step(const T *restrict Qs, const KT *restrict K, int64_t krs, 
     pv_1x4(A, p0, p1, p2, p3, V, V + vrs, V + 2 * vrs, V + 3 * vrs, dv, dvv);
 }
 
-/* fa_attn_group_rows over one-row items (decoding) whose scores need nothing
- * but the scale (no mask, softcap or ALiBi) and which see the same keys
- * [lo, hi): chunk by chunk of GROUP_CHUNK keys,
+/* fa_attn_group_rows over items whose scores need nothing but the scale (no
+ * mask, softcap or ALiBi) and which see the same keys [lo, hi), every row of
+ * an item all of them: one-row items (decoding), and where the tuning's
+ * group_chunks_rows says so (tl->chunks_rows) items of several rows (GQA's
+ * folded heads, a few tokens without a causal band between them).  Chunk by
+ * chunk of GROUP_CHUNK keys,
  *   1. the scores of every item, four keys at a time, the items in turn (so
- *      that K streams through in address order), into S (chunk keys, items);
- *   2. the online softmax step of the chunk, vectorised across the items (S
- *      becomes P; A rescaled where an item's max grew; m keeps NaN, as the
+ *      that K streams through in address order), into S (chunk keys, rows);
+ *      an item of several rows by the row kernel's R x 4 tiles (each K vector
+ *      loaded once for R rows);
+ *   2. the online softmax step of the chunk, vectorised across the rows (S
+ *      becomes P; A rescaled where a row's max grew; m keeps NaN, as the
  *      scalar steps' max_nan does, for the merge of split keys);
  *   3. A += P . V, four keys at a time, the items in turn (V in address order).
- * One softmax step a chunk for all the items, not a chain of scalar work per
+ * One softmax step a chunk for all the rows, not a chain of scalar work per
  * item and four keys, so that the work keeps up with memory (docs/tuning.md,
- * group_chunks).  The rest
- * take the tiles below: items of several rows (their P . V needs longer key
- * tiles), masks, softcap, ALiBi, key ranges that differ, float16 K and V.
+ * group_chunks).  The rest take the tiles below: items of several rows where
+ * the table leaves them to the tiles, or whose rows see different keys, masks,
+ * softcap, ALiBi, key ranges that differ, float16 K and V.
  * pf (fa_tiles.decode_pf): each pass prefetches into L2 its items' rows four
  * keys ahead.
- *   its (n <= FA_GROUP_MAX) the items, one row each, states at scratch + g st
- *       (fa_attn_group_rows' layout); K and V rows of item g at its[g].k,
- *       its[g].v, row strides a->k_rs, a->v_rs, keys [lo, hi)
- *   S   (GROUP_CHUNK, np)  item g's scores, then weights, at lane g; np: n
- *       rounded up to whole vectors (padding lanes: -inf at first, then
- *       whatever the steps leave; never read back)
- *   mv, lv, lcv, al (np)   the items' m, l, lc and the chunk's alpha
+ *   its (n <= FA_GROUP_MAX) the items, at most FA_GROUP_ROWS rows each and
+ *       FA_GROUP_MAX in all, states at scratch + g st (fa_attn_group_rows'
+ *       layout); K and V rows of item g at its[g].k, its[g].v, row strides
+ *       a->k_rs, a->v_rs, keys [lo, hi)
+ *   S   (GROUP_CHUNK, np)  the scores, then weights, of item g's row i at lane
+ *       x + i (x: the rows of the items before g); np: the rows rounded up to
+ *       whole vectors (padding lanes: -inf at first, then whatever the steps
+ *       leave; never read back)
+ *   mv, lv, lcv, al (np)   the rows' m, l, lc and the chunk's alpha
  * GROUP_CHUNK: long enough to share a softmax step, short enough for 16-bit
  * K and V, which slow down at 64 (docs/tuning.md, group_chunks). */
 enum { GROUP_CHUNK = 32 };
-_Static_assert(FA_GROUP_MAX % FA_LANES_MAX == 0, "group_chunks: n rounded up to whole vectors fits FA_GROUP_MAX");
+_Static_assert(FA_GROUP_MAX % FA_LANES_MAX == 0, "group_chunks: rows rounded up to whole vectors fit FA_GROUP_MAX");
 static void group_chunks(const fa_attention_args *a, const fa_item *its, int64_t n, T *scratch, int64_t st,
                          int64_t lo, int64_t hi, int pf)
 {
     const int64_t dk = a->dk, dv = a->dv, dkp = (dk + L - 1) / L * L, dkv = dk / L * L, dvv = dv / L * L;
-    const int64_t krs = a->k_rs, vrs = a->v_rs, np = (n + L - 1) / L * L;
+    const int64_t krs = a->k_rs, vrs = a->v_rs;
     _Alignas(64) T S[GROUP_CHUNK * FA_GROUP_MAX];
     _Alignas(64) T mv[FA_GROUP_MAX], lv[FA_GROUP_MAX], lcv[FA_GROUP_MAX], al[FA_GROUP_MAX];
-    for (int64_t g = 0; g < np; g++) {
-        const T *m = g < n ? scratch + g * st + dkp + 3 * dv : NULL; /* m, l, lc */
-        mv[g] = m ? m[0] : -INFINITY;
-        lv[g] = m ? m[1] : 0;
-        lcv[g] = m ? m[2] : 0;
-        for (int j = 0; j < GROUP_CHUNK; j++) S[j * np + g] = -INFINITY;
-    }
+    int64_t nr = 0; /* the rows, item by item */
+    for (int64_t g = 0; g < n; g++) nr += its[g].bq;
+    const int64_t np = (nr + L - 1) / L * L;
+    for (int64_t g = 0, x = 0; g < n; g++) /* item g's rows: m, l, lc at m + i, m + bq + i, m + 2 bq + i */
+        for (int64_t i = 0; i < its[g].bq; i++, x++) {
+            const T *m = scratch + g * st + its[g].bq * (dkp + 3 * dv) + i;
+            mv[x] = m[0];
+            lv[x] = m[its[g].bq];
+            lcv[x] = m[2 * its[g].bq];
+        }
+    for (int64_t x = nr; x < np; x++) mv[x] = -INFINITY, lv[x] = lcv[x] = 0;
+    for (int64_t x = 0; x < GROUP_CHUNK * np; x++) S[x] = -INFINITY;
     int64_t block = 0; /* keys in the items' blocks A (FOLD_KEYS) */
     for (int64_t j0 = lo; j0 < hi; j0 += GROUP_CHUNK) {
         const int64_t nb = hi - j0 < GROUP_CHUNK ? hi - j0 : GROUP_CHUNK;
         for (int64_t j = 0; j < nb; j += 4) { /* 1. the scores */
             const int64_t nj = nb - j < 4 ? nb - j : 4;
-            for (int64_t g = 0; g < n; g++) {
+            for (int64_t g = 0, x = 0; g < n; x += its[g].bq, g++) {
                 const KT *K = (const KT *)its[g].k + (j0 + j) * krs;
                 if (pf)
-                    for (int64_t x = j0 + j + 4; x < j0 + j + 8 && x < hi; x++)
-                        prefetch_l2((const KT *)its[g].k + x * krs, dk, 1);
-                T s4[4];
-                if (nj == 4)
-                    rows_scores_1x4(s4, scratch + g * st, K, K + krs, K + 2 * krs, K + 3 * krs, dk, dkv);
-                else
-                    rows_scores(s4, 0, scratch + g * st, 0, 1, K, krs, dk, nj, 0, 0, NULL);
-                for (int64_t x = 0; x < nj; x++) S[(j + x) * np + g] = s4[x];
+                    for (int64_t y = j0 + j + 4; y < j0 + j + 8 && y < hi; y++)
+                        prefetch_l2((const KT *)its[g].k + y * krs, dk, 1);
+                const T *Qs = scratch + g * st;
+                T s4[FA_GROUP_ROWS * 4];
+                if (nj == 4 && its[g].bq == 1)
+                    rows_scores_1x4(s4, Qs, K, K + krs, K + 2 * krs, K + 3 * krs, dk, dkv);
+                else /* several rows: R x 4 tiles, each K vector loaded once for R rows */
+                    rows_scores(s4, 4, Qs, dkp, its[g].bq, K, krs, dk, nj, 0, 0, NULL);
+                for (int64_t i = 0; i < its[g].bq; i++)
+                    for (int64_t y = 0; y < nj; y++) S[(j + y) * np + x + i] = s4[i * 4 + y];
             }
         }
-        for (int64_t g = 0; g < np; g += L) { /* 2. the softmax step, L items at a time */
-            const vec mo = vload(mv + g);
+        for (int64_t x = 0; x < np; x += L) { /* 2. the softmax step, L rows at a time */
+            const vec mo = vload(mv + x);
             vec mn = mo;
-            for (int64_t j = 0; j < nb; j++) mn = vnanmax(mn, vload(S + j * np + g));
+            for (int64_t j = 0; j < nb; j++) mn = vnanmax(mn, vload(S + j * np + x));
             const vec mu = vstep_shift(mn), alpha = vexp_neg(mo - mu);
             vec ps = vset1(0);
             for (int64_t j = 0; j < nb; j++) {
-                const vec p = vexp_neg(vload(S + j * np + g) - mu);
-                vstore(S + j * np + g, p);
+                const vec p = vexp_neg(vload(S + j * np + x) - mu);
+                vstore(S + j * np + x, p);
                 ps += p;
             }
-            vstore(mv + g, mn);
-            vstore(al + g, alpha);
-            vstore(lv + g, vload(lv + g) * alpha);
-            vstore(lcv + g, vload(lcv + g) * alpha);
-            vacc_add(lv + g, lcv + g, ps);
+            vstore(mv + x, mn);
+            vstore(al + x, alpha);
+            vstore(lv + x, vload(lv + x) * alpha);
+            vstore(lcv + x, vload(lcv + x) * alpha);
+            vacc_add(lv + x, lcv + x, ps);
         }
-        for (int64_t g = 0; g < n; g++)
-            if (al[g] != 1) {
-                T *A = scratch + g * st + dkp; /* A, As, Ac */
-                for (int64_t c = 0; c < 3 * dv; c++) A[c] *= al[g];
-            }
+        for (int64_t g = 0, x = 0; g < n; g++) /* A, As, Ac of row i: A + i dv, + bq dv, + 2 bq dv */
+            for (int64_t i = 0; i < its[g].bq; i++, x++)
+                if (al[x] != 1) {
+                    T *A = scratch + g * st + its[g].bq * dkp + i * dv;
+                    for (int64_t b = 0; b < 3; b++)
+                        for (int64_t c = 0; c < dv; c++) A[b * its[g].bq * dv + c] *= al[x];
+                }
         for (int64_t j = 0; j < nb; j += 4) { /* 3. A += P . V */
             const int64_t nj = nb - j < 4 ? nb - j : 4;
             const T *P = S + j * np;
-            for (int64_t g = 0; g < n; g++) {
+            for (int64_t g = 0, x = 0; g < n; x += its[g].bq, g++) {
                 const KT *V = (const KT *)its[g].v + (j0 + j) * vrs;
                 if (pf)
-                    for (int64_t x = j0 + j + 4; x < j0 + j + 8 && x < hi; x++)
-                        prefetch_l2((const KT *)its[g].v + x * vrs, dv, 1);
-                T p[4] = {P[g], 0, 0, 0};
-                for (int64_t x = 1; x < nj; x++) p[x] = P[x * np + g];
-                if (nj == 4)
-                    pv_1x4(scratch + g * st + dkp, p[0], p[1], p[2], p[3], V, V + vrs, V + 2 * vrs, V + 3 * vrs,
-                           dv, dvv);
-                else
-                    rows_pv(scratch + g * st + dkp, p, 0, 1, V, vrs, dv, nj, 0, 0, NULL);
+                    for (int64_t y = j0 + j + 4; y < j0 + j + 8 && y < hi; y++)
+                        prefetch_l2((const KT *)its[g].v + y * vrs, dv, 1);
+                T *A = scratch + g * st + its[g].bq * dkp;
+                T p[FA_GROUP_ROWS * 4];
+                for (int64_t i = 0; i < its[g].bq; i++)
+                    for (int64_t y = 0; y < nj; y++) p[i * 4 + y] = P[y * np + x + i];
+                if (nj == 4 && its[g].bq == 1)
+                    pv_1x4(A, p[0], p[1], p[2], p[3], V, V + vrs, V + 2 * vrs, V + 3 * vrs, dv, dvv);
+                else /* several rows: each V vector loaded once for R rows */
+                    rows_pv(A, p, 4, its[g].bq, V, vrs, dv, nj, 0, 0, NULL);
             }
         }
         if ((block += nb) >= FOLD_KEYS) { /* the blocks join the totals (FOLD_KEYS) */
-            for (int64_t g = 0; g < n; g++) acc_flush(scratch + g * st + dkp, dv, 0);
+            for (int64_t g = 0; g < n; g++) acc_flush(scratch + g * st + its[g].bq * dkp, its[g].bq * dv, 0);
             block = 0;
         }
     }
-    for (int64_t g = 0; g < n; g++) {
-        T *m = scratch + g * st + dkp + 3 * dv;
-        m[0] = mv[g];
-        m[1] = lv[g];
-        m[2] = lcv[g];
-    }
+    for (int64_t g = 0, x = 0; g < n; g++)
+        for (int64_t i = 0; i < its[g].bq; i++, x++) {
+            T *m = scratch + g * st + its[g].bq * (dkp + 3 * dv) + i;
+            m[0] = mv[x];
+            m[its[g].bq] = lv[x];
+            m[2 * its[g].bq] = lcv[x];
+        }
 }
 
 /* Loads the key rows [r0, r1) of the group's items into the caches ahead of
@@ -237,10 +256,18 @@ void FN(fa_attn_group_rows)(const fa_attention_args *a, const fa_tiles *tl, cons
     }
     /* (float16 K and V: group_step, below, but with AVX2: docs/tuning.md, group_chunks) */
     int chunks = plain && (FA_KV != 1 || FA_VB == 32);
-    for (int64_t g = 0; g < n && chunks; g++)
-        chunks = its[g].bq == 1 && its[g].slope == 0 && band[g].j_lo == band[0].j_lo && band[g].j_hi == band[0].j_hi;
+    int64_t rows = 0; /* several rows an item: where each sees all the item's keys */
+    for (int64_t g = 0; g < n && chunks; g++) {
+        const band_t *b = &band[g];
+        const int all_keys = (!b->has_left && !b->has_right) || band_pos(b, 0) == band_pos(b, its[g].bq - 1);
+        chunks = its[g].slope == 0 && b->j_lo == band[0].j_lo && b->j_hi == band[0].j_hi &&
+                 (its[g].bq == 1 || (tl->chunks_rows && its[g].bq <= FA_GROUP_ROWS && all_keys));
+        rows += its[g].bq;
+    }
+    chunks = chunks && rows <= FA_GROUP_MAX;
     if (chunks) {
         if (lo < hi) group_chunks(a, its, n, (T *)scratch, st, lo, hi, tl->decode_pf);
+        if (a->stats) __atomic_fetch_add(&a->stats->chunk_rows, rows, __ATOMIC_RELAXED);
         hi = lo; /* (nothing left for the tiles below) */
     }
     /* keys ahead for the prefetch: GROUP_PF_BYTES of the group's K and V rows */
