@@ -127,7 +127,7 @@ static void plan_group(const fa_attention_args *a, const fa_overrides *f, const 
         return;
     if (!heads_interleave(a) || !(f->group == 1 || p->from_memory)) return;
     const int64_t hn = a->lead_shape[a->n_lead - 1];
-    const int64_t n_sub = (hn * a->nq + FA_GROUP_MAX - 1) / FA_GROUP_MAX; /* rows a group */
+    const int64_t per = FA_GROUP_MAX / a->nq, n_sub = (hn + per - 1) / per; /* at most FA_GROUP_MAX rows a group */
     p->group = (hn + n_sub - 1) / n_sub;
     p->n_groups = p->n_lead / hn * n_sub;
     /* FA_GROUP_BK keys for one row; for more, about group_tile_bytes of the

@@ -9,6 +9,7 @@ from helpers import F32, F64, check, heads_last, team_check
 
 import fastattn
 from fastattn import _core
+from fastattn._attention import _plan
 
 
 @pytest.mark.parametrize("dtype", [F32, F64])
@@ -220,6 +221,22 @@ def test_group_chunks_several(isa, rng, group, rows_max, tuning, dtype, B, nk, t
     run(1, hq=4 * H, chunked=False)
     run(3, chunked=False)
     run(1, hq=H)                                            # one row an item: chunks whatever the table
+
+
+@pytest.mark.parametrize("nq,heads,groups", [(6, 32, 4), (5, 12, 1), (5, 13, 2), (8, 9, 2), (1, 130, 3)])
+def test_group_rows_at_most_group_max(rng, group, rows_max, tuning, force, nq, heads, groups):
+    """A group holds at most FA_GROUP_MAX (64) rows, the heads spread evenly over
+    the fewest groups that allow it (32 heads of 6 rows: 4 groups of 8, not 3 of
+    11, whose 66 rows the chunks cannot take); every row runs in chunks."""
+    group(1)
+    rows_max(8)
+    tuning(group_chunks_rows=1)
+    q, k, v = rand(rng, (1, nq, heads, 8)), rand(rng, (1, 40, heads, 8)), rand(rng, (1, 40, heads, 8))
+    p = _plan(q, k, v, layout="blhd")
+    assert p["n_groups"] == groups and p["group"] * nq <= 64 and p["group"] * groups >= heads
+    force.reset_counts()
+    check(q, k, v, layout="blhd", num_threads=2)
+    assert force.group_runs == groups and force.chunk_rows == nq * heads
 
 
 @pytest.mark.parametrize("nq", [1, 3])
