@@ -158,7 +158,8 @@ static fa_isa_table table_avx512 = {.name = "avx512", .tune = TUNE_AVX512("avx51
  * for the tiled kernel from memory, larger query tiles, prefill's and the
  * backward's; from memory the tiled kernel from 9 rows (float64: 3), without
  * a tail after a single block; float64 from 13 rows at d128 in cache, and its
- * decoding without software prefetch. */
+ * decoding without software prefetch; the group kernel's items of several rows
+ * in chunks of keys. */
 #define TUNE_XEON_A7                                                                                         \
     {.name = "xeon-a7", .rows_max = {12, 12}, .rows_max_big = {8, 2}, .rows_max_dk = {24, 12},              \
      .rows_full = {14, 0}, .tail_max = {8, 4}, .decode_pf = {1, 0}, .fuse = 1, .stream = 0, .bk_tiled = 64, \
