@@ -139,6 +139,28 @@ def test_gqa_and_blhd_cache(isa, rng, force, dtype, nq, touch):
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
+@pytest.mark.parametrize("nk", [150, 1030])
+def test_group_chunks_several_rows(isa, rng, force, tuning, dtype, nk):
+    """Items of several rows in the group kernel's chunks (group_chunks_rows on) from
+    16-bit (B, n, H, d) caches: GQA's four query heads a K and V head folded (one
+    position), and three tokens a head without causal; one and two threads (nk 1030:
+    split keys).  bfloat16 takes the chunks on every path, float16 on avx2 only
+    (group_step elsewhere: group.h)."""
+    tuning(group_chunks_rows=1)
+    force.set(group=1)
+    B, Hkv, d = 2, 3, 40
+    for nq, H, causal in ((1, 4 * Hkv, True), (3, Hkv, False)):
+        q = rand(rng, (B, H, nq, d))
+        k, v = half(rng, (B, Hkv, nk, d), dtype), half(rng, (B, Hkv, nk, 24), dtype)
+        force.reset_counts()
+        check(heads_last(q), heads_last(k), heads_last(v), F32, layout="blhd", enable_gqa=H != Hkv,
+              causal=causal, num_threads=(1, 2))
+        assert force.group_runs > 0
+        if dtype == BF16 or isa == "avx2":
+            assert force.chunk_rows >= B * H * nq
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
 def test_weights_varlen_and_strided(rng, force, dtype):
     """attention_weights (the weights kernel), packed sequences (decoding, and longer
     queries on the tiled kernel), and K and V as strided views of a larger cache."""
