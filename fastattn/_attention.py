@@ -109,6 +109,11 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, mask: Optional[ArrayL
               kv_lengths: Optional[ArrayLike] = None,
               q_lengths: Optional[ArrayLike] = None,
               layout: Layout = "bhld") -> NDArray[Any] | tuple[NDArray[Any], NDArray[Any]]:
+    if (mask is None and out is None and kv_lengths is None and q_lengths is None and alibi_slopes is None
+            and window is None and softcap is None and return_lse is False and enable_gqa is False):
+        plain = _core.attention_plain(q, k, v, causal, scale, num_threads, layout)   # None: not that call
+        if plain is not None:
+            return plain
     blhd = _blhd(layout)
     # the plain calls: no per-row arrays (q_lengths); ALiBi slopes only without the GQA
     # fold (which needs one slope for a group's heads), nor a causal alignment string,

@@ -8,6 +8,7 @@ shapes: the Python layer (_validate.py, _prepare.py) does.
 """
 from libc.stdint cimport int64_t, uint64_t
 from libc.stdlib cimport malloc, free
+from libc.math cimport sqrt, isfinite
 from cpython.exc cimport PyErr_CheckSignals
 from cpython.pythread cimport PyThread_get_thread_ident
 cimport numpy as cnp
@@ -459,6 +460,11 @@ def attention(Args p not None, cnp.ndarray out not None, object lse, *, bint wei
     that broadcast to `lead` and unit stride on its last axis (dq, dk and dv
     of distinct leading indices apart: fastattn.h).
     Inside a forcing() block of this thread, the call takes its overrides."""
+    return _attention(p, out, lse, weights, plan_only, backward)
+
+
+cdef object _attention(Args p, cnp.ndarray out, object lse, bint weights, bint plan_only, tuple backward):
+    """attention() above, callable from this module without a Python call."""
     cdef cnp.ndarray q = p.q, k = p.k, v = p.v
     cdef tuple lead = p.lead
     if q is None or k is None or v is None:
@@ -572,6 +578,72 @@ def attention(Args p not None, cnp.ndarray out not None, object lse, *, bint wei
         _run(&a, 3, 2.5 * work, &b)
         return
     _run(&a, 1 if weights else 0, work)
+
+
+cdef inline bint _plain_array(object x, int dtype):
+    """x an ndarray (not a subclass) of native-order `dtype`, C-contiguous and
+    aligned: what the C core reads as it is."""
+    if type(x) is not cnp.ndarray:
+        return False
+    cdef cnp.ndarray a = <cnp.ndarray>x
+    return (cnp.PyArray_TYPE(a) == dtype and cnp.PyArray_ISNOTSWAPPED(a)
+            and cnp.PyArray_CHKFLAGS(a, cnp.NPY_ARRAY_C_CONTIGUOUS | cnp.NPY_ARRAY_ALIGNED))
+
+
+def attention_plain(object q, object k, object v, object causal, object scale, object num_threads,
+                    object layout):
+    """fastattn.attention(q, k, v, causal=causal, scale=scale,
+    num_threads=num_threads, layout=layout) with no other argument, for the
+    commonest call only: q, k and v ndarrays of one native float32 or float64
+    dtype, C-contiguous and aligned, shaped (..., n_q, d_k), (..., n_k, d_k),
+    (..., n_k, d_v) with the same leading dims; causal a bool, scale None or
+    a finite float, num_threads None or a positive int, layout "bhld".  The
+    result, or None for any other call: the Python layer then checks,
+    converts and raises its errors.  The same C call as that layer's, with
+    its checks in C, where they were most of a small call's time."""
+    if not (causal is True or causal is False) or not (type(layout) is str and layout == "bhld"):
+        return None
+    if type(q) is not cnp.ndarray:
+        return None
+    cdef int t = cnp.PyArray_TYPE(<cnp.ndarray>q)
+    if t != cnp.NPY_FLOAT32 and t != cnp.NPY_FLOAT64:
+        return None
+    if not (_plain_array(q, t) and _plain_array(k, t) and _plain_array(v, t)):
+        return None
+    cdef cnp.ndarray a = <cnp.ndarray>q, b = <cnp.ndarray>k, c = <cnp.ndarray>v
+    cdef int n = a.ndim, d
+    if n < 2 or b.ndim != n or c.ndim != n or a.shape[n - 1] != b.shape[n - 1] or b.shape[n - 2] != c.shape[n - 2]:
+        return None
+    for d in range(n - 2):
+        if a.shape[d] != b.shape[d] or b.shape[d] != c.shape[d]:
+            return None
+    cdef double s
+    cdef int64_t d_k = a.shape[n - 1]
+    if scale is None:
+        s = 1.0 / sqrt(<double>d_k) if d_k > 0 else 1.0
+    elif type(scale) is float and isfinite(<double>scale):
+        s = <double>scale
+    else:
+        return None
+    cdef long nt = 0
+    if num_threads is not None:
+        if type(num_threads) is not int or num_threads <= 0:
+            return None
+        nt = fa_thread_cap() if num_threads >= fa_thread_cap() else <long>num_threads
+    cdef cnp.npy_intp dims[FA_MAX_DIMS + 2]
+    if n > FA_MAX_DIMS + 2:
+        return None
+    for d in range(n):
+        dims[d] = a.shape[d]
+    dims[n - 1] = c.shape[n - 1]
+    cdef cnp.ndarray out = cnp.PyArray_EMPTY(n, dims, t, 0)
+    if cnp.PyArray_SIZE(out) == 0:
+        return out
+    cdef Args p = Args.__new__(Args)
+    p._set(a, b, c, None, FA_MASK_NONE, tuple(q.shape[:n - 2]), causal is True, s, <int>nt, 0.0, -1, -1, None,
+           None, None, False)
+    _attention(p, out, None, False, False, None)
+    return out
 
 
 def softmax(cnp.ndarray x, cnp.ndarray out, int num_threads):

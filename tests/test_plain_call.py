@@ -84,6 +84,73 @@ def test_plain_call_recognised(rng):
         assert not _plain(*args)
 
 
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_attention_plain_recognised(isa, rng, monkeypatch, dtype):
+    """_core.attention_plain, the C-checked form of the commonest call (no option
+    but causal, scale, num_threads and layout "bhld"), computes exactly the calls
+    _plain accepts with those options, bit for bit as the general path, and
+    returns None for every other (the Python layer then checks and raises)."""
+    q, k, v = rand(rng, (2, 5, 8), dtype), rand(rng, (2, 6, 8), dtype), rand(rng, (2, 6, 4), dtype)
+    taken = []
+    real = _core.attention_plain
+
+    def spy(*args):
+        got = real(*args)
+        taken.append(got is not None)
+        return got
+
+    monkeypatch.setattr(_core, "attention_plain", spy)
+    gq, gk, gv = _strided(q), _strided(k), _strided(v)
+    for args in [(q, k, v), (q[0], k[0], v[0]), (q[None, None], k[None, None], v[None, None])]:
+        for kw in [{}, dict(causal=True), dict(scale=0.3), dict(scale=-2.0, causal=False), dict(num_threads=1),
+                   dict(num_threads=2, layout="bhld"), dict(num_threads=10**30)]:
+            taken.clear()
+            got = fastattn.attention(*args, **kw)
+            assert taken == [True] and got.dtype == dtype and got.shape == args[0].shape[:-1] + (4,)
+            general = fastattn.attention(*(_strided(a) for a in args), **kw)
+            np.testing.assert_array_equal(got, general)
+            assert_close(got, reference64(*args, causal=kw.get("causal", False), scale=kw.get("scale"))[0], dtype)
+    empty = fastattn.attention(q[:, :0], k, v)
+    assert empty.shape == (2, 0, 4) and empty.dtype == dtype
+    np.testing.assert_array_equal(fastattn.attention(q, k[:, :0], v[:, :0]), np.zeros((2, 5, 4), dtype))
+
+    class Sub(np.ndarray):
+        pass
+
+    other = dtype is F32 and F64 or F32
+    none_args = [
+        (gq, gk, gv), (q.view(Sub), k, v), (q, k.astype(other), v), (q, k, v.astype(other)),
+        (q.astype(q.dtype.newbyteorder()), k, v), (q, k, np.asfortranarray(v)), (q.tolist(), k, v),
+        (q[:1], k, v), (q, k[:1], v), (q, k, np.ascontiguousarray(v[:, :5])), (q, np.ascontiguousarray(k[..., :7]), v),
+        (q, k[None], v[None]), (q[0, 0], k, v[:, :, 0]), (q.astype(np.float16), k.astype(np.float16), v),
+        (q.astype(np.float16),) * 3, (q, k.astype(np.float16), v.astype(np.float16)),
+        (q.astype(np.int32), k, v)]
+    for args in none_args:
+        assert real(*args, False, None, None, "bhld") is None
+    for causal, scale, threads, layout in [
+            (np.bool_(True), None, None, "bhld"), (1, None, None, "bhld"), ("upper_left", None, None, "bhld"),
+            (None, None, None, "bhld"), (False, np.float32(0.5), None, "bhld"), (False, 1, None, "bhld"),
+            (False, float("nan"), None, "bhld"), (False, float("inf"), None, "bhld"),
+            (False, None, 0, "bhld"), (False, None, -1, "bhld"), (False, None, True, "bhld"),
+            (False, None, np.int64(2), "bhld"), (False, None, 2.0, "bhld"),
+            (False, None, None, "blhd"), (False, None, None, None), (False, None, None, b"bhld")]:
+        assert real(q, k, v, causal, scale, threads, layout) is None
+    # the Python layer's errors, from the general path
+    with pytest.raises(ValueError, match="num_threads"):
+        fastattn.attention(q, k, v, num_threads=0)
+    with pytest.raises(ValueError, match="scale must be finite"):
+        fastattn.attention(q, k, v, scale=float("nan"))
+    with pytest.raises(ValueError, match="layout"):
+        fastattn.attention(q, k, v, layout="bhdl")
+    # any other option: the Python layer
+    for kw in [dict(mask=np.ones((5, 6), bool)), dict(out=np.empty((2, 5, 4), dtype)), dict(return_lse=True),
+               dict(enable_gqa=True), dict(window=(2, 0)), dict(softcap=3.0), dict(kv_lengths=[6, 6]),
+               dict(q_lengths=[5, 5]), dict(alibi_slopes=[0.1, 0.2])]:
+        taken.clear()
+        fastattn.attention(q, k, v, **kw)
+        assert taken == []
+
+
 def test_plain_out_recognised(rng):
     """An out= that the plain call writes into as it is; any other goes the
     general way, with the same result (and the same errors)."""
