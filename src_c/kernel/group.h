@@ -35,6 +35,22 @@
  * ------------------------------------------------------------------------- */
 enum { GROUP_PF_BYTES = 131072 };
 
+/* Item g's state in fa_attn_group_rows' scratch, st elements an item of bq
+ * rows: Qs (bq, dkp), then A, As, Ac (bq, dv) from A, then m, l, lc (bq) from m
+ * (l = m + bq, lc = m + 2 bq), as item_rows lays them out. */
+typedef struct {
+    T *Qs, *A, *m, *l;
+} group_state;
+INLINE group_state group_item(T *scratch, int64_t st, int64_t g, int64_t bq, int64_t dkp, int64_t dv)
+{
+    group_state s;
+    s.Qs = scratch + g * st;
+    s.A = s.Qs + bq * dkp;
+    s.m = s.A + 3 * bq * dv;
+    s.l = s.m + bq;
+    return s;
+}
+
 /* One key tile of fa_attn_group_rows for a row whose scores need nothing but
  * the scale (no mask, softcap or ALiBi; one row's band is its key range):
  * s = Qs . K, the online softmax of the row (m, l), A += P . V, for nb <= 4
@@ -129,7 +145,7 @@ static void group_chunks(const fa_attention_args *a, const fa_item *its, int64_t
     const int64_t np = (nr + L - 1) / L * L;
     for (int64_t g = 0, x = 0; g < n; g++) /* item g's rows: m, l, lc at m + i, m + bq + i, m + 2 bq + i */
         for (int64_t i = 0; i < its[g].bq; i++, x++) {
-            const T *m = scratch + g * st + its[g].bq * (dkp + 3 * dv) + i;
+            const T *m = group_item(scratch, st, g, its[g].bq, dkp, dv).m + i;
             mv[x] = m[0];
             lv[x] = m[its[g].bq];
             lcv[x] = m[2 * its[g].bq];
@@ -146,7 +162,7 @@ static void group_chunks(const fa_attention_args *a, const fa_item *its, int64_t
                 if (pf)
                     for (int64_t y = j0 + j + 4; y < j0 + j + 8 && y < hi; y++)
                         prefetch_l2((const KT *)its[g].k + y * krs, dk, 1);
-                const T *Qs = scratch + g * st;
+                const T *Qs = group_item(scratch, st, g, its[g].bq, dkp, dv).Qs;
                 T s4[FA_GROUP_ROWS * 4];
                 if (nj == 4 && its[g].bq == 1)
                     rows_scores_1x4(s4, Qs, K, K + krs, K + 2 * krs, K + 3 * krs, dk, dkv);
@@ -176,7 +192,7 @@ static void group_chunks(const fa_attention_args *a, const fa_item *its, int64_t
         for (int64_t g = 0, x = 0; g < n; g++) /* A, As, Ac of row i: A + i dv, + bq dv, + 2 bq dv */
             for (int64_t i = 0; i < its[g].bq; i++, x++)
                 if (al[x] != 1) {
-                    T *A = scratch + g * st + its[g].bq * dkp + i * dv;
+                    T *A = group_item(scratch, st, g, its[g].bq, dkp, dv).A + i * dv;
                     for (int64_t b = 0; b < 3; b++)
                         for (int64_t c = 0; c < dv; c++) A[b * its[g].bq * dv + c] *= al[x];
                 }
@@ -188,7 +204,7 @@ static void group_chunks(const fa_attention_args *a, const fa_item *its, int64_t
                 if (pf)
                     for (int64_t y = j0 + j + 4; y < j0 + j + 8 && y < hi; y++)
                         prefetch_l2((const KT *)its[g].v + y * vrs, dv, 1);
-                T *A = scratch + g * st + its[g].bq * dkp;
+                T *A = group_item(scratch, st, g, its[g].bq, dkp, dv).A;
                 T p[FA_GROUP_ROWS * 4];
                 for (int64_t i = 0; i < its[g].bq; i++)
                     for (int64_t y = 0; y < nj; y++) p[i * 4 + y] = P[y * np + x + i];
@@ -199,13 +215,14 @@ static void group_chunks(const fa_attention_args *a, const fa_item *its, int64_t
             }
         }
         if ((block += nb) >= FOLD_KEYS) { /* the blocks join the totals (FOLD_KEYS) */
-            for (int64_t g = 0; g < n; g++) acc_flush(scratch + g * st + its[g].bq * dkp, its[g].bq * dv, 0);
+            for (int64_t g = 0; g < n; g++)
+                acc_flush(group_item(scratch, st, g, its[g].bq, dkp, dv).A, its[g].bq * dv, 0);
             block = 0;
         }
     }
     for (int64_t g = 0, x = 0; g < n; g++)
         for (int64_t i = 0; i < its[g].bq; i++, x++) {
-            T *m = scratch + g * st + its[g].bq * (dkp + 3 * dv) + i;
+            T *m = group_item(scratch, st, g, its[g].bq, dkp, dv).m + i;
             m[0] = mv[x];
             m[its[g].bq] = lv[x];
             m[2 * its[g].bq] = lcv[x];
@@ -247,8 +264,8 @@ void FN(fa_attn_group_rows)(const fa_attention_args *a, const fa_tiles *tl, cons
     int64_t lo = INT64_MAX, hi = 0;
     for (int64_t g = 0; g < n; g++) {
         const fa_item *it = &its[g];
-        T *Qs = (T *)scratch + g * st, *A = Qs + it->bq * dkp, *m = A + 3 * it->bq * dv, *l = m + it->bq;
-        band[g] = rows_begin(a, it, Qs, dkp, A, m, l);
+        const group_state s = group_item((T *)scratch, st, g, it->bq, dkp, dv);
+        band[g] = rows_begin(a, it, s.Qs, dkp, s.A, s.m, s.l);
         if (band[g].j_lo < band[g].j_hi) {
             lo = band[g].j_lo < lo ? band[g].j_lo : lo;
             hi = band[g].j_hi > hi ? band[g].j_hi : hi;
@@ -293,7 +310,8 @@ void FN(fa_attn_group_rows)(const fa_attention_args *a, const fa_tiles *tl, cons
                     prefetch_l2(V + r * a->v_rs, dv, 1);
                 }
             if (jl >= jh) continue;
-            T *Qs = (T *)scratch + g * st, *A = Qs + it->bq * dkp, *m = A + 3 * it->bq * dv, *l = m + it->bq;
+            const group_state s = group_item((T *)scratch, st, g, it->bq, dkp, dv);
+            T *Qs = s.Qs, *A = s.A, *m = s.m, *l = s.l;
             if (plain && it->slope == 0 && it->bq == 1 && jh - jl <= 4 && L >= 4) {
                 group_step(Qs, K + jl * a->k_rs, a->k_rs, dk, V + jl * a->v_rs, a->v_rs, dv, jh - jl, A, m, l);
                 continue;
@@ -309,14 +327,15 @@ void FN(fa_attn_group_rows)(const fa_attention_args *a, const fa_tiles *tl, cons
         }
         block += bk;
         if (block >= FOLD_KEYS || j0 + bk >= hi) { /* the blocks join the totals (FOLD_KEYS) */
-            for (int64_t g = 0; g < n; g++) acc_flush((T *)scratch + g * st + its[g].bq * dkp, its[g].bq * dv, 0);
+            for (int64_t g = 0; g < n; g++)
+                acc_flush(group_item((T *)scratch, st, g, its[g].bq, dkp, dv).A, its[g].bq * dv, 0);
             block = 0;
         }
     }
     for (int64_t g = 0; g < n; g++) {
-        T *Qs = (T *)scratch + g * st, *A = Qs + its[g].bq * dkp, *m = A + 3 * its[g].bq * dv;
-        rows_end(A, m + its[g].bq, its[g].bq, dv);
-        write_rows(a, &its[g], A, dv, 1, m, m + its[g].bq, 0);
+        const group_state s = group_item((T *)scratch, st, g, its[g].bq, dkp, dv);
+        rows_end(s.A, s.l, its[g].bq, dv);
+        write_rows(a, &its[g], s.A, dv, 1, s.m, s.l, 0);
     }
     for (int64_t g = 0; g < n; g++) /* after all are written: this takes the scratch */
         redo_nonfinite_rows(a, tl, &its[g], scratch);
