@@ -189,6 +189,7 @@ cdef extern from "runtime.h" nogil:
         int decode_far
         int fuse, stream, bk_tiled, bk_tiled_mem, q_tile_bytes, q_tile_bytes_band, bk_rows, bk_decode
         int group_bk_max, group_touch, group_chunks_rows
+        int group_rows[2]
         int fold_rows, fold_rows_big
         int64_t group_tile_bytes, fold_big_bytes, kv_mem_bytes, kv_far_bytes
         int bwd_bq, bwd_bk
@@ -1005,7 +1006,8 @@ def gqa_fold(int64_t n_q, int64_t kv_bytes):
 
 
 # the fields of a tuning table (src_c/internal.h, fa_tuning): {float32, float64} pairs first
-TUNING_PAIRS = ("rows_max", "rows_max_big", "rows_max_dk", "rows_full", "tail_max", "decode_pf")   # two int each
+TUNING_PAIRS = ("rows_max", "rows_max_big", "rows_max_dk", "rows_full", "tail_max", "decode_pf",
+                "group_rows")   # two int each
 # the other fields and the bits of their C types
 _TUNING_BITS = {"rows_full_dk": 32, "rows_max_kv": 32, "tail_mem": 32, "tile_pf_l1": 32, "decode_far": 32,
                 "fuse": 32, "stream": 32, "bk_tiled": 32, "bk_tiled_mem": 32, "q_tile_bytes": 32,

@@ -228,6 +228,10 @@ typedef struct {
                                        * loads in address order (group.h) */
     int group_chunks_rows;            /* the group kernel's items of several rows take
                                        * chunks of keys, as one row does (group.h) */
+    int group_rows[2];                /* > 0: up to this many query rows (at most
+                                       * FA_GROUP_ROWS) take the group kernel over the
+                                       * heads of a (B, n, H, d) cache from memory, past
+                                       * rows_max_big (0: rows_max_big decides) */
     int fold_rows, fold_rows_big;     /* GQA: up to fold_rows query rows a head (or up
                                        * to fold_rows_big with K and V of at least */
     int64_t fold_big_bytes;           /* fold_big_bytes), a group's heads fold into the

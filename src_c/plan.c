@@ -118,14 +118,17 @@ static int heads_interleave(const fa_attention_args *a)
  * together, key tile by key tile, so that K and V are read in address order,
  * not in pieces H d elements apart; in cache the item-by-item kernel's rows
  * come from the L3 fast enough.  Sets p->group (0: none), p->n_groups and the
- * group's key tile. */
+ * group's key tile.  group_fits: whether the group kernel takes the call, given
+ * the row kernel (long_splits: plan_splits' splits of long rows). */
+static int group_fits(const fa_attention_args *a, const fa_overrides *f, int from_memory, int64_t long_splits)
+{
+    return a->nq <= FA_GROUP_ROWS && !a->q_start && !a->kv_start && a->n_lead >= 1 && f->group != 0 &&
+           long_splits == 1 && heads_interleave(a) && (f->group == 1 || from_memory);
+}
 static void plan_group(const fa_attention_args *a, const fa_overrides *f, const fa_tuning *tu, fa_plan *p)
 {
     p->group = p->n_groups = 0;
-    if (p->kernel != FA_KERNEL_ROWS || a->nq > FA_GROUP_ROWS || a->q_start || a->kv_start || a->n_lead < 1 ||
-        f->group == 0 || p->long_splits > 1)
-        return;
-    if (!heads_interleave(a) || !(f->group == 1 || p->from_memory)) return;
+    if (p->kernel != FA_KERNEL_ROWS || !group_fits(a, f, p->from_memory, p->long_splits)) return;
     const int64_t hn = a->lead_shape[a->n_lead - 1];
     const int64_t per = FA_GROUP_MAX / a->nq, n_sub = (hn + per - 1) / per; /* at most FA_GROUP_MAX rows a group */
     p->group = (hn + n_sub - 1) / n_sub;
@@ -228,6 +231,14 @@ int fa_attention_plan(const fa_attention_args *a, int weights, fa_plan *p)
                   : p->from_memory     ? tu->rows_max_big[dt]
                   : a->dk >= FA_ROWS_DK_BIG ? tu->rows_max_dk[dt]
                                             : tu->rows_max[dt];
+    /* A (B, n, H, d) cache from memory: up to the table's group_rows query rows
+     * take the group kernel past rows_max_big, where the tiled kernel reads each
+     * head's rows in pieces H d apart (docs/tuning.md, group_rows). */
+    const int64_t split_keys = f->split_keys ? f->split_keys : FA_SPLIT_KEYS;
+    p->long_splits = !weights && a->nk > split_keys ? (a->nk + split_keys - 1) / split_keys : 1;
+    if (!f->rows_max && !weights && p->from_memory && a->nq > p->rows_max && a->nq <= tu->group_rows[dt] &&
+        group_fits(a, f, p->from_memory, p->long_splits))
+        p->rows_max = (int)a->nq;
     p->full_lo = 1, p->full_hi = 0; /* (empty) */
     const int full_dk = tu->rows_full_dk > 0 && a->k_rs == a->dk && a->v_rs == a->dv &&
                         (a->dk >= tu->rows_full_dk || (a->kv_dtype != FA_KV_SAME && p->from_memory));
@@ -252,9 +263,6 @@ int fa_attention_plan(const fa_attention_args *a, int weights, fa_plan *p)
     p->tiles.decode_pf = f->decode_pf >= 0 ? f->decode_pf : a->kv_dtype != FA_KV_SAME || tu->decode_pf[dt];
     p->tiles.group_touch = f->group_touch >= 0 ? f->group_touch : tu->group_touch;
     p->tiles.chunks_rows = tu->group_chunks_rows;
-
-    const int64_t split_keys = f->split_keys ? f->split_keys : FA_SPLIT_KEYS;
-    p->long_splits = !weights && a->nk > split_keys ? (a->nk + split_keys - 1) / split_keys : 1;
 
     /* The tail: the rows of the last block past its last whole vector (fewer
      * than the lanes, but the tiled kernel pays for the whole vector) take the

@@ -201,6 +201,38 @@ def test_group_chunks_rows_from_the_table(rng, tuning, force):
         assert force.chunk_rows == (8 * force.group_runs if on else 0)   # each run: 4 items of 2 rows
 
 
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_group_rows_from_the_table(rng, tuning, force, dtype):
+    """group_rows: the query rows of a (B, n, H, d) cache from memory take the
+    group kernel up to that many, past rows_max_big (0: rows_max_big decides);
+    not K and V in cache, head-major ones, nor more rows than it says.  Every
+    result against the reference, and the group kernel's bit for bit as forcing
+    rows_max gives it."""
+    tuning(rows_max=(2, 2), rows_max_big=(2, 2), rows_max_dk=(2, 2), rows_full=(0, 0), kv_mem_bytes=1 << 10)
+    k, v = rand(rng, (1, 300, 4, 16), dtype), rand(rng, (1, 300, 4, 24), dtype)
+    for nq in (3, 5, 8):
+        q = rand(rng, (1, nq, 4, 16), dtype)
+        for limit, causal in ((0, False), (8, False), (8, True), (nq - 1, False), (nq, True)):
+            tuning(group_rows=(limit, limit))
+            assert _core.isa_table()["group_rows"] == (limit, limit)
+            p = _plan(q, k, v, layout="blhd", causal=causal)
+            takes = limit >= nq
+            assert p["kernel"] == ("group" if takes else "tiled"), (nq, limit)
+            force.reset_counts()
+            got = check(q, k, v, layout="blhd", causal=causal, num_threads=[1, 2])[0]
+            assert (force.group_runs > 0) is takes
+            if takes:   # the same computation as the row kernel forced over the group
+                force.set(rows_max=nq)
+                np.testing.assert_array_equal(fastattn.attention(q, k, v, layout="blhd", causal=causal), got)
+                force.set(rows_max=0)
+        tuning(group_rows=(8, 8))
+        hm = [np.ascontiguousarray(a.swapaxes(1, 2)) for a in (q, k, v)]   # head-major: not the group's
+        assert _plan(*hm, causal=False)["kernel"] == "tiled"
+        tuning(kv_mem_bytes=1 << 30)   # in cache
+        assert _plan(q, k, v, layout="blhd")["kernel"] == "tiled"
+        tuning(kv_mem_bytes=1 << 10)
+
+
 @pytest.mark.parametrize("half", [False, True])
 def test_rows_full_dk_from_the_table(rng, tuning, rows_max, half):
     """rows_full_dk: where set, rows_full's rows keep the row kernel from that dk on,
@@ -342,7 +374,8 @@ def test_decode_far_from_the_table(isa, rng, tuning, dtype):
     ({"bk_tiled": 4}, "out of range"), ({"bk_rows": 5000}, "out of range"),
     ({"bk_decode": 0}, "out of range"), ({"group_bk_max": 4}, "out of range"),
     ({"group_tile_bytes": 0}, "out of range"), ({"group_touch": 2}, "out of range"),
-    ({"group_chunks_rows": -1}, "out of range"),
+    ({"group_chunks_rows": -1}, "out of range"), ({"group_rows": (9, 0)}, "group_rows is out of range"),
+    ({"group_rows": (0, -1)}, "group_rows is out of range"),
     ({"bk_tiled_mem": 1024}, "out of range"), ({"fuse": 2}, "out of range"),
     ({"kv_mem_bytes": -1}, "out of range"), ({"rows_max": (4,)}, "pair"), ({"rows_maxx": (4, 4)}, "rows_maxx"),
     ({"bk_rows": 12.5}, "bk_rows must be an integer"), ({"bk_rows": 2 ** 40}, "bk_rows is out of range"),
