@@ -595,14 +595,19 @@ def attention_plain(object q, object k, object v, object causal, object scale, o
                     object layout):
     """fastattn.attention(q, k, v, causal=causal, scale=scale,
     num_threads=num_threads, layout=layout) with no other argument, for the
-    commonest call only: q, k and v ndarrays of one native float32 or float64
+    commonest calls only: q, k and v ndarrays of one native float32 or float64
     dtype, C-contiguous and aligned, shaped (..., n_q, d_k), (..., n_k, d_k),
-    (..., n_k, d_v) with the same leading dims; causal a bool, scale None or
-    a finite float, num_threads None or a positive int, layout "bhld".  The
-    result, or None for any other call: the Python layer then checks,
-    converts and raises its errors.  The same C call as that layer's, with
-    its checks in C, where they were most of a small call's time."""
-    if not (causal is True or causal is False) or not (type(layout) is str and layout == "bhld"):
+    (..., n_k, d_v) with the same leading dims (layout "bhld"), or (..., n_q,
+    H, d_k), (..., n_k, H, d_k), (..., n_k, H, d_v) read through their (..., H,
+    n, d) views (layout "blhd"); causal a bool, scale None or a finite float,
+    num_threads None or a positive int.  The result, or None for any other
+    call: the Python layer then checks, converts and raises its errors.  The
+    same C call as that layer's, with its checks in C, where they were most of
+    a small call's time."""
+    if not (causal is True or causal is False) or type(layout) is not str:
+        return None
+    cdef bint blhd = layout == "blhd"
+    if not blhd and layout != "bhld":
         return None
     if type(q) is not cnp.ndarray:
         return None
@@ -613,10 +618,11 @@ def attention_plain(object q, object k, object v, object causal, object scale, o
         return None
     cdef cnp.ndarray a = <cnp.ndarray>q, b = <cnp.ndarray>k, c = <cnp.ndarray>v
     cdef int n = a.ndim, d
-    if n < 2 or b.ndim != n or c.ndim != n or a.shape[n - 1] != b.shape[n - 1] or b.shape[n - 2] != c.shape[n - 2]:
+    cdef int rows = n - 3 if blhd else n - 2   # the axis of n_q and n_k
+    if n < 2 + blhd or b.ndim != n or c.ndim != n or n > FA_MAX_DIMS + 2:
         return None
-    for d in range(n - 2):
-        if a.shape[d] != b.shape[d] or b.shape[d] != c.shape[d]:
+    for d in range(n):   # k and v: all but d; q: all but n_q (and d_v)
+        if (d != n - 1 and b.shape[d] != c.shape[d]) or (d != rows and a.shape[d] != b.shape[d]):
             return None
     cdef double s
     cdef int64_t d_k = a.shape[n - 1]
@@ -632,18 +638,20 @@ def attention_plain(object q, object k, object v, object causal, object scale, o
             return None
         nt = fa_thread_cap() if num_threads >= fa_thread_cap() else <long>num_threads
     cdef cnp.npy_intp dims[FA_MAX_DIMS + 2]
-    if n > FA_MAX_DIMS + 2:
-        return None
     for d in range(n):
         dims[d] = a.shape[d]
     dims[n - 1] = c.shape[n - 1]
     cdef cnp.ndarray out = cnp.PyArray_EMPTY(n, dims, t, 0)
     if cnp.PyArray_SIZE(out) == 0:
         return out
+    cdef cnp.ndarray target = out
+    if blhd:   # the (..., H, n, d) views, as the C core reads heads first
+        a, b, c = a.swapaxes(n - 3, n - 2), b.swapaxes(n - 3, n - 2), c.swapaxes(n - 3, n - 2)
+        target = out.swapaxes(n - 3, n - 2)
     cdef Args p = Args.__new__(Args)
-    p._set(a, b, c, None, FA_MASK_NONE, tuple(q.shape[:n - 2]), causal is True, s, <int>nt, 0.0, -1, -1, None,
+    p._set(a, b, c, None, FA_MASK_NONE, (<object>a).shape[:n - 2], causal is True, s, <int>nt, 0.0, -1, -1, None,
            None, None, False)
-    _attention(p, out, None, False, False, None)
+    _attention(p, target, None, False, False, None)
     return out
 
 

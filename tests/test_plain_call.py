@@ -86,10 +86,10 @@ def test_plain_call_recognised(rng):
 
 @pytest.mark.parametrize("dtype", [F32, F64])
 def test_attention_plain_recognised(isa, rng, monkeypatch, dtype):
-    """_core.attention_plain, the C-checked form of the commonest call (no option
-    but causal, scale, num_threads and layout "bhld"), computes exactly the calls
-    _plain accepts with those options, bit for bit as the general path, and
-    returns None for every other (the Python layer then checks and raises)."""
+    """_core.attention_plain, the C-checked form of the commonest calls (no option
+    but causal, scale, num_threads and layout), computes exactly the calls _plain
+    and _plain_blhd accept with those options, bit for bit as the general path,
+    and returns None for every other (the Python layer then checks and raises)."""
     q, k, v = rand(rng, (2, 5, 8), dtype), rand(rng, (2, 6, 8), dtype), rand(rng, (2, 6, 4), dtype)
     taken = []
     real = _core.attention_plain
@@ -110,6 +110,23 @@ def test_attention_plain_recognised(isa, rng, monkeypatch, dtype):
             general = fastattn.attention(*(_strided(a) for a in args), **kw)
             np.testing.assert_array_equal(got, general)
             assert_close(got, reference64(*args, causal=kw.get("causal", False), scale=kw.get("scale"))[0], dtype)
+    # layout "blhd": (..., n, H, d), read through the (..., H, n, d) views, the result written so
+    q4, k4, v4 = rand(rng, (2, 5, 3, 8), dtype), rand(rng, (2, 6, 3, 8), dtype), rand(rng, (2, 6, 3, 4), dtype)
+    for args in [(q4, k4, v4), (q4[0], k4[0], v4[0]), (np.ascontiguousarray(q4[:, :1]), k4, v4)]:
+        for kw in [{}, dict(causal=True, scale=0.7), dict(num_threads=2)]:
+            taken.clear()
+            got = fastattn.attention(*args, layout="blhd", **kw)
+            assert taken == [True] and got.dtype == dtype and got.shape == args[0].shape[:-1] + (4,)
+            assert got.flags.c_contiguous
+            general = fastattn.attention(*(_strided(a) for a in args), layout="blhd", **kw)
+            np.testing.assert_array_equal(got, general)
+            hf = [np.swapaxes(a, -3, -2) for a in args]
+            want = reference64(*hf, causal=kw.get("causal", False), scale=kw.get("scale"))[0]
+            assert_close(np.swapaxes(got, -3, -2), want, dtype)
+    for args in [(q4, k4[:, :, :2], v4[:, :, :2]), (q4, k4, v4[:, :5]), (q4, np.ascontiguousarray(k4[..., :7]), v4),
+                 (q4[0, 0], k4[0, 0], v4[0, 0]), (q4, k4[:1], v4[:1]), (q4, k4, np.ascontiguousarray(v4[:, :, :2]))]:
+        assert real(*args, False, None, None, "blhd") is None
+    assert real(q4, k4, v4, False, None, None, "BLHD") is None
     empty = fastattn.attention(q[:, :0], k, v)
     assert empty.shape == (2, 0, 4) and empty.dtype == dtype
     np.testing.assert_array_equal(fastattn.attention(q, k[:, :0], v[:, :0]), np.zeros((2, 5, 4), dtype))
@@ -133,7 +150,7 @@ def test_attention_plain_recognised(isa, rng, monkeypatch, dtype):
             (False, float("nan"), None, "bhld"), (False, float("inf"), None, "bhld"),
             (False, None, 0, "bhld"), (False, None, -1, "bhld"), (False, None, True, "bhld"),
             (False, None, np.int64(2), "bhld"), (False, None, 2.0, "bhld"),
-            (False, None, None, "blhd"), (False, None, None, None), (False, None, None, b"bhld")]:
+            (False, None, None, "bhdl"), (False, None, None, None), (False, None, None, b"bhld")]:
         assert real(q, k, v, causal, scale, threads, layout) is None
     # the Python layer's errors, from the general path
     with pytest.raises(ValueError, match="num_threads"):
