@@ -127,6 +127,13 @@ def test_attention_plain_recognised(isa, rng, monkeypatch, dtype):
                  (q4[0, 0], k4[0, 0], v4[0, 0]), (q4, k4[:1], v4[:1]), (q4, k4, np.ascontiguousarray(v4[:, :, :2]))]:
         assert real(*args, False, None, None, "blhd") is None
     assert real(q4, k4, v4, False, None, None, "BLHD") is None
+    # d_k = 0: the default scale of reference.default_scale (1), every key alike
+    z = np.zeros((2, 5, 0), dtype)
+    taken.clear()
+    got = fastattn.attention(z, np.zeros((2, 6, 0), dtype), v)
+    assert taken == [True]
+    np.testing.assert_array_equal(got, fastattn.attention(_strided(z), _strided(np.zeros((2, 6, 0), dtype)), v))
+    assert_close(got, np.broadcast_to(v.astype(np.float64).mean(-2, keepdims=True), got.shape), dtype)
     empty = fastattn.attention(q[:, :0], k, v)
     assert empty.shape == (2, 0, 4) and empty.dtype == dtype
     np.testing.assert_array_equal(fastattn.attention(q, k[:, :0], v[:, :0]), np.zeros((2, 5, 4), dtype))

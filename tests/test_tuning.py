@@ -202,7 +202,7 @@ def test_group_chunks_rows_from_the_table(rng, tuning, force):
 
 
 @pytest.mark.parametrize("dtype", [F32, F64])
-def test_group_rows_from_the_table(rng, tuning, force, dtype):
+def test_group_rows_from_the_table(isa, rng, tuning, force, dtype):
     """group_rows: the query rows of a (B, n, H, d) cache from memory take the
     group kernel up to that many, past rows_max_big (0: rows_max_big decides);
     not K and V in cache, head-major ones, nor more rows than it says.  Every
