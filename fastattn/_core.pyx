@@ -38,7 +38,7 @@ cdef extern from "fastattn.h" nogil:
         FA_MASK_ADD
 
     ctypedef struct fa_overrides:
-        int64_t bq, bk, rows_max
+        int64_t bq, bk, rows_max, pipe_rows
         int fuse, stream, far, decode_pf, group, group_touch, mask_pack, head_turns, mask_cache
         int64_t split_keys, parts_bytes
 
@@ -159,7 +159,7 @@ cdef extern from "runtime.h" nogil:
 
     ctypedef struct fa_tiles:
         int64_t bq, bk, bqp, ld, q_main
-        int fuse, stream, far, pf_l1, decode_pf, group_touch, chunks_rows
+        int fuse, stream, far, pf_l1, decode_pf, pipe_rows, group_touch, chunks_rows
         int64_t kv_rows, mt_off
 
     ctypedef struct fa_plan:
@@ -190,6 +190,7 @@ cdef extern from "runtime.h" nogil:
         int fuse, stream, bk_tiled, bk_tiled_mem, q_tile_bytes, q_tile_bytes_band, bk_rows, bk_decode
         int group_bk_max, group_touch, group_chunks_rows
         int group_rows[2]
+        int pipe_rows[2]
         int fold_rows, fold_rows_big
         int64_t group_tile_bytes, fold_big_bytes, kv_mem_bytes, kv_far_bytes
         int bwd_bq, bwd_bk
@@ -851,8 +852,8 @@ def _stream_read(cnp.ndarray buf, int num_threads=0):
 
 _forcing_local = threading.local()
 cdef int _n_forcing = 0      # open forcing blocks on any thread: the calls look for theirs only then
-_OVERRIDES = ("bq", "bk", "rows_max", "fuse", "stream", "far", "decode_pf", "group", "group_touch", "mask_pack",
-              "head_turns", "mask_cache", "split_keys", "parts_bytes")
+_OVERRIDES = ("bq", "bk", "rows_max", "pipe_rows", "fuse", "stream", "far", "decode_pf", "group", "group_touch",
+              "mask_pack", "head_turns", "mask_cache", "split_keys", "parts_bytes")
 
 
 cdef class Forcing:
@@ -863,6 +864,8 @@ cdef class Forcing:
                    backward's query rows a block and keys a unit)
       rows_max     the most query rows that take the row kernel (at most 24; set,
                    it also turns off rows_full and the tail)
+      pipe_rows    up to this many rows take the row kernel's pipelined loop,
+                   K and V read together (1: decoding only)
       fuse         the tiled kernel's fused exp (1 on, 0 off)
       stream       the row kernel's prefetch across passes (and the far prefetch,
                    unless far is set)
@@ -888,7 +891,7 @@ cdef class Forcing:
     cdef fa_stats st
 
     def __cinit__(self):
-        self.ov.bq = self.ov.bk = self.ov.rows_max = 0
+        self.ov.bq = self.ov.bk = self.ov.rows_max = self.ov.pipe_rows = 0
         self.ov.fuse = self.ov.stream = self.ov.far = self.ov.decode_pf = self.ov.group = self.ov.mask_pack = -1
         self.ov.head_turns = self.ov.group_touch = self.ov.mask_cache = -1
         self.ov.split_keys = self.ov.parts_bytes = 0
@@ -907,6 +910,8 @@ cdef class Forcing:
                 self.ov.bk = size
             elif name == "rows_max":
                 self.ov.rows_max = size
+            elif name == "pipe_rows":
+                self.ov.pipe_rows = size
             elif name == "split_keys":
                 self.ov.split_keys = size
             elif name == "parts_bytes":
@@ -933,7 +938,8 @@ cdef class Forcing:
 
     @property
     def overrides(self):
-        return {"bq": self.ov.bq, "bk": self.ov.bk, "rows_max": self.ov.rows_max, "fuse": self.ov.fuse,
+        return {"bq": self.ov.bq, "bk": self.ov.bk, "rows_max": self.ov.rows_max, "pipe_rows": self.ov.pipe_rows,
+                "fuse": self.ov.fuse,
                 "stream": self.ov.stream, "far": self.ov.far, "decode_pf": self.ov.decode_pf, "group": self.ov.group,
                 "group_touch": self.ov.group_touch, "mask_pack": self.ov.mask_pack, "head_turns": self.ov.head_turns,
                 "mask_cache": self.ov.mask_cache,
@@ -1015,7 +1021,7 @@ def gqa_fold(int64_t n_q, int64_t kv_bytes):
 
 # the fields of a tuning table (src_c/internal.h, fa_tuning): {float32, float64} pairs first
 TUNING_PAIRS = ("rows_max", "rows_max_big", "rows_max_dk", "rows_full", "tail_max", "decode_pf",
-                "group_rows")   # two int each
+                "group_rows", "pipe_rows")   # two int each
 # the other fields and the bits of their C types
 _TUNING_BITS = {"rows_full_dk": 32, "rows_max_kv": 32, "tail_mem": 32, "tile_pf_l1": 32, "decode_far": 32,
                 "fuse": 32, "stream": 32, "bk_tiled": 32, "bk_tiled_mem": 32, "q_tile_bytes": 32,
@@ -1134,7 +1140,8 @@ cdef dict _plan_dict(const fa_plan *p):
         "isa": fa_isa_name().decode(),
         "bq": p.tiles.bq, "bk": p.tiles.bk, "bqp": p.tiles.bqp, "ld": p.tiles.ld,
         "fuse": bool(p.tiles.fuse), "stream": bool(p.tiles.stream), "far": bool(p.tiles.far),
-        "pf_l1": bool(p.tiles.pf_l1), "decode_pf": bool(p.tiles.decode_pf), "group_touch": bool(p.tiles.group_touch),
+        "pf_l1": bool(p.tiles.pf_l1), "decode_pf": bool(p.tiles.decode_pf), "pipe_rows": p.tiles.pipe_rows,
+        "group_touch": bool(p.tiles.group_touch),
         "chunks_rows": bool(p.tiles.chunks_rows),
         "kv_rows": p.tiles.kv_rows, "lanes": p.lanes, "rows_max": p.rows_max,
         "rows_full": (p.full_lo, p.full_hi) if p.full_lo <= p.full_hi else None,

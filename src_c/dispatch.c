@@ -81,6 +81,9 @@
  *   group_chunks_rows  the group kernel's items of several rows (GQA's folded heads,
  *                 a few tokens) take chunks of keys as one-row items do, where they
  *                 keep up with memory better than key tiles (the Xeon of xeon-a7);
+ *   pipe_rows     K and V from memory: up to that many query rows take the row kernel's
+ *                 pipelined loop, which reads K and V together in steps of four keys
+ *                 (1: decoding only; the Xeon of xeon-a7: 8);
  *   group_rows    > 0: up to that many query rows of a (B, n, H, d) cache from memory
  *                 take the group kernel even past rows_max_big, where the tiled kernel
  *                 reads each head's rows in pieces H d apart (float64 on the Xeon of
@@ -99,7 +102,8 @@
      .rows_full = {0, 0}, .tail_max = {3, 1}, .decode_pf = {1, 1}, .fuse = 0, .stream = 1, .bk_tiled = 64, \
      .bk_tiled_mem = 32, .q_tile_bytes = 32768, .q_tile_bytes_band = 32768, .bk_rows = 128,               \
      .bk_decode = 256, .group_bk_max = 64, .group_tile_bytes = 256 << 10, .group_touch = 0,                \
-     .group_chunks_rows = 0, .group_rows = {0, 0}, .fold_rows = 8, .fold_rows_big = 8,                     \
+     .group_chunks_rows = 0, .pipe_rows = {1, 1}, .group_rows = {0, 0},                                    \
+     .fold_rows = 8, .fold_rows_big = 8,                                                                   \
      .fold_big_bytes = INT64_MAX, .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = (int64_t)16 << 20,    \
      .bwd_bq = 64, .bwd_bk = 256, .rows_full_dk = 0, .rows_max_kv = 0, .tail_mem = 1, .tile_pf_l1 = 0, .decode_far = 1}
 /* The avx2 default is Zen 3's table but for q_tile_bytes (docs/tuning.md, "Zen 3"). */
@@ -110,7 +114,7 @@
      .q_tile_bytes = qtile, .q_tile_bytes_band = 32768, .bk_rows = 128, .bk_decode = 256,                 \
      .group_bk_max = 64,                                                                                  \
      .group_tile_bytes = 256 << 10, .group_touch = 1, .group_chunks_rows = 0,                             \
-     .group_rows = {0, 0}, .fold_rows = 8, .fold_rows_big = 12,                                           \
+     .pipe_rows = {1, 1}, .group_rows = {0, 0}, .fold_rows = 8, .fold_rows_big = 12,                      \
      .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = (int64_t)16 << 20,     \
      .bwd_bq = 64, .bwd_bk = 256, .rows_full_dk = 0, .rows_max_kv = 12, .tail_mem = 1, .tile_pf_l1 = 0, .decode_far = 1}
 #define TUNE_AVX512(nm)                                                                                     \
@@ -119,7 +123,7 @@
      .bk_tiled_mem = 32, .q_tile_bytes = 32768, .q_tile_bytes_band = 32768, .bk_rows = 128,                \
      .bk_decode = 256, .group_bk_max = 64,                                                                  \
      .group_tile_bytes = 256 << 10, .group_touch = 0, .group_chunks_rows = 0,                               \
-     .group_rows = {0, 0}, .fold_rows = 8, .fold_rows_big = 12,                                             \
+     .pipe_rows = {1, 1}, .group_rows = {0, 0}, .fold_rows = 8, .fold_rows_big = 12,                        \
      .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = (int64_t)16 << 20,       \
      .bwd_bq = 32, .bwd_bk = 64, .rows_full_dk = 0, .rows_max_kv = 0, .tail_mem = 1, .tile_pf_l1 = 0, .decode_far = 1}
 
@@ -138,7 +142,7 @@ static fa_isa_table table_avx512 = {.name = "avx512", .tune = TUNE_AVX512("avx51
      .bk_tiled_mem = 16, .q_tile_bytes = 131072, .q_tile_bytes_band = 131072, .bk_rows = 512,             \
      .bk_decode = 1024, .group_bk_max = 256,                                                                \
      .group_tile_bytes = 1 << 20, .group_touch = 0, .group_chunks_rows = 0,                                 \
-     .group_rows = {0, 0}, .fold_rows = 8, .fold_rows_big = 12,                                             \
+     .pipe_rows = {1, 1}, .group_rows = {0, 0}, .fold_rows = 8, .fold_rows_big = 12,                        \
      .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = INT64_MAX, .bwd_bq = 64, \
      .bwd_bk = 256, .rows_full_dk = 128, .rows_max_kv = 0, .tail_mem = 1, .tile_pf_l1 = 0, .decode_far = 1}
 
@@ -150,7 +154,7 @@ static fa_isa_table table_avx512 = {.name = "avx512", .tune = TUNE_AVX512("avx51
      .bk_tiled_mem = 32, .q_tile_bytes = 32768, .q_tile_bytes_band = 32768, .bk_rows = 512,                \
      .bk_decode = 256, .group_bk_max = 64,                                                                  \
      .group_tile_bytes = 256 << 10, .group_touch = 0, .group_chunks_rows = 0,                               \
-     .group_rows = {0, 0}, .fold_rows = 8, .fold_rows_big = 12,                                             \
+     .pipe_rows = {1, 1}, .group_rows = {0, 0}, .fold_rows = 8, .fold_rows_big = 12,                        \
      .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = (int64_t)16 << 20,       \
      .bwd_bq = 64, .bwd_bk = 256, .rows_full_dk = 0, .rows_max_kv = 0, .tail_mem = 1, .tile_pf_l1 = 0, .decode_far = 1}
 
@@ -163,15 +167,16 @@ static fa_isa_table table_avx512 = {.name = "avx512", .tune = TUNE_AVX512("avx51
  * backward's; from memory the tiled kernel from 9 rows (float64: 3), without
  * a tail after a single block; float64 from 13 rows at d128 in cache, and its
  * decoding without software prefetch; the group kernel's items of several rows
- * in chunks of keys, and up to 8 float64 rows of a (B, n, H, d) cache from
- * memory in the group kernel. */
+ * in chunks of keys, up to 8 float64 rows of a (B, n, H, d) cache from
+ * memory in the group kernel, and up to 8 rows from memory in the row kernel's
+ * pipelined loop. */
 #define TUNE_XEON_A7                                                                                         \
     {.name = "xeon-a7", .rows_max = {12, 12}, .rows_max_big = {8, 2}, .rows_max_dk = {24, 12},              \
      .rows_full = {14, 0}, .tail_max = {8, 4}, .decode_pf = {1, 0}, .fuse = 1, .stream = 0, .bk_tiled = 64, \
      .bk_tiled_mem = 16, .q_tile_bytes = 131072, .q_tile_bytes_band = 32768, .bk_rows = 512,               \
      .bk_decode = 256, .group_bk_max = 64,                                                                  \
      .group_tile_bytes = 256 << 10, .group_touch = 0, .group_chunks_rows = 1,                               \
-     .group_rows = {8, 8}, .fold_rows = 8, .fold_rows_big = 12,                                             \
+     .pipe_rows = {8, 8}, .group_rows = {8, 8}, .fold_rows = 8, .fold_rows_big = 12,                        \
      .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = (int64_t)16 << 20,       \
      .bwd_bq = 64, .bwd_bk = 256, .rows_full_dk = 0, .rows_max_kv = 0, .tail_mem = 0, .tile_pf_l1 = 1, .decode_far = 0}
 
@@ -404,7 +409,7 @@ int fa_tuning_check(const fa_tuning *t)
         if (!in(t->rows_max[dt], 1, FA_ROWS_CAP) || !in(t->rows_max_big[dt], 1, FA_ROWS_CAP) ||
             !in(t->rows_max_dk[dt], 1, FA_ROWS_CAP) || !in(t->rows_full[dt], 0, FA_LANES_MAX) ||
             !in(t->tail_max[dt], 0, FA_LANES_MAX - 1) || !in(t->decode_pf[dt], 0, 1) ||
-            !in(t->group_rows[dt], 0, FA_GROUP_ROWS))
+            !in(t->group_rows[dt], 0, FA_GROUP_ROWS) || !in(t->pipe_rows[dt], 1, FA_ROWS_CAP))
             return FA_EINVAL;
     if (!in(t->fuse, 0, 1) || !in(t->stream, 0, 1) || !in(t->bk_tiled, 8, 512) || !in(t->bk_tiled_mem, 8, 512) ||
         !in(t->q_tile_bytes, 4096, 1 << 22) || !in(t->q_tile_bytes_band, 4096, 1 << 22) ||

@@ -67,6 +67,8 @@ typedef struct {
                           * (the backward's query rows a block and keys a unit) */
     int64_t rows_max;    /* the most query rows that take the row kernel (at most
                           * FA_ROWS_CAP); set, it also turns off rows_full and the tail */
+    int64_t pipe_rows;   /* up to this many rows the row kernel takes its pipelined
+                          * loop (1: decoding only) */
     int fuse;            /* the tiled kernel's fused exp: 1 on, 0 off */
     int stream;          /* the row kernel's prefetch across passes (and the far
                           * prefetch, unless far is set) */

@@ -68,6 +68,8 @@ typedef struct {
                    * (the tuning's tile_pf_l1; prefetch.h, tile_prefetch) */
     int decode_pf; /* one row (decoding): the row kernel prefetches the K and V rows it
                    * reads (0: it leaves them to the hardware prefetchers) */
+    int pipe_rows; /* up to this many rows (1: decoding only) the row kernel takes
+                   * software-pipelined, K and V read together (rows.h, rows_step) */
     int group_touch; /* the group kernel's tiles: the next one read ahead by loads in
                    * address order (group.h, group_touch), not by software prefetch */
     int chunks_rows; /* the group kernel's items of several rows take chunks of keys
@@ -228,6 +230,10 @@ typedef struct {
                                        * loads in address order (group.h) */
     int group_chunks_rows;            /* the group kernel's items of several rows take
                                        * chunks of keys, as one row does (group.h) */
+    int pipe_rows[2];                 /* K and V from memory: up to this many query rows
+                                       * (1: decoding only) take the row kernel's
+                                       * pipelined loop, K and V read together (rows.h,
+                                       * rows_step) */
     int group_rows[2];                /* > 0: up to this many query rows (at most
                                        * FA_GROUP_ROWS) take the group kernel over the
                                        * heads of a (B, n, H, d) cache from memory, past
@@ -327,7 +333,7 @@ static inline int64_t fa_mt_cache_elems(const fa_tiles *t, int64_t nk, int64_t e
 #define FA_LANES_MAX 16
 static inline int64_t fa_rows_scratch_elems(const fa_tiles *t, int64_t dk, int64_t dv)
 {
-    return t->bq * (dk + FA_LANES_MAX + t->bk + 3 * dv + 3) + t->bk; /* + the decode loop's Sn */
+    return t->bq * (dk + FA_LANES_MAX + 2 * t->bk + 3 * dv + 3); /* with the pipelined loop's Sn */
 }
 static inline int64_t fa_group_scratch_elems(const fa_tiles *t, int64_t dk, int64_t dv, int64_t n)
 {

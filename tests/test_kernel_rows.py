@@ -2,6 +2,7 @@
 its register tiles, its prefetch for K and V from memory, the decode loop's
 pipeline, and the padding it trims."""
 
+import ml_dtypes
 import numpy as np
 import pytest
 from conftest import assert_close, rand
@@ -136,24 +137,54 @@ def test_row_kernel_streaming(isa, rng, force, rows_max, dtype, nq, nk, dk, dv, 
 @pytest.mark.parametrize("dtype", [F32, F64])
 @pytest.mark.parametrize("bk", [1, 3, 4, 5, 7, 64])
 @pytest.mark.parametrize("nk", [1, 4, 9, 130])
-def test_decode_pipeline_tiles(isa, rng, tiles, dtype, bk, nk):
-    """One query row: the decode loop computes the scores of key tile t + 1 while
-    it adds P . V of tile t (decode_step).  Key tiles forced to 1-64 keys, so that
-    a tile or its next has a tail after the 4-key blocks; one tile or many; dk
-    and dv with scalar columns (72, 40 and 3); every score modifier, applied per
-    tile between the steps; and two heads with different kv lengths."""
+@pytest.mark.parametrize("nq", [1, 2, 3, 4, 5, 8])
+def test_decode_pipeline_tiles(isa, rng, tiles, rows_max, force, dtype, bk, nk, nq):
+    """The pipelined loop: the scores of key tile t + 1 computed while P . V of
+    tile t is added, four keys of each at a time (decode_step for one row,
+    rows_step for several, forced here up to nq rows: pipe_rows, by CPU from
+    memory).  Key tiles forced to 1-64 keys, so that a tile or its next has a
+    tail after the 4-key blocks; one tile or many; rows in groups with every
+    remainder (4 a score tile with AVX-512, 2 otherwise; P . V 4 or 2); dk and dv
+    with scalar columns (72, 40 and 3); every score modifier, applied per tile
+    between the steps; a bool mask that hides keys from every row (those keys
+    skipped); two heads with different kv lengths; strided K and V rows."""
     tiles(0, bk)
-    q = rand(rng, (2, 1, 72), dtype)
+    rows_max(24)
+    force.set(pipe_rows=nq)
+    q = rand(rng, (2, nq, 72), dtype)
     k = rand(rng, (2, nk, 72), dtype)
     for dv in (40, 3):
         v = rand(rng, (2, nk, dv), dtype)
         check(q, k, v, num_threads=1)
+        check(q, k, v, mask=rng.random((2, nq, nk)) < 0.6, num_threads=1)
         check(q, k, v, mask=rng.random((2, 1, nk)) < 0.6, num_threads=1)
-        check(q, k, v, mask=rng.standard_normal((1, nk)).astype(dtype), num_threads=1)
+        check(q, k, v, mask=rng.standard_normal((nq, nk)).astype(dtype), num_threads=1)
+    check(q, k, v, causal=True, num_threads=1)
     check(q, k, v, softcap=2.0, num_threads=1)
     check(q, k, v, alibi_slopes=np.array([0.5, 0.125]), num_threads=1)
     check(q, k, v, window=(nk // 2, 0), causal=True, num_threads=1)
     check(q, k, v, kv_lengths=np.array([nk, (nk + 1) // 2]), num_threads=2)
+    ks = rand(rng, (2, nk, 80), dtype)[..., 1:73]   # rows that do not abut: the prefetch's tail
+    vs = rand(rng, (2, nk, 48), dtype)[..., 1:41]
+    got = check(q, ks, vs, num_threads=1)[0]
+    if nq > 1 and nk > 2 * bk > 8:   # the forcing reaches the kernel: the tile-by-tile loop (tiles of more
+        # than 4 keys) rounds otherwise
+        force.set(pipe_rows=1)
+        assert not np.array_equal(fastattn.attention(q, ks, vs, num_threads=1), got)
+
+
+@pytest.mark.parametrize("nq", [2, 4, 7])
+def test_pipelined_rows_half_kv(rng, rows_max, force, nq):
+    """rows_step with 16-bit K and V (float16 and bfloat16), widened as read:
+    several tiles with tails, a bool mask, causal."""
+    rows_max(24)
+    force.set(pipe_rows=nq, bk=64)
+    q = rand(rng, (2, nq, 72), F32)
+    for half in (np.float16, ml_dtypes.bfloat16):
+        k, v = rand(rng, (2, 301, 72), F32).astype(half), rand(rng, (2, 301, 40), F32).astype(half)
+        check(q, k, v, F32, num_threads=1)
+        check(q, k, v, F32, mask=rng.random((nq, 301)) < 0.7, num_threads=1)
+        check(q, k, v, F32, causal=True, num_threads=2)
 
 
 def test_decode_batched_heads_with_mask(isa, rng):

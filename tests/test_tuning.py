@@ -233,6 +233,34 @@ def test_group_rows_from_the_table(isa, rng, tuning, force, dtype):
         tuning(kv_mem_bytes=1 << 10)
 
 
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_pipe_rows_from_the_table(isa, rng, tuning, force, dtype):
+    """pipe_rows: with K and V from memory, up to that many query rows of the
+    row kernel take its pipelined loop (1: decoding only); in cache decoding only;
+    the forcing overrides both.  The results against the reference; the loop
+    chosen told apart by its rounding (bit for bit as forcing pipe_rows)."""
+    tuning(rows_max=(8, 8), rows_max_big=(8, 8), rows_max_dk=(8, 8), rows_full=(0, 0), kv_mem_bytes=1 << 10,
+           bk_rows=64)
+    k, v = rand(rng, (2, 500, 40), dtype), rand(rng, (2, 500, 24), dtype)
+    for nq in (2, 5, 8):
+        q = rand(rng, (2, nq, 40), dtype)
+        force.set(pipe_rows=1)
+        tile_loop = fastattn.attention(q, k, v)
+        force.set(pipe_rows=nq)
+        pipelined = fastattn.attention(q, k, v)
+        force.set(pipe_rows=0)
+        assert not np.array_equal(tile_loop, pipelined)
+        for limit in (1, nq - 1, nq, 24):
+            tuning(pipe_rows=(limit, limit), kv_mem_bytes=1 << 10)
+            assert _core.isa_table()["pipe_rows"] == (limit, limit)
+            assert _plan(q, k, v)["pipe_rows"] == limit
+            got = check(q, k, v, num_threads=[1, 2])[0]
+            np.testing.assert_array_equal(got, pipelined if limit >= nq else tile_loop)
+            tuning(kv_mem_bytes=1 << 30)   # in cache: decoding only
+            assert _plan(q, k, v)["pipe_rows"] == 1
+            np.testing.assert_array_equal(fastattn.attention(q, k, v), tile_loop)
+
+
 @pytest.mark.parametrize("half", [False, True])
 def test_rows_full_dk_from_the_table(rng, tuning, rows_max, half):
     """rows_full_dk: where set, rows_full's rows keep the row kernel from that dk on,
@@ -376,6 +404,7 @@ def test_decode_far_from_the_table(isa, rng, tuning, dtype):
     ({"group_tile_bytes": 0}, "out of range"), ({"group_touch": 2}, "out of range"),
     ({"group_chunks_rows": -1}, "out of range"), ({"group_rows": (9, 0)}, "group_rows is out of range"),
     ({"group_rows": (0, -1)}, "group_rows is out of range"),
+    ({"pipe_rows": (0, 8)}, "pipe_rows is out of range"), ({"pipe_rows": (8, 25)}, "pipe_rows is out of range"),
     ({"bk_tiled_mem": 1024}, "out of range"), ({"fuse": 2}, "out of range"),
     ({"kv_mem_bytes": -1}, "out of range"), ({"rows_max": (4,)}, "pair"), ({"rows_maxx": (4, 4)}, "rows_maxx"),
     ({"bk_rows": 12.5}, "bk_rows must be an integer"), ({"bk_rows": 2 ** 40}, "bk_rows is out of range"),

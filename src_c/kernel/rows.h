@@ -16,9 +16,9 @@
  * vectorised along the keys, then A += P . V by register tiles of R rows x
  * PV_ACC / R vectors (AVX-512: 8 x 3, 4 x 6; AVX2: 4 x 2; a V vector loaded
  * once serves the rows).  Memory-bound by design: K and V stream through once.
- * One row (decoding) is software-pipelined: the scores of key tile t + 1 are
- * computed beside P . V of tile t, so that K and V stream together
- * (decode_step, item_rows).
+ * One row (decoding), and up to the tuning's pipe_rows rows from memory, is
+ * software-pipelined: the scores of key tile t + 1 are computed beside P . V of
+ * tile t, so that K and V stream together (decode_step, rows_step, item_rows).
  * Scratch, in elements of T:
  *   Qs   (bq, dkp)  the rows, times scale, zero-padded to dkp (multiple of L)
  *   S    (bq, bk)   scores of one key tile; then probabilities
@@ -26,7 +26,7 @@
  *                   block of up to FOLD_KEYS keys (careful: all of them)
  *   As, Ac (bq, dv) the total of the blocks and its compensation (acc_flush)
  *   m, l, lc (bq)   running max, sum and the sum's compensation
- *   Sn   (bk)       one row: the next tile's scores
+ *   Sn   (bq, bk)   the pipelined loop: the next tile's scores
  * ------------------------------------------------------------------------- */
 
 /* Register tiles of the row kernel: RS_MAX query rows x 4 keys of scores and
@@ -507,14 +507,95 @@ static void decode_step(T *restrict Sn, const T *restrict Qs, const KT *restrict
 
 /* decode_step's work where a bool mask hides some keys of this tile from the
  * row: the next tile's scores, then P . V over kr's ranges (rows_pv_runs).
- * Pointers as decode_step's; Sn and P have row stride bk. */
+ * Pointers as decode_step's (rows_step's for bq rows); Sn and P have row stride bk. */
 static __attribute__((noinline)) void decode_step_runs(const key_runs *kr, T *Sn, const T *Qs, int64_t dkp,
-                                                       const KT *K, int64_t krs, int64_t dk, int64_t nk,
-                                                       int64_t npk, T *A, const T *P, int64_t bk, const KT *V,
-                                                       int64_t vrs, int64_t dv, int64_t nv, int64_t npv, int far)
+                                                       int64_t bq, const KT *K, int64_t krs, int64_t dk,
+                                                       int64_t nk, int64_t npk, T *A, const T *P, int64_t bk,
+                                                       const KT *V, int64_t vrs, int64_t dv, int64_t nv,
+                                                       int64_t npv, int far)
 {
-    rows_scores(Sn, bk, Qs, dkp, 1, K, krs, dk, nk, npk, far, NULL);
-    rows_pv_runs(kr, A, P, bk, 1, V, vrs, dv, nv, npv, far, NULL);
+    rows_scores(Sn, bk, Qs, dkp, bq, K, krs, dk, nk, npk, far, NULL);
+    rows_pv_runs(kr, A, P, bk, bq, V, vrs, dv, nv, npv, far, NULL);
+}
+
+/* R rows' A[i] (dv) += P[i][0] v0 + P[i][1] v1 + P[i][2] v2 + P[i][3] v3 for
+ * four V rows v0..v3 (dv), i < R <= PV4_ROWS (rows_step); each row's four keys'
+ * sum formed fresh, then added, as pv_1x4's.
+ *   A (R, lda)   P (R, ls)   dvv = dv rounded down to whole vectors */
+#define PV4_ROWS (FA_VB == 64 ? 4 : 2)
+INLINE void pv_rx4(const int R, T *restrict A, int64_t lda, const T *restrict P, int64_t ls,
+                   const KT *restrict v0, const KT *restrict v1, const KT *restrict v2, const KT *restrict v3,
+                   int64_t dv, int64_t dvv)
+{
+    vec p[4][4]; /* the weights, broadcast once for every column */
+    UNROLL(4) for (int i = 0; i < R; i++)
+        UNROLL(4) for (int x = 0; x < 4; x++) p[i][x] = vset1(P[i * ls + x]);
+    for (int64_t c = 0; c < dvv; c += L) {
+        const vec x0 = vload_kv(v0 + c), x1 = vload_kv(v1 + c), x2 = vload_kv(v2 + c), x3 = vload_kv(v3 + c);
+        UNROLL(4) for (int i = 0; i < R; i++) {
+            vec acc = p[i][0] * x0;
+            acc += p[i][1] * x1;
+            acc += p[i][2] * x2;
+            acc += p[i][3] * x3;
+            vstore(A + i * lda + c, vload(A + i * lda + c) + acc);
+        }
+    }
+    for (int i = 0; i < R; i++) {
+        const T *pi = P + i * ls;
+        for (int64_t c = dvv; c < dv; c++)
+            A[i * lda + c] += (pi[0] * kv_s(v0[c]) + pi[1] * kv_s(v1[c])) + (pi[2] * kv_s(v2[c]) + pi[3] * kv_s(v3[c]));
+    }
+}
+
+/* decode_step for bq > 1 rows (the tuning's pipe_rows): the next tile's scores
+ * Sn (bq, ls) and A (bq, dv) += P (bq, ls) . V over this tile, four keys of
+ * each at a time, so that K and V stream together as in decoding; K and V rows
+ * prefetched into L1 PIPE_PF_BYTES ahead (docs/tuning.md, pipe_rows).
+ *   Qs (bq, dkp)   P (bq, ls)   other pointers as decode_step's */
+static void rows_step(T *restrict Sn, int64_t ls, const T *restrict Qs, int64_t dkp, int64_t bq,
+                      const KT *restrict K, int64_t krs, int64_t dk, int64_t nk, int64_t npk, T *restrict A,
+                      const T *restrict P, const KT *restrict V, int64_t vrs, int64_t dv, int64_t nv, int64_t npv)
+{
+    const int far = 0; /* (prefetch_row's near kind: into L1) */
+    const int64_t dkv = dk / L * L, dvv = dv / L * L;
+    const int64_t pfk = prefetch_dist_bytes(dk, PIPE_PF_BYTES), pfv = prefetch_dist_bytes(dv, PIPE_PF_BYTES);
+    const int64_t n = nk > nv ? nk : nv;
+    for (int64_t j = 0; j < n; j += 4) {
+        if (j + 4 <= nk) {
+            const KT *k0 = K + j * krs, *k1 = k0 + krs, *k2 = k1 + krs, *k3 = k2 + krs;
+            for (int64_t r = j + pfk; r < j + pfk + 4 && r < npk; r++) prefetch_row(K + r * krs, dk, far, krs != dk);
+            int64_t i = 0;
+            for (; i + RS_MAX <= bq; i += RS_MAX)
+                rows_scores_rx4(RS_MAX, Sn + i * ls + j, ls, Qs + i * dkp, dkp, k0, k1, k2, k3, dk, dkv);
+            switch (bq - i) {
+#if RS_MAX > 3
+            case 3: rows_scores_rx4(3, Sn + i * ls + j, ls, Qs + i * dkp, dkp, k0, k1, k2, k3, dk, dkv); break;
+            case 2: rows_scores_rx4(2, Sn + i * ls + j, ls, Qs + i * dkp, dkp, k0, k1, k2, k3, dk, dkv); break;
+#endif
+            case 1: rows_scores_1x4(Sn + i * ls + j, Qs + i * dkp, k0, k1, k2, k3, dk, dkv); break;
+            default: break;
+            }
+        } else if (j < nk) { /* the last 1-3 keys */
+            rows_scores(Sn + j, ls, Qs, dkp, bq, K + j * krs, krs, dk, nk - j, 0, 0, NULL);
+        }
+        if (j + 4 <= nv) {
+            const KT *v0 = V + j * vrs, *v1 = v0 + vrs, *v2 = v1 + vrs, *v3 = v2 + vrs;
+            for (int64_t r = j + pfv; r < j + pfv + 4 && r < npv; r++) prefetch_row(V + r * vrs, dv, far, vrs != dv);
+            int64_t i = 0;
+            for (; i + PV4_ROWS <= bq; i += PV4_ROWS)
+                pv_rx4(PV4_ROWS, A + i * dv, dv, P + i * ls + j, ls, v0, v1, v2, v3, dv, dvv);
+            switch (bq - i) {
+#if PV4_ROWS > 3
+            case 3: pv_rx4(3, A + i * dv, dv, P + i * ls + j, ls, v0, v1, v2, v3, dv, dvv); break;
+            case 2: pv_rx4(2, A + i * dv, dv, P + i * ls + j, ls, v0, v1, v2, v3, dv, dvv); break;
+#endif
+            case 1: pv_rx4(1, A + i * dv, dv, P + i * ls + j, ls, v0, v1, v2, v3, dv, dvv); break;
+            default: break;
+            }
+        } else if (j < nv) { /* the last 1-3 keys */
+            rows_pv(A, P + j, ls, bq, V + j * vrs, vrs, dv, nv - j, 0, 0, NULL);
+        }
+    }
 }
 
 /* The row kernel; careful = 1 (one row, from redo_nonfinite_rows) marks the
@@ -567,32 +648,35 @@ static void item_rows(const fa_attention_args *a, const fa_tiles *tl, const fa_i
     const int far = tl->far; /* K and V from memory: prefetch into L2, further ahead */
     band_t b = rows_begin(a, it, Qs, dkp, A, m, l);
     int64_t block = 0; /* keys in A's block (FOLD_KEYS) */
-    if (bq == 1 && !careful && b.j_lo < b.j_hi) {
-        /* Decoding, one row: software-pipelined over the key tiles, so that the
-         * scores of tile t + 1 and P . V of tile t read K and V together
-         * (decode_step); Sn (bk), after lc, holds the next tile's scores. */
-        T *Sn = l + 2;
-        const int pf = tl->decode_pf; /* 0: no software prefetch of K and V at all */
+    if (bq <= tl->pipe_rows && !careful && b.j_lo < b.j_hi) {
+        /* Decoding, and up to pipe_rows rows: software-pipelined over the key
+         * tiles, so that the scores of tile t + 1 and P . V of tile t read K and
+         * V together (decode_step, rows_step); Sn (bq, bk), after lc, holds the
+         * next tile's scores. */
+        T *Sn = l + 2 * bq;
+        const int pf = bq > 1 || tl->decode_pf; /* 0: decoding without software prefetch of K and V */
         int64_t j0 = b.j_lo, nb = (b.j_hi - j0 < bk) ? b.j_hi - j0 : bk;
-        rows_scores(S, bk, Qs, dkp, 1, k + j0 * a->k_rs, a->k_rs, dk, nb, pf ? b.j_hi - j0 : 0, far, NULL);
+        rows_scores(S, bk, Qs, dkp, bq, k + j0 * a->k_rs, a->k_rs, dk, nb, pf ? b.j_hi - j0 : 0, far, NULL);
         rows_softmax(a, it, &b, S, bk, A, m, l, j0, nb, 0);
         for (;;) {
             const int64_t j1 = j0 + nb, nb1 = (b.j_hi - j1 < bk) ? b.j_hi - j1 : bk;
             key_runs kr; /* keys a mask hides (padding): P . V skips them */
             mask_runs(&kr, a, it, j0, nb);
             if (nb1 <= 0) {
-                rows_pv_runs(&kr, A, S, bk, 1, v + j0 * a->v_rs, a->v_rs, dv, nb, pf ? b.j_hi - j0 : 0, far, NULL);
+                rows_pv_runs(&kr, A, S, bk, bq, v + j0 * a->v_rs, a->v_rs, dv, nb, pf ? b.j_hi - j0 : 0, far, NULL);
                 break;
             }
-            if (runs_whole(&kr, nb)) {
+            if (!runs_whole(&kr, nb)) /* the two passes one after the other */
+                decode_step_runs(&kr, Sn, Qs, dkp, bq, k + j1 * a->k_rs, a->k_rs, dk, nb1, pf ? b.j_hi - j1 : 0, A,
+                                 S, bk, v + j0 * a->v_rs, a->v_rs, dv, nb, pf ? b.j_hi - j0 : 0, far);
+            else if (bq == 1)
                 decode_step(Sn, Qs, k + j1 * a->k_rs, a->k_rs, dk, nb1, pf ? b.j_hi - j1 : 0, A, S,
                             v + j0 * a->v_rs, a->v_rs, dv, nb, pf ? b.j_hi - j0 : 0, far);
-            } else { /* the two passes one after the other */
-                decode_step_runs(&kr, Sn, Qs, dkp, k + j1 * a->k_rs, a->k_rs, dk, nb1, pf ? b.j_hi - j1 : 0, A, S,
-                                 bk, v + j0 * a->v_rs, a->v_rs, dv, nb, pf ? b.j_hi - j0 : 0, far);
-            }
+            else
+                rows_step(Sn, bk, Qs, dkp, bq, k + j1 * a->k_rs, a->k_rs, dk, nb1, b.j_hi - j1, A, S,
+                          v + j0 * a->v_rs, a->v_rs, dv, nb, b.j_hi - j0);
             if ((block += nb) >= FOLD_KEYS) { /* the block joins the total (FOLD_KEYS) */
-                acc_flush(A, dv, 0);
+                acc_flush(A, bq * dv, 0);
                 block = 0;
             }
             rows_softmax(a, it, &b, Sn, bk, A, m, l, j1, nb1, 0);
