@@ -261,7 +261,11 @@ int fa_attention_plan(const fa_attention_args *a, int weights, fa_plan *p)
                    : f->stream >= 0 ? f->stream
                                     : p->kv_bytes > tu->kv_far_bytes && (tu->decode_far || !decoding);
     p->tiles.decode_pf = f->decode_pf >= 0 ? f->decode_pf : a->kv_dtype != FA_KV_SAME || tu->decode_pf[dt];
-    p->tiles.pipe_rows = f->pipe_rows > 0 ? (int)f->pipe_rows : p->from_memory ? tu->pipe_rows[dt] : 1;
+    /* the row kernel's own items only: not the tiled kernel's tails, which follow
+     * their block while K and V are still in cache (docs/tuning.md, pipe_rows) */
+    p->tiles.pipe_rows = f->pipe_rows > 0 ? (int)(f->pipe_rows < FA_ROWS_CAP ? f->pipe_rows : FA_ROWS_CAP)
+                         : rows_kernel && p->from_memory ? tu->pipe_rows[dt]
+                                                         : 1;
     p->tiles.group_touch = f->group_touch >= 0 ? f->group_touch : tu->group_touch;
     p->tiles.chunks_rows = tu->group_chunks_rows;
 

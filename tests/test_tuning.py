@@ -259,6 +259,11 @@ def test_pipe_rows_from_the_table(isa, rng, tuning, force, dtype):
             tuning(kv_mem_bytes=1 << 30)   # in cache: decoding only
             assert _plan(q, k, v)["pipe_rows"] == 1
             np.testing.assert_array_equal(fastattn.attention(q, k, v), tile_loop)
+    tuning(pipe_rows=(24, 24), kv_mem_bytes=1 << 10)
+    q = rand(rng, (2, 40, 40), dtype)   # the tiled kernel: its tail rows keep the tile-by-tile loop
+    assert _plan(q, k, v)["kernel"] == "tiled" and _plan(q, k, v)["pipe_rows"] == 1
+    force.set(pipe_rows=1 << 40)   # a forcing: at most the row kernel's cap
+    assert _plan(q, k, v)["pipe_rows"] == 24
 
 
 @pytest.mark.parametrize("half", [False, True])

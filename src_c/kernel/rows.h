@@ -505,8 +505,8 @@ static void decode_step(T *restrict Sn, const T *restrict Qs, const KT *restrict
     }
 }
 
-/* decode_step's work where a bool mask hides some keys of this tile from the
- * row: the next tile's scores, then P . V over kr's ranges (rows_pv_runs).
+/* decode_step's work where a bool mask hides some keys of this tile from every
+ * row of the item: the next tile's scores, then P . V over kr's ranges (rows_pv_runs).
  * Pointers as decode_step's (rows_step's for bq rows); Sn and P have row stride bk. */
 static __attribute__((noinline)) void decode_step_runs(const key_runs *kr, T *Sn, const T *Qs, int64_t dkp,
                                                        int64_t bq, const KT *K, int64_t krs, int64_t dk,
