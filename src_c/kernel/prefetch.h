@@ -99,9 +99,9 @@ INLINE void prefetch_in_step(const tile_pf *pf, int64_t c, int64_t c_end, int64_
  *   DECODE_PF_BYTES  the pipelined decode loop (decode_step) reads K and V
  *                    together, two streams: closer than PF_BYTES is faster
  *   FAR_PF_BYTES     from memory into L2: 4-16 KiB ahead measured alike
- *   PIPE_PF_BYTES    the pipelined loop of several rows (rows_step), into L1:
- *                    2.5-3 KiB ahead, from memory (2 and 4 KiB slower, 6 KiB
- *                    much slower) */
+ *   PIPE_PF_BYTES    the pipelined loop of several rows (rows_step), from
+ *                    memory into L1: a few rows ahead, as two streams read
+ *                    together leave less time between a row's prefetch and use */
 enum { PF_BYTES = 6144, DECODE_PF_BYTES = 2048, FAR_PF_BYTES = 8192, PIPE_PF_BYTES = 3072 };
 INLINE int64_t prefetch_dist_bytes(int64_t row_elems, int64_t bytes)
 {

@@ -143,6 +143,26 @@ INLINE void rows_scores_4x2(T *restrict S, int64_t ls, const T *restrict Qs, int
 }
 #endif
 
+/* Scores of four keys k0..k3 for the rows i0..bq: S[i * ls + 0..4) = Qs[i] . K
+ * row, RS_MAX rows a tile, then the rest (one row: two accumulators per key).
+ *   S (bq, ls)   Qs (bq, dkp) zero-padded rows */
+INLINE void rows_scores_keys4(T *restrict S, int64_t ls, const T *restrict Qs, int64_t dkp, int64_t i0, int64_t bq,
+                              const KT *restrict k0, const KT *restrict k1, const KT *restrict k2,
+                              const KT *restrict k3, int64_t dk, int64_t dkv)
+{
+    int64_t i = i0;
+    for (; i + RS_MAX <= bq; i += RS_MAX)
+        rows_scores_rx4(RS_MAX, S + i * ls, ls, Qs + i * dkp, dkp, k0, k1, k2, k3, dk, dkv);
+    switch (bq - i) {
+#if RS_MAX > 3
+    case 3: rows_scores_rx4(3, S + i * ls, ls, Qs + i * dkp, dkp, k0, k1, k2, k3, dk, dkv); break;
+    case 2: rows_scores_rx4(2, S + i * ls, ls, Qs + i * dkp, dkp, k0, k1, k2, k3, dk, dkv); break;
+#endif
+    case 1: rows_scores_1x4(S + i * ls, Qs + i * dkp, k0, k1, k2, k3, dk, dkv); break;
+    default: break;
+    }
+}
+
 /* Scores of a key tile for bq rows: S[i][j] = Qs[i] . K[j]   for j < nb
  *   S   (bq, ls)    Qs (bq, dkp) zero-padded rows
  *   K   (nb, dk)    row stride krs
@@ -173,16 +193,7 @@ static void rows_scores(T *restrict S, int64_t ls, const T *restrict Qs, int64_t
             rows_scores_4x2(S + i * ls + j + 2, ls, Qs + i * dkp, dkp, k2, k3, dk, dkv);
         }
 #endif
-        for (; i + RS_MAX <= bq; i += RS_MAX)
-            rows_scores_rx4(RS_MAX, S + i * ls + j, ls, Qs + i * dkp, dkp, k0, k1, k2, k3, dk, dkv);
-        switch (bq - i) {
-#if RS_MAX > 3
-        case 3: rows_scores_rx4(3, S + i * ls + j, ls, Qs + i * dkp, dkp, k0, k1, k2, k3, dk, dkv); break;
-        case 2: rows_scores_rx4(2, S + i * ls + j, ls, Qs + i * dkp, dkp, k0, k1, k2, k3, dk, dkv); break;
-#endif
-        case 1: rows_scores_1x4(S + i * ls + j, Qs + i * dkp, k0, k1, k2, k3, dk, dkv); break;
-        default: break;
-        }
+        rows_scores_keys4(S + j, ls, Qs, dkp, i, bq, k0, k1, k2, k3, dk, dkv);
     }
     if (xpf) tile_prefetch(xpf, j, INT64_MAX - j); /* the rest */
     for (; j < nb; j++) {
@@ -562,19 +573,9 @@ static void rows_step(T *restrict Sn, int64_t ls, const T *restrict Qs, int64_t 
     const int64_t n = nk > nv ? nk : nv;
     for (int64_t j = 0; j < n; j += 4) {
         if (j + 4 <= nk) {
-            const KT *k0 = K + j * krs, *k1 = k0 + krs, *k2 = k1 + krs, *k3 = k2 + krs;
+            const KT *k0 = K + j * krs;
             for (int64_t r = j + pfk; r < j + pfk + 4 && r < npk; r++) prefetch_row(K + r * krs, dk, far, krs != dk);
-            int64_t i = 0;
-            for (; i + RS_MAX <= bq; i += RS_MAX)
-                rows_scores_rx4(RS_MAX, Sn + i * ls + j, ls, Qs + i * dkp, dkp, k0, k1, k2, k3, dk, dkv);
-            switch (bq - i) {
-#if RS_MAX > 3
-            case 3: rows_scores_rx4(3, Sn + i * ls + j, ls, Qs + i * dkp, dkp, k0, k1, k2, k3, dk, dkv); break;
-            case 2: rows_scores_rx4(2, Sn + i * ls + j, ls, Qs + i * dkp, dkp, k0, k1, k2, k3, dk, dkv); break;
-#endif
-            case 1: rows_scores_1x4(Sn + i * ls + j, Qs + i * dkp, k0, k1, k2, k3, dk, dkv); break;
-            default: break;
-            }
+            rows_scores_keys4(Sn + j, ls, Qs, dkp, 0, bq, k0, k0 + krs, k0 + 2 * krs, k0 + 3 * krs, dk, dkv);
         } else if (j < nk) { /* the last 1-3 keys */
             rows_scores(Sn + j, ls, Qs, dkp, bq, K + j * krs, krs, dk, nk - j, 0, 0, NULL);
         }
