@@ -157,6 +157,26 @@ INLINE int runs_whole(const key_runs *kr, int64_t nb)
  * broadcast per key.  Element by element, the transposed read cost as much as
  * the rest of the tile (docs/tuning.md, mask_tile). */
 INLINE void mask_put(T *s, vec x, int set) { vstore(s, set ? x : vload(s) + x); }
+/* One L x L block of mask_tile: the rows [0, n) of mk (with full, all L;
+ * the others read as -inf), L keys, transposed into st (L, L) row stride ld;
+ * with seen, a lane of *seen set for each key some row does not hide (-inf).
+ * Full blocks load unconditionally, which keeps the block in registers. */
+INLINE void mask_block(const int full, T *st, int64_t ld, const T *mk, int64_t mrs, int64_t n, int64_t nb, int set,
+                       int pf_next, ivec *seen)
+{
+    vec r[L];
+    UNROLL(16) for (int x = 0; x < L; x++)
+    {
+        r[x] = vset1(-INFINITY);
+        if (full || x < n) {
+            r[x] = vload(mk + x * mrs);
+            if (pf_next) __builtin_prefetch(mk + x * mrs + nb, 0, 2);
+            if (seen) *seen |= r[x] != vset1(-INFINITY);
+        }
+    }
+    transpose_block(r);
+    UNROLL(16) for (int x = 0; x < L; x++) mask_put(st + x * ld, r[x], set);
+}
 static void mask_tile(T *St, int64_t ld, const T *mk, int64_t mrs, int64_t mcs, int64_t bq, int64_t bqp,
                       int64_t nb, int set, int pf_next, key_runs *kr)
 {
@@ -174,26 +194,14 @@ static void mask_tile(T *St, int64_t ld, const T *mk, int64_t mrs, int64_t mcs, 
     } else if (mcs == 1) {
         done = (bq + L - 1) / L * L;
         for (; j + L <= nb; j += L) {
-            ivec seen[L];
-            for (int x = 0; x < L; x++) seen[x] = (ivec)vset1(0);
-            for (int64_t i0 = 0; i0 < bq; i0 += L) {
-                vec r[L];
-                UNROLL(16) for (int x = 0; x < L; x++)
-                {
-                    r[x] = vset1(-INFINITY);
-                    if (i0 + x < bq) {
-                        r[x] = vload(mk + (i0 + x) * mrs + j);
-                        if (pf_next) __builtin_prefetch(mk + (i0 + x) * mrs + j + nb, 0, 2);
-                    }
-                }
-                transpose_block(r);
-                UNROLL(16) for (int x = 0; x < L; x++)
-                {
-                    seen[x] |= r[x] != vset1(-INFINITY);
-                    mask_put(St + (j + x) * ld + i0, r[x], set);
-                }
-            }
-            for (int x = 0; x < L; x++) key_runs_add(kr, j + x, vany(seen[x]));
+            ivec seen = (ivec)vset1(0); /* lane x: key j + x is not -inf in some row */
+            int64_t i0 = 0;
+            for (; i0 + L <= bq; i0 += L)
+                mask_block(1, St + j * ld + i0, ld, mk + i0 * mrs + j, mrs, L, nb, set, pf_next, &seen);
+            if (i0 < bq)
+                mask_block(0, St + j * ld + i0, ld, mk + i0 * mrs + j, mrs, bq - i0, nb, set, pf_next, &seen);
+            const uint32_t sb = vbits(seen);
+            for (int x = 0; x < L; x++) key_runs_add(kr, j + x, (int)(sb >> x) & 1);
         }
     }
     for (int64_t jj = j; jj < nb; jj++) {

@@ -194,6 +194,31 @@ INLINE int vany(ivec m)
     return 0;
 #endif
 }
+/* the lanes of a comparison result as bits (lane x: bit x), read in
+ * registers, not through memory, where a wide store read back a lane at a time
+ * waits on the store */
+INLINE uint32_t vbits(ivec m)
+{
+#if (defined(__x86_64__) || defined(_M_X64)) && FA_VB == 64 && FA_IS_F64
+    return _mm512_test_epi64_mask((__m512i)m, (__m512i)m);
+#elif (defined(__x86_64__) || defined(_M_X64)) && FA_VB == 64
+    return _mm512_test_epi32_mask((__m512i)m, (__m512i)m);
+#elif (defined(__x86_64__) || defined(_M_X64)) && FA_VB == 32 && FA_IS_F64
+    return (uint32_t)_mm256_movemask_pd((__m256d)m);
+#elif (defined(__x86_64__) || defined(_M_X64)) && FA_VB == 32
+    return (uint32_t)_mm256_movemask_ps((__m256)m);
+#elif (defined(__x86_64__) || defined(_M_X64)) && FA_IS_F64
+    return (uint32_t)_mm_movemask_pd((__m128d)m);
+#elif defined(__x86_64__) || defined(_M_X64)
+    return (uint32_t)_mm_movemask_ps((__m128)m);
+#else
+    IT x[L];
+    memcpy(x, &m, sizeof x);
+    uint32_t b = 0;
+    for (int i = 0; i < L; i++) b |= (uint32_t)(x[i] != 0) << i;
+    return b;
+#endif
+}
 INLINE int vall(ivec m)
 {
     IT x[L];

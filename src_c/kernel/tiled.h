@@ -169,15 +169,33 @@ INLINE void pv_tile(const int R, const int NV, T *restrict ot, int64_t bqp, cons
     }
 }
 
+/* The rows [R, R + npf) of a float mask's tile Mt (the next register tile's),
+ * columns [i, i + w), into L1: the kept tiles of mask_cache come from L2, and
+ * their adds at the end of each register tile waited on them
+ * (docs/tuning.md, mask_cache). */
+INLINE void mt_prefetch(const T *Mt, int64_t ld, const int R, int64_t npf, int64_t i, int64_t w)
+{
+    for (int64_t r = R; r < R + npf; r++)
+        for (int64_t c = 0; c < w * (int64_t)sizeof(T); c += 64)
+            __builtin_prefetch((const char *)(Mt + r * ld + i) + c, 0, 3);
+}
+
 /* St rows [0, R) over the bqp query columns (row stride ld): two-vector
- * groups, then one vector when bqp is an odd number of vectors. */
+ * groups, then one vector when bqp is an odd number of vectors; with Mt, its
+ * npf rows after these prefetched as they go (mt_prefetch). */
 INLINE void qk_rows(const int R, T *St, const T *restrict K, int64_t krs,
                     const T *restrict Qt, int64_t ld, int64_t bqp, int64_t dk, fuse_t *f, const T *Mt,
-                    int64_t j)
+                    int64_t j, int64_t npf)
 {
     int64_t i = 0;
-    for (; i + TW <= bqp; i += TW) qk_tile(R, 2, St + i, ld, K, krs, Qt + i, dk, f, Mt ? Mt + i : NULL, i, j);
-    if (i < bqp) qk_tile(R, 1, St + i, ld, K, krs, Qt + i, dk, f, Mt ? Mt + i : NULL, i, j);
+    for (; i + TW <= bqp; i += TW) {
+        if (Mt) mt_prefetch(Mt, ld, R, npf, i, TW);
+        qk_tile(R, 2, St + i, ld, K, krs, Qt + i, dk, f, Mt ? Mt + i : NULL, i, j);
+    }
+    if (i < bqp) {
+        if (Mt) mt_prefetch(Mt, ld, R, npf, i, L);
+        qk_tile(R, 1, St + i, ld, K, krs, Qt + i, dk, f, Mt ? Mt + i : NULL, i, j);
+    }
 }
 
 /* Where the register tiles of RB rows end among n rows; 4-row tiles, then
@@ -203,11 +221,13 @@ INLINE void qk_block_body(T *St, const T *restrict K, int64_t krs, const T *rest
 #define QK_MT(j) (Mt ? Mt + (j) * ld : NULL)
     for (; j < end; j += RB) {
         if (pf) tile_prefetch(pf, j, RB);
-        qk_rows(RB, St + j * ld, K + j * krs, krs, Qt, ld, bqp, dk, f, QK_MT(j), j);
+        const int64_t npf = nb - j - RB < RB ? nb - j - RB : RB; /* Mt's rows of the next register tile */
+        qk_rows(RB, St + j * ld, K + j * krs, krs, Qt, ld, bqp, dk, f, QK_MT(j), j, npf);
     }
     if (pf) tile_prefetch(pf, j, INT64_MAX - j); /* the rest, also rows past nb */
-    for (; j + 4 <= nb; j += 4) qk_rows(4, St + j * ld, K + j * krs, krs, Qt, ld, bqp, dk, f, QK_MT(j), j);
-    for (; j < nb; j++) qk_rows(1, St + j * ld, K + j * krs, krs, Qt, ld, bqp, dk, f, QK_MT(j), j);
+    for (; j + 4 <= nb; j += 4)
+        qk_rows(4, St + j * ld, K + j * krs, krs, Qt, ld, bqp, dk, f, QK_MT(j), j, nb - j - 4 < 4 ? nb - j - 4 : 4);
+    for (; j < nb; j++) qk_rows(1, St + j * ld, K + j * krs, krs, Qt, ld, bqp, dk, f, QK_MT(j), j, 0);
 #undef QK_MT
 }
 
@@ -399,7 +419,8 @@ typedef struct {
     int hidden;
 } mask_rec;
 typedef struct {
-    int state; /* 0: no cache, 1: this item keeps its tiles, 2: it reads them */
+    int state;  /* 0: no cache, 1: this item keeps its tiles, 2: it reads them */
+    int filled; /* state 1, all its tiles transposed at the start (mask_cache_fill) */
     int64_t bk;
     mask_head *head;
     mask_rec *rec;
@@ -423,6 +444,55 @@ static mask_cache mask_cache_open(const fa_attention_args *a, const fa_tiles *tl
     mc.state = h->mask == it->mask && h->j_lo == b->j_lo && h->j_hi == b->j_hi && h->bq == it->bq ? 2 : 1;
     if (mc.state == 1) mc.head->mask = NULL;
     return mc;
+}
+
+/* State 1 on a mask whose rows are contiguous: every tile of the item's keys
+ * transposed into the cache at the start, as mask_tile (set) stores a tile,
+ * but L rows at a time across all the keys, so that each mask row streams in
+ * order; tile by tile, a tile's rows (a mask row's length apart, each on a
+ * page of its own) waited on memory despite their prefetch (docs/tuning.md,
+ * mask_cache).  The tiles' key runs and hidden flags come later, from the
+ * kept tiles (mask_rec_from_tile). */
+static void mask_cache_fill(const fa_attention_args *a, const fa_item *it, const band_t *b, const mask_cache *mc,
+                            int64_t ld)
+{
+    const int64_t bq = it->bq, bk = mc->bk, mrs = a->m_rs;
+    for (int64_t i0 = 0; i0 < bq; i0 += L) {
+        const int64_t n = bq - i0 < L ? bq - i0 : L; /* rows of this group; the rest pad with -inf, or 0 */
+        const T *mrow = (const T *)it->mask + i0 * mrs;
+        for (int64_t j0 = b->j_lo; j0 < b->j_hi; j0 += bk) {
+            const int64_t nb = b->j_hi - j0 < bk ? b->j_hi - j0 : bk;
+            T *Mc = mc->Mt + (j0 - b->j_lo) / bk * bk * ld + i0;
+            int64_t j = 0;
+            for (; j + L <= nb; j += L) { /* (the key runs: mask_rec_from_tile, later) */
+                if (n == L) mask_block(1, Mc + j * ld, ld, mrow + j0 + j, mrs, L, 0, 1, 0, NULL);
+                else        mask_block(0, Mc + j * ld, ld, mrow + j0 + j, mrs, n, 0, 1, 0, NULL);
+            }
+            for (; j < nb; j++)
+                for (int64_t x = 0; x < L; x++) Mc[j * ld + x] = x < n ? mrow[x * mrs + j0 + j] : 0;
+        }
+    }
+}
+
+/* A kept tile's record, from the tile (nb, ld) itself: the keys where some
+ * real row (< bq) is not -inf, and whether there are none (mask_tile_hidden). */
+static void mask_rec_from_tile(mask_rec *rec, const T *Mc, int64_t ld, int64_t bq, int64_t nb)
+{
+    const int64_t bqv = bq / L * L;
+    int any = 0;
+    rec->kr.n = 0;
+    rec->kr.start = -1;
+    for (int64_t j = 0; j < nb; j++) {
+        const T *row = Mc + j * ld;
+        ivec s = (ivec)vset1(0);
+        for (int64_t i = 0; i < bqv; i += L) s |= vload(row + i) != vset1(-INFINITY);
+        int seen = vany(s);
+        for (int64_t i = bqv; i < bq && !seen; i++) seen = row[i] != -INFINITY;
+        key_runs_add(&rec->kr, j, seen);
+        any |= seen;
+    }
+    key_runs_add(&rec->kr, nb, 0);
+    rec->hidden = !any;
 }
 
 /* Scores of the key tile [j0, j0 + nb) for the item's rows:
@@ -459,7 +529,9 @@ static int tile_scores(const fa_attention_args *a, const fa_item *it, const band
         const int64_t tile = mc && mc->state ? (j0 - b->j_lo) / mc->bk : -1;
         mask_rec *rec = tile >= 0 ? mc->rec + tile : NULL;
         int hidden;
-        if (rec && mc->state == 2)
+        if (rec && mc->filled) /* (its tile already kept) */
+            mask_rec_from_tile(rec, mc->Mt + tile * mc->bk * ld, ld, bq, nb);
+        if (rec && (mc->state == 2 || mc->filled))
             hidden = rec->hidden;
         else {
             hidden = mask_tile_hidden(mk, a->m_rs, a->m_cs, bq, nb);
@@ -468,7 +540,8 @@ static int tile_scores(const fa_attention_args *a, const fa_item *it, const band
         if (hidden && hidden_tile_skips(K, krs, a->dk, nb, Qt, ld, bqp, qmax)) return -1;
         if (rec && !hidden) {
             T *Mc = mc->Mt + tile * mc->bk * ld;
-            if (mc->state == 1) mask_tile(Mc, ld, mk, a->m_rs, a->m_cs, bq, bqp, nb, 1, !pf, &rec->kr);
+            if (mc->state == 1 && !mc->filled)
+                mask_tile(Mc, ld, mk, a->m_rs, a->m_cs, bq, bqp, nb, 1, !pf, &rec->kr);
             *kr = rec->kr;
             Mt = Mc;
         }
@@ -746,7 +819,11 @@ void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_i
     /* Key tiles outside every row's band (causal, window, kv length) are never visited. */
     const band_t b = item_band(a, it);
     const int cached = kv_rows_widened(a, tl, it, scratch, b.j_lo, b.j_hi, 1);
-    const mask_cache mc = mask_cache_open(a, tl, it, scratch, &b);
+    mask_cache mc = mask_cache_open(a, tl, it, scratch, &b);
+    if (mc.state == 1 && a->m_cs == 1 && a->m_rs != 0) {
+        mask_cache_fill(a, it, &b, &mc, ld);
+        mc.filled = 1;
+    }
     int64_t block = 0; /* keys in Ot's block (FOLD_KEYS) */
     for (int64_t j0 = b.j_lo; j0 < b.j_hi && !fa_stopped(a->stop); j0 += bk) {
         const int64_t nb = (b.j_hi - j0 < bk) ? b.j_hi - j0 : bk;
@@ -773,7 +850,7 @@ void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_i
                         .nk = last ? it->next_nk : nb_next,
                         .nq = last && !a->q_kv ? it->next_bq : 0,
                         .krs = a->k_rs, .qrs = a->q_rs, .dk = dk, .l1 = tl->pf_l1};
-        if (a->mask_kind == FA_MASK_ADD && a->m_cs == 1 && a->m_rs != 0 && mc.state != 2 && !last) {
+        if (a->mask_kind == FA_MASK_ADD && a->m_cs == 1 && a->m_rs != 0 && mc.state == 0 && !last) {
             /* the next tile's float mask rows, which mask_tile reads transposing them */
             pf_k.m = (const T *)it->mask + j0 + nb;
             pf_k.nm = it->bq;
