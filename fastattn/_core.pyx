@@ -187,7 +187,7 @@ cdef extern from "runtime.h" nogil:
         int tile_pf_l1
         int decode_pf[2]
         int decode_far
-        int fuse, stream, bk_tiled, bk_tiled_mem, q_tile_bytes, q_tile_bytes_band, bk_rows, bk_decode
+        int fuse, stream, bk_tiled, bk_tiled_mem, bq_tiled, q_tile_bytes, q_tile_bytes_band, bk_rows, bk_decode
         int group_bk_max, group_touch, group_chunks_rows
         int group_rows[2]
         int pipe_rows[2]
@@ -1024,7 +1024,7 @@ TUNING_PAIRS = ("rows_max", "rows_max_big", "rows_max_dk", "rows_full", "tail_ma
                 "group_rows", "pipe_rows")   # two int each
 # the other fields and the bits of their C types
 _TUNING_BITS = {"rows_full_dk": 32, "rows_max_kv": 32, "tail_mem": 32, "tile_pf_l1": 32, "decode_far": 32,
-                "fuse": 32, "stream": 32, "bk_tiled": 32, "bk_tiled_mem": 32, "q_tile_bytes": 32,
+                "fuse": 32, "stream": 32, "bk_tiled": 32, "bk_tiled_mem": 32, "bq_tiled": 32, "q_tile_bytes": 32,
                 "q_tile_bytes_band": 32, "bk_rows": 32, "bk_decode": 32, "group_bk_max": 32, "group_tile_bytes": 64,
                 "group_touch": 32, "group_chunks_rows": 32, "fold_rows": 32, "fold_rows_big": 32,
                 "fold_big_bytes": 64, "kv_mem_bytes": 64, "kv_far_bytes": 64, "bwd_bq": 32, "bwd_bk": 32}

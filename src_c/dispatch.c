@@ -67,7 +67,10 @@
  *   stream        the row kernel's prefetch across passes with K and V from memory;
  *   bk_tiled, bk_tiled_mem  the tiled kernel's keys a tile (from memory, blocks of at
  *                 most 32 rows: short tiles arrive in time through the prefetch);
- *   q_tile_bytes  the tiled kernel's query rows a block, at most 128: halved while its
+ *   bq_tiled      the tiled kernel's most query rows a block without a mask (with one, at
+ *                 most 128): each K and V element read for more of them (the Xeon of
+ *                 xeon-a7: 512; elsewhere 128, unmeasured);
+ *   q_tile_bytes  the tiled kernel's query rows a block: halved from bq_tiled while its
  *                 transposed queries exceed this (the L1 on Zen 4; more rows a block
  *                 read each K and V element for more of them);
  *   q_tile_bytes_band  the same under a causal band or a window, where a larger
@@ -101,6 +104,7 @@
     {.name = nm, .rows_max = {10, 10}, .rows_max_big = {10, 10}, .rows_max_dk = {10, 10},                  \
      .rows_full = {0, 0}, .tail_max = {3, 1}, .decode_pf = {1, 1}, .fuse = 0, .stream = 1, .bk_tiled = 64, \
      .bk_tiled_mem = 32, .q_tile_bytes = 32768, .q_tile_bytes_band = 32768, .bk_rows = 128,               \
+     .bq_tiled = 128,                                                                                     \
      .bk_decode = 256, .group_bk_max = 64, .group_tile_bytes = 256 << 10, .group_touch = 0,                \
      .group_chunks_rows = 0, .pipe_rows = {1, 1}, .group_rows = {0, 0},                                    \
      .fold_rows = 8, .fold_rows_big = 8,                                                                   \
@@ -112,6 +116,7 @@
     {.name = nm, .rows_max = {6, 3}, .rows_max_big = {4, 5}, .rows_max_dk = {6, 3}, .rows_full = {0, 0},  \
      .tail_max = {4, 2}, .decode_pf = {1, 1}, .fuse = 0, .stream = 1, .bk_tiled = 64, .bk_tiled_mem = 32, \
      .q_tile_bytes = qtile, .q_tile_bytes_band = 32768, .bk_rows = 128, .bk_decode = 256,                 \
+     .bq_tiled = 128,                                                                                     \
      .group_bk_max = 64,                                                                                  \
      .group_tile_bytes = 256 << 10, .group_touch = 1, .group_chunks_rows = 0,                             \
      .pipe_rows = {1, 1}, .group_rows = {0, 0}, .fold_rows = 8, .fold_rows_big = 12,                      \
@@ -121,6 +126,7 @@
     {.name = nm, .rows_max = {12, 12}, .rows_max_big = {24, 20}, .rows_max_dk = {24, 20},                   \
      .rows_full = {14, 0}, .tail_max = {8, 4}, .decode_pf = {1, 1}, .fuse = 1, .stream = 1, .bk_tiled = 64, \
      .bk_tiled_mem = 32, .q_tile_bytes = 32768, .q_tile_bytes_band = 32768, .bk_rows = 128,                \
+     .bq_tiled = 128,                                                                                      \
      .bk_decode = 256, .group_bk_max = 64,                                                                  \
      .group_tile_bytes = 256 << 10, .group_touch = 0, .group_chunks_rows = 0,                               \
      .pipe_rows = {1, 1}, .group_rows = {0, 0}, .fold_rows = 8, .fold_rows_big = 12,                        \
@@ -140,6 +146,7 @@ static fa_isa_table table_avx512 = {.name = "avx512", .tune = TUNE_AVX512("avx51
     {.name = "zen5", .rows_max = {12, 10}, .rows_max_big = {24, 20}, .rows_max_dk = {24, 12},               \
      .rows_full = {14, 0}, .tail_max = {8, 4}, .decode_pf = {0, 0}, .fuse = 1, .stream = 0, .bk_tiled = 64, \
      .bk_tiled_mem = 16, .q_tile_bytes = 131072, .q_tile_bytes_band = 131072, .bk_rows = 512,             \
+     .bq_tiled = 128,                                                                                     \
      .bk_decode = 1024, .group_bk_max = 256,                                                                \
      .group_tile_bytes = 1 << 20, .group_touch = 0, .group_chunks_rows = 0,                                 \
      .pipe_rows = {1, 1}, .group_rows = {0, 0}, .fold_rows = 8, .fold_rows_big = 12,                        \
@@ -152,6 +159,7 @@ static fa_isa_table table_avx512 = {.name = "avx512", .tune = TUNE_AVX512("avx51
     {.name = "zen4", .rows_max = {12, 12}, .rows_max_big = {24, 20}, .rows_max_dk = {24, 20},               \
      .rows_full = {14, 0}, .tail_max = {8, 4}, .decode_pf = {1, 1}, .fuse = 1, .stream = 1, .bk_tiled = 64, \
      .bk_tiled_mem = 32, .q_tile_bytes = 32768, .q_tile_bytes_band = 32768, .bk_rows = 512,                \
+     .bq_tiled = 128,                                                                                      \
      .bk_decode = 256, .group_bk_max = 64,                                                                  \
      .group_tile_bytes = 256 << 10, .group_touch = 0, .group_chunks_rows = 0,                               \
      .pipe_rows = {1, 1}, .group_rows = {0, 0}, .fold_rows = 8, .fold_rows_big = 12,                        \
@@ -163,7 +171,8 @@ static fa_isa_table table_avx512 = {.name = "avx512", .tune = TUNE_AVX512("avx51
  * 167"): the avx512 default but for K and V from memory beyond 48 MiB (not 1.5
  * times the socket's L3, of which two cores of a VM hold far less), no
  * prefetch across passes, longer key tiles for the row kernel, shorter ones
- * for the tiled kernel from memory, larger query tiles, prefill's and the
+ * for the tiled kernel from memory, larger query tiles (without a mask up
+ * to 512 rows), prefill's and the
  * backward's; from memory the tiled kernel from 9 rows (float64: 3), without
  * a tail after a single block; float64 from 13 rows at d128 in cache, and its
  * decoding without software prefetch; the group kernel's items of several rows
@@ -174,6 +183,7 @@ static fa_isa_table table_avx512 = {.name = "avx512", .tune = TUNE_AVX512("avx51
     {.name = "xeon-a7", .rows_max = {12, 12}, .rows_max_big = {8, 2}, .rows_max_dk = {24, 12},              \
      .rows_full = {14, 0}, .tail_max = {8, 4}, .decode_pf = {1, 0}, .fuse = 1, .stream = 0, .bk_tiled = 64, \
      .bk_tiled_mem = 16, .q_tile_bytes = 131072, .q_tile_bytes_band = 32768, .bk_rows = 512,               \
+     .bq_tiled = 512,                                                                                       \
      .bk_decode = 256, .group_bk_max = 64,                                                                  \
      .group_tile_bytes = 256 << 10, .group_touch = 0, .group_chunks_rows = 1,                               \
      .pipe_rows = {8, 8}, .group_rows = {8, 8}, .fold_rows = 8, .fold_rows_big = 12,                        \
@@ -412,7 +422,7 @@ int fa_tuning_check(const fa_tuning *t)
             !in(t->group_rows[dt], 0, FA_GROUP_ROWS) || !in(t->pipe_rows[dt], 1, FA_ROWS_CAP))
             return FA_EINVAL;
     if (!in(t->fuse, 0, 1) || !in(t->stream, 0, 1) || !in(t->bk_tiled, 8, 512) || !in(t->bk_tiled_mem, 8, 512) ||
-        !in(t->q_tile_bytes, 4096, 1 << 22) || !in(t->q_tile_bytes_band, 4096, 1 << 22) ||
+        !in(t->bq_tiled, 32, FA_BQ_MAX) || !in(t->q_tile_bytes, 4096, 1 << 22) || !in(t->q_tile_bytes_band, 4096, 1 << 22) ||
         !in(t->bk_rows, 8, 4096) || !in(t->bk_decode, 8, 4096) || !in(t->group_bk_max, 8, 1024) ||
         !in(t->group_tile_bytes, 1, (int64_t)1 << 30) || !in(t->group_touch, 0, 1) ||
         !in(t->group_chunks_rows, 0, 1) ||

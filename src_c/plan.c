@@ -44,7 +44,9 @@ static int64_t kv_bytes(const fa_attention_args *a)
 static void choose_tiles(const fa_attention_args *a, const fa_overrides *f, const fa_tuning *tu, int64_t lanes,
                          int64_t rows_max, int rows_kernel, int from_memory, int64_t n_lead, int threads, fa_tiles *t)
 {
-    int64_t bq_max = rows_kernel ? rows_max : 128;
+    /* a mask's rows (bool, float) come with each block: longer blocks measured slower */
+    const int64_t bq_top = a->mask_kind == FA_MASK_NONE || tu->bq_tiled < 128 ? tu->bq_tiled : 128;
+    int64_t bq_max = rows_kernel ? rows_max : bq_top;
     const int64_t esz = a->dtype == FA_F32 ? 4 : 8;
     const int band = a->causal || a->win_left >= 0 || a->win_right >= 0;
     const int64_t q_bytes = band ? tu->q_tile_bytes_band : tu->q_tile_bytes;

@@ -80,17 +80,48 @@ def test_tuning_sizes_and_switches_reach_the_plan(rng, tuning):
 
 @pytest.mark.parametrize("dtype", [F32, F64])
 def test_query_block_from_the_table(isa, rng, tuning, dtype):
-    """q_tile_bytes: the tiled kernel's query rows a block, 128 halved (down to 32)
+    """q_tile_bytes: the tiled kernel's query rows a block, bq_tiled (here 128) halved (down to 32)
     while its transposed queries (dk rows of them) exceed that many bytes; results
     agree with the reference at every size."""
     esz = np.dtype(dtype).itemsize
     q, k, v = (rand(rng, (4, 300, 128), dtype) for _ in range(3))
     for q_tile, bq in ((128 * 128 * esz, 128), (128 * 128 * esz - 1, 64), (64 * 128 * esz, 64), (4096, 32)):
-        tuning(q_tile_bytes=q_tile)
+        tuning(q_tile_bytes=q_tile, bq_tiled=128)
         assert _plan(q, k, v)["bq"] == bq, (q_tile, bq)
         check(q, k, v, dtype)
         check(q, k, v, dtype, causal=True)
     assert _plan(rand(rng, (4, 300, 4), dtype), k[..., :4], v)["bq"] == 128   # 4 x 128 x 8 bytes: within 4096
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_long_query_blocks_without_a_mask(isa, rng, tuning, dtype):
+    """bq_tiled: the tiled kernel's query rows a block on a call without a mask (a
+    mask's rows keep at most 128), halved as q_tile_bytes says; blocks of 512 rows
+    and a partial last one (1100 rows: 512, 512, 76) agree with the reference, with
+    kv lengths, with a jump in the scores (the fused exp rescales) and under a band;
+    out of its range it is refused."""
+    esz = np.dtype(dtype).itemsize
+    q, k, v = rand(rng, (4, 1100, 40), dtype), rand(rng, (4, 700, 40), dtype), rand(rng, (4, 700, 24), dtype)
+    mask = rng.random((1100, 700)) < 0.9
+    for bq_tiled, bq in ((512, 512), (256, 256), (32, 32), (128, 128)):
+        tuning(bq_tiled=bq_tiled, q_tile_bytes=1 << 22)
+        assert _plan(q, k, v, num_threads=2)["bq"] == bq, bq_tiled
+        assert _plan(q, k, v, mask=mask, num_threads=2)["bq"] == min(bq, 128)
+        assert _plan(q, k, v, mask=mask.astype(dtype), num_threads=2)["bq"] == min(bq, 128)
+        check(q, k, v, dtype)
+        check(q, k, v, dtype, mask=mask)
+        check(q, k, v, dtype, kv_lengths=np.array([700, 333, 1, 650]), q_lengths=np.array([1100, 901, 1100, 17]))
+        jump = q.copy()
+        jump[:, 600:] *= 30                          # far above the reference max of the first rows
+        check(jump, k, v, dtype)
+    tuning(bq_tiled=512, q_tile_bytes=256 * 40 * esz)   # halved once: 512 x 40 elements exceed it
+    assert _plan(q, k, v, num_threads=2)["bq"] == 256
+    tuning(bq_tiled=512, q_tile_bytes_band=128 * 40 * esz)
+    assert _plan(q, k, v, causal=True, num_threads=2)["bq"] == 128
+    check(q, k, v, dtype, causal=True)
+    for bad in (16, 513):
+        with pytest.raises(ValueError, match="bq_tiled is out of range"):
+            _core.set_tuning(dict(_core.builtin_tuning(), bq_tiled=bad))
 
 
 @pytest.mark.parametrize("dtype", [F32, F64])
@@ -418,6 +449,7 @@ def test_decode_far_from_the_table(isa, rng, tuning, dtype):
     ({"decode_pf": (2, 0)}, "decode_pf is out of range"), ({"decode_pf": (1, -1)}, "decode_pf is out of range"),
     ({"bwd_bq": 4}, "out of range"), ({"bwd_bk": 2048}, "out of range"),
     ({"q_tile_bytes": 1024}, "out of range"), ({"q_tile_bytes": 1 << 23}, "out of range"),
+    ({"bq_tiled": 16}, "out of range"), ({"bq_tiled": 1024}, "out of range"),
     ({"q_tile_bytes_band": 1024}, "out of range"), ({"q_tile_bytes_band": 1 << 23}, "out of range"),
 ])
 def test_set_tuning_rejects_bad_fields(fields, word):
