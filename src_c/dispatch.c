@@ -67,9 +67,10 @@
  *   stream        the row kernel's prefetch across passes with K and V from memory;
  *   bk_tiled, bk_tiled_mem  the tiled kernel's keys a tile (from memory, blocks of at
  *                 most 32 rows: short tiles arrive in time through the prefetch);
- *   bq_tiled      the tiled kernel's most query rows a block without a mask (with one, at
- *                 most 128): each K and V element read for more of them (the Xeon of
- *                 xeon-a7: 512; elsewhere 128, unmeasured);
+ *   bq_tiled      the tiled kernel's most query rows a block without a mask or a band
+ *                 (with one, at most 128), a power of two from 32 to FA_BQ_MAX: each K
+ *                 and V element read for more of them (the Xeon of xeon-a7: 512;
+ *                 elsewhere 128, unmeasured);
  *   q_tile_bytes  the tiled kernel's query rows a block: halved from bq_tiled while its
  *                 transposed queries exceed this (the L1 on Zen 4; more rows a block
  *                 read each K and V element for more of them);
@@ -422,7 +423,8 @@ int fa_tuning_check(const fa_tuning *t)
             !in(t->group_rows[dt], 0, FA_GROUP_ROWS) || !in(t->pipe_rows[dt], 1, FA_ROWS_CAP))
             return FA_EINVAL;
     if (!in(t->fuse, 0, 1) || !in(t->stream, 0, 1) || !in(t->bk_tiled, 8, 512) || !in(t->bk_tiled_mem, 8, 512) ||
-        !in(t->bq_tiled, 32, FA_BQ_MAX) || !in(t->q_tile_bytes, 4096, 1 << 22) || !in(t->q_tile_bytes_band, 4096, 1 << 22) ||
+        !in(t->bq_tiled, 32, FA_BQ_MAX) || (t->bq_tiled & (t->bq_tiled - 1)) != 0 ||
+        !in(t->q_tile_bytes, 4096, 1 << 22) || !in(t->q_tile_bytes_band, 4096, 1 << 22) ||
         !in(t->bk_rows, 8, 4096) || !in(t->bk_decode, 8, 4096) || !in(t->group_bk_max, 8, 1024) ||
         !in(t->group_tile_bytes, 1, (int64_t)1 << 30) || !in(t->group_touch, 0, 1) ||
         !in(t->group_chunks_rows, 0, 1) ||

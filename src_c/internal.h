@@ -217,8 +217,8 @@ typedef struct {
     int bk_tiled, bk_tiled_mem;       /* the tiled kernel's keys a tile; the same
                                        * for blocks of up to 32 rows from memory */
     int bq_tiled;                     /* the tiled kernel's most query rows a block on a
-                                       * call without a mask (with one: at most 128),
-                                       * 32 to FA_BQ_MAX */
+                                       * call without a mask or a band (with one: at
+                                       * most 128), a power of two, 32 to FA_BQ_MAX */
     int q_tile_bytes;                 /* the tiled kernel's query block: halved from
                                        * bq_tiled rows (down to 32) while its transposed
                                        * queries (dk bq elements) exceed this many bytes */
@@ -331,10 +331,10 @@ static inline int64_t fa_mt_cache_elems(const fa_tiles *t, int64_t nk, int64_t e
  * rows_max_dk when dk is at least FA_ROWS_DK_BIG; or the override
  * fa_overrides.rows_max, at most FA_ROWS_CAP); dk is padded to a whole number of
  * vectors (at most FA_LANES_MAX lanes: float32 in 64 bytes). */
-#define FA_BQ_MAX 512 /* the most query rows of a tiled item (fa_tuning.bq_tiled) */
 #define FA_ROWS_CAP 24
 #define FA_ROWS_DK_BIG 128
 #define FA_LANES_MAX 16
+#define FA_BQ_MAX 512 /* the most query rows of a tiled item (fa_tuning.bq_tiled) */
 static inline int64_t fa_rows_scratch_elems(const fa_tiles *t, int64_t dk, int64_t dv)
 {
     return t->bq * (dk + FA_LANES_MAX + 2 * t->bk + 3 * dv + 3); /* with the pipelined loop's Sn */

@@ -29,7 +29,9 @@ static int64_t kv_bytes(const fa_attention_args *a)
 }
 
 /* The tiles (query rows per item, keys per tile, their padded layout).
- * Query rows: 128, halved down to 32 while the packed queries Qt (dk, bq)
+ * Query rows: the tuning's bq_tiled (at most 128 under a mask or a band, whose
+ * rows come with each block or whose diagonal wastes more of a larger one),
+ * halved down to 32 while the packed queries Qt (dk, bq)
  * would exceed the tuning's q_tile_bytes (the L1, where it holds them beside
  * the key tile; more rows a block read each K and V element for more of them),
  * or q_tile_bytes_band under a causal band or a window (a larger block computes
@@ -44,11 +46,11 @@ static int64_t kv_bytes(const fa_attention_args *a)
 static void choose_tiles(const fa_attention_args *a, const fa_overrides *f, const fa_tuning *tu, int64_t lanes,
                          int64_t rows_max, int rows_kernel, int from_memory, int64_t n_lead, int threads, fa_tiles *t)
 {
-    /* a mask's rows (bool, float) come with each block: longer blocks measured slower */
-    const int64_t bq_top = a->mask_kind == FA_MASK_NONE || tu->bq_tiled < 128 ? tu->bq_tiled : 128;
-    int64_t bq_max = rows_kernel ? rows_max : bq_top;
     const int64_t esz = a->dtype == FA_F32 ? 4 : 8;
     const int band = a->causal || a->win_left >= 0 || a->win_right >= 0;
+    /* longer blocks only without a mask or a band (docs/tuning.md, bq_tiled) */
+    const int64_t bq_top = (a->mask_kind == FA_MASK_NONE && !band) || tu->bq_tiled < 128 ? tu->bq_tiled : 128;
+    int64_t bq_max = rows_kernel ? rows_max : bq_top;
     const int64_t q_bytes = band ? tu->q_tile_bytes_band : tu->q_tile_bytes;
     while (!rows_kernel && bq_max > 32 && a->dk * bq_max * esz > q_bytes) bq_max /= 2;
     while (!rows_kernel && bq_max > 32 && n_lead * ((a->nq + bq_max - 1) / bq_max) < 4 * (int64_t)threads)
@@ -350,7 +352,7 @@ int fa_attention_plan(const fa_attention_args *a, int weights, fa_plan *p)
     p->work = p->q_rows * (double)(a->nk + 1) * (double)(a->dk + a->dv + 8);
     p->threads = fa_team_size(a->num_threads, (p->group ? p->n_groups : p->n_items) * p->n_splits, p->work);
     /* ... and then the first item on a query block's mask rows keeps the tiles it
-     * transposed (mask_tile) for the next ones (the other heads): they add them to
+     * transposed (mask_cache_fill, or mask_tile) for the next ones (the other heads): they add them to
      * the scores as the products store them, not in a pass of their own.  Where each
      * thread takes at least two heads of a block in turn, so that some item reuses
      * them; not under a softcap or ALiBi, which come before the mask

@@ -379,15 +379,16 @@ def test_float_mask_cache(isa, fused, tiles, force, rng, dtype, threads):
     kb = k.copy()
     kb[1, 2, 300, 0] = np.nan                 # the third head meets the hidden tile with a NaN key
     force.set(head_turns=1)
-    for causal in (False, True):
+    for kw in (dict(), dict(causal=True), dict(window=(300, 0))):   # a window: items whose keys start past 0
         got = []
         for cache in (0, 1):
             force.set(mask_cache=cache)
-            assert _plan(q, kb, v, mask=mask, causal=causal)["mask_cache"] == bool(cache)
-            got.append(check(q, kb, v, mask=mask, causal=causal, num_threads=threads))
+            assert _plan(q, kb, v, mask=mask, **kw)["mask_cache"] == bool(cache)
+            got.append(check(q, kb, v, mask=mask, num_threads=threads, **kw))
         np.testing.assert_array_equal(got[0][0], got[1][0])
         np.testing.assert_array_equal(got[0][1], got[1][1])
-        assert np.isnan(got[1][0][1, 2]).all() and np.isfinite(got[1][0][1, :2]).all()
+        if "window" not in kw:                # (the window hides the NaN key from the last rows)
+            assert np.isnan(got[1][0][1, 2]).all() and np.isfinite(got[1][0][1, :2]).all()
     force.set(mask_cache=1)
     mask[:, :5] = -np.inf                     # the same array, other values: kept tiles are not reused
     check(q, k, v, mask=mask, num_threads=threads)

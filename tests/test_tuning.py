@@ -95,11 +95,12 @@ def test_query_block_from_the_table(isa, rng, tuning, dtype):
 
 @pytest.mark.parametrize("dtype", [F32, F64])
 def test_long_query_blocks_without_a_mask(isa, rng, tuning, dtype):
-    """bq_tiled: the tiled kernel's query rows a block on a call without a mask (a
-    mask's rows keep at most 128), halved as q_tile_bytes says; blocks of 512 rows
+    """bq_tiled: the tiled kernel's query rows a block on a call without a mask or a
+    band (with one, at most 128), halved as q_tile_bytes says; blocks of 512 rows
     and a partial last one (1100 rows: 512, 512, 76) agree with the reference, with
-    kv lengths, with a jump in the scores (the fused exp rescales) and under a band;
-    out of its range it is refused."""
+    kv lengths and with a jump in the scores (the fused exp rescales), and so do
+    masked and causal calls beside them; a value out of its range, or not a power
+    of two, is refused."""
     esz = np.dtype(dtype).itemsize
     q, k, v = rand(rng, (4, 1100, 40), dtype), rand(rng, (4, 700, 40), dtype), rand(rng, (4, 700, 24), dtype)
     mask = rng.random((1100, 700)) < 0.9
@@ -110,16 +111,20 @@ def test_long_query_blocks_without_a_mask(isa, rng, tuning, dtype):
         assert _plan(q, k, v, mask=mask.astype(dtype), num_threads=2)["bq"] == min(bq, 128)
         check(q, k, v, dtype)
         check(q, k, v, dtype, mask=mask)
+        check(q, k, v, dtype, mask=np.where(mask, rand(rng, mask.shape, dtype), -np.inf).astype(dtype))
         check(q, k, v, dtype, kv_lengths=np.array([700, 333, 1, 650]), q_lengths=np.array([1100, 901, 1100, 17]))
         jump = q.copy()
         jump[:, 600:] *= 30                          # far above the reference max of the first rows
         check(jump, k, v, dtype)
     tuning(bq_tiled=512, q_tile_bytes=256 * 40 * esz)   # halved once: 512 x 40 elements exceed it
     assert _plan(q, k, v, num_threads=2)["bq"] == 256
-    tuning(bq_tiled=512, q_tile_bytes_band=128 * 40 * esz)
+    tuning(bq_tiled=512, q_tile_bytes_band=1 << 22)     # a band: at most 128 rows, then halved as before
     assert _plan(q, k, v, causal=True, num_threads=2)["bq"] == 128
+    assert _plan(q, k, v, window=(2000, 0), num_threads=2)["bq"] == 128
     check(q, k, v, dtype, causal=True)
-    for bad in (16, 513):
+    tuning(q_tile_bytes_band=64 * 40 * esz)
+    assert _plan(q, k, v, causal=True, num_threads=2)["bq"] == 64
+    for bad in (16, 48, 513):
         with pytest.raises(ValueError, match="bq_tiled is out of range"):
             _core.set_tuning(dict(_core.builtin_tuning(), bq_tiled=bad))
 
@@ -449,7 +454,7 @@ def test_decode_far_from_the_table(isa, rng, tuning, dtype):
     ({"decode_pf": (2, 0)}, "decode_pf is out of range"), ({"decode_pf": (1, -1)}, "decode_pf is out of range"),
     ({"bwd_bq": 4}, "out of range"), ({"bwd_bk": 2048}, "out of range"),
     ({"q_tile_bytes": 1024}, "out of range"), ({"q_tile_bytes": 1 << 23}, "out of range"),
-    ({"bq_tiled": 16}, "out of range"), ({"bq_tiled": 1024}, "out of range"),
+    ({"bq_tiled": 16}, "out of range"), ({"bq_tiled": 1024}, "out of range"), ({"bq_tiled": 96}, "out of range"),
     ({"q_tile_bytes_band": 1024}, "out of range"), ({"q_tile_bytes_band": 1 << 23}, "out of range"),
 ])
 def test_set_tuning_rejects_bad_fields(fields, word):

@@ -221,12 +221,14 @@ INLINE void qk_block_body(T *St, const T *restrict K, int64_t krs, const T *rest
 #define QK_MT(j) (Mt ? Mt + (j) * ld : NULL)
     for (; j < end; j += RB) {
         if (pf) tile_prefetch(pf, j, RB);
-        const int64_t npf = nb - j - RB < RB ? nb - j - RB : RB; /* Mt's rows of the next register tile */
+        /* Mt's rows of the next register tile (a kept tile's: St's are in L1) */
+        const int64_t npf = Mt == St ? 0 : nb - j - RB < RB ? nb - j - RB : RB;
         qk_rows(RB, St + j * ld, K + j * krs, krs, Qt, ld, bqp, dk, f, QK_MT(j), j, npf);
     }
     if (pf) tile_prefetch(pf, j, INT64_MAX - j); /* the rest, also rows past nb */
     for (; j + 4 <= nb; j += 4)
-        qk_rows(4, St + j * ld, K + j * krs, krs, Qt, ld, bqp, dk, f, QK_MT(j), j, nb - j - 4 < 4 ? nb - j - 4 : 4);
+        qk_rows(4, St + j * ld, K + j * krs, krs, Qt, ld, bqp, dk, f, QK_MT(j), j,
+                Mt == St ? 0 : nb - j - 4 < 4 ? nb - j - 4 : 4);
     for (; j < nb; j++) qk_rows(1, St + j * ld, K + j * krs, krs, Qt, ld, bqp, dk, f, QK_MT(j), j, 0);
 #undef QK_MT
 }
@@ -399,15 +401,16 @@ static void pack_queries(const fa_attention_args *a, const fa_tiles *tl, const f
 /* ---------------------------------------------------------------------------
  * mask_cache: a float mask that the heads share, with the items of a query block
  * going head by head (fa_plan.head_turns).  The first item on a block's mask rows
- * keeps each tile as mask_tile transposed it, with the tile's key runs and whether
- * the mask hides it all; the next items on the same rows (the other heads: the
+ * keeps each tile transposed (all of them at its start, mask_cache_fill, where the
+ * mask's rows are contiguous; else each as mask_tile transposes it), with the
+ * tile's key runs and whether the mask hides it all; the next items on the same rows (the other heads: the
  * header says whose tiles they are) add the kept tile to their scores as the
  * products store them, instead of transposing it and adding it in a pass over St
  * of its own.  At tl->mt_off in the scratch (fa_mt_cache_elems):
  *   head  (64 bytes)      whose tiles: the mask rows' first element, the item's
  *                         keys and rows; mask NULL: none (attention.c clears it)
  *   rec   (tiles) mask_rec, FA_MT_REC_BYTES reserved a tile: key runs, hidden flag
- *   Mt    (tiles, bk, ld) the tiles transposed (a hidden tile's are not kept)
+ *   Mt    (tiles, bk, ld) the tiles transposed (a hidden tile's are not read)
  * with tiles = ceil(nk / bk).
  * ------------------------------------------------------------------------- */
 typedef struct {
