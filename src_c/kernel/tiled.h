@@ -170,9 +170,8 @@ INLINE void pv_tile(const int R, const int NV, T *restrict ot, int64_t bqp, cons
 }
 
 /* The rows [R, R + npf) of a float mask's tile Mt (the next register tile's),
- * columns [i, i + w), into L1: the kept tiles of mask_cache come from L2, and
- * their adds at the end of each register tile waited on them
- * (docs/tuning.md, mask_cache). */
+ * columns [i, i + w), into L1: mask_cache's kept tiles sit in L2, and qk_tile
+ * adds them right after its products (docs/tuning.md, mask_cache). */
 INLINE void mt_prefetch(const T *Mt, int64_t ld, const int R, int64_t npf, int64_t i, int64_t w)
 {
     for (int64_t r = R; r < R + npf; r++)
@@ -403,10 +402,10 @@ static void pack_queries(const fa_attention_args *a, const fa_tiles *tl, const f
  * going head by head (fa_plan.head_turns).  The first item on a block's mask rows
  * keeps each tile transposed (all of them at its start, mask_cache_fill, where the
  * mask's rows are contiguous; else each as mask_tile transposes it), with the
- * tile's key runs and whether the mask hides it all; the next items on the same rows (the other heads: the
- * header says whose tiles they are) add the kept tile to their scores as the
- * products store them, instead of transposing it and adding it in a pass over St
- * of its own.  At tl->mt_off in the scratch (fa_mt_cache_elems):
+ * tile's key runs and whether the mask hides it all; the next items on the same
+ * rows (the other heads: the header says whose tiles they are) add the kept tile
+ * to their scores as the products store them, instead of transposing it and
+ * adding it in a pass over St of its own.  At tl->mt_off in the scratch (fa_mt_cache_elems):
  *   head  (64 bytes)      whose tiles: the mask rows' first element, the item's
  *                         keys and rows; mask NULL: none (attention.c clears it)
  *   rec   (tiles) mask_rec, FA_MT_REC_BYTES reserved a tile: key runs, hidden flag
@@ -450,12 +449,11 @@ static mask_cache mask_cache_open(const fa_attention_args *a, const fa_tiles *tl
 }
 
 /* State 1 on a mask whose rows are contiguous: every tile of the item's keys
- * transposed into the cache at the start, as mask_tile (set) stores a tile,
- * but L rows at a time across all the keys, so that each mask row streams in
- * order; tile by tile, a tile's rows (a mask row's length apart, each on a
- * page of its own) waited on memory despite their prefetch (docs/tuning.md,
- * mask_cache).  The tiles' key runs and hidden flags come later, from the
- * kept tiles (mask_rec_from_tile). */
+ * transposed into the cache at the start, bit for bit as mask_tile (set)
+ * stores a tile, but L rows at a time across all the keys, so that each mask
+ * row streams in order (a tile's rows are a mask row apart, each on a page of
+ * its own: docs/tuning.md, mask_cache).  The tiles' key runs and hidden flags
+ * come later, from the kept tiles (mask_rec_from_tile). */
 static void mask_cache_fill(const fa_attention_args *a, const fa_item *it, const band_t *b, const mask_cache *mc,
                             int64_t ld)
 {
