@@ -179,6 +179,7 @@ cdef extern from "runtime.h" nogil:
         int rows_max[2]
         int rows_max_big[2]
         int rows_max_dk[2]
+        int rows_max_big_dk[2]
         int rows_full[2]
         int rows_full_dk
         int rows_max_kv
@@ -1020,7 +1021,7 @@ def gqa_fold(int64_t n_q, int64_t kv_bytes):
 
 
 # the fields of a tuning table (src_c/internal.h, fa_tuning): {float32, float64} pairs first
-TUNING_PAIRS = ("rows_max", "rows_max_big", "rows_max_dk", "rows_full", "tail_max", "decode_pf",
+TUNING_PAIRS = ("rows_max", "rows_max_big", "rows_max_dk", "rows_max_big_dk", "rows_full", "tail_max", "decode_pf",
                 "group_rows", "pipe_rows")   # two int each
 # the other fields and the bits of their C types
 _TUNING_BITS = {"rows_full_dk": 32, "rows_max_kv": 32, "tail_mem": 32, "tile_pf_l1": 32, "decode_far": 32,

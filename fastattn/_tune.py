@@ -8,7 +8,7 @@ on, fastattn reads it back (``load``), unless FASTATTN_TUNING=off.
 show_config() says which table is in use.  FFTW's wisdom is the model.
 
 What it measures (the fields of src_c/internal.h's fa_tuning; docs/tuning.md):
-  rows_max, rows_max_dk, rows_max_big, rows_full
+  rows_max, rows_max_dk, rows_max_big (rows_max_big_dk where the table sets it), rows_full
         the row kernel against the tiled kernel at 2-24 query rows, K and V in
         cache (d64, d128) and from memory (d128), float32 and float64;
   tail_max
@@ -250,7 +250,9 @@ def _measure_rows(b: _Bench, dt, lanes: int, chosen: Dict[str, Any], notes: Dict
     forced: a forced rows_max turns the tail off, and from memory a tail reads K and V
     a second time."""
     x, esz = int(dt == np.float64), dt.itemsize
-    names = {"cache": "rows_max", "cache_wide": "rows_max_dk", "mem_wide": "rows_max_big"}
+    # from memory at d128, the table's rows_max_big_dk where set stands in for rows_max_big
+    mem_wide = "rows_max_big_dk" if b.base["rows_max_big_dk"][x] > 0 else "rows_max_big"
+    names = {"cache": "rows_max", "cache_wide": "rows_max_dk", "mem_wide": mem_wide}
     tiled = {f: _set(b.base[f], x, 1) for f in names.values()}
     times: Dict[str, Dict[int, Tuple[float, float]]] = {}
     for regime in names:

@@ -44,6 +44,10 @@
  *                 AVX-512, fewer for float32 on AVX2: docs/tuning.md);
  *   rows_max_dk   the same when dk >= FA_ROWS_DK_BIG, K and V in cache: long dot
  *                 products hide the row kernel's horizontal sums;
+ *   rows_max_big_dk  > 0: in place of rows_max_big when dk >= FA_ROWS_DK_BIG (0:
+ *                 rows_max_big), where the row kernel's pipelined loop (pipe_rows)
+ *                 keeps up with memory for more rows than at shorter dot products
+ *                 (the Xeon of xeon-a7: 12 float32 rows);
  *   rows_full     from this many rows up to one vector's lanes, the tiled kernel even
  *                 below rows_max (0: never), since one vector of rows is its best block;
  *   rows_full_dk  > 0: not so from this dk on, nor for 16-bit K and V from memory,
@@ -103,6 +107,7 @@
  * The two sizes of an ISA's default follow this CPU's L3 (builtin_for). */
 #define TUNE_GENERIC(nm)                                                                                   \
     {.name = nm, .rows_max = {10, 10}, .rows_max_big = {10, 10}, .rows_max_dk = {10, 10},                  \
+     .rows_max_big_dk = {0, 0},                                                                            \
      .rows_full = {0, 0}, .tail_max = {3, 1}, .decode_pf = {1, 1}, .fuse = 0, .stream = 1, .bk_tiled = 64, \
      .bk_tiled_mem = 32, .q_tile_bytes = 32768, .q_tile_bytes_band = 32768, .bk_rows = 128,               \
      .bq_tiled = 128,                                                                                     \
@@ -115,6 +120,7 @@
 #define TUNE_AVX2(nm) TUNE_AVX2_Q(nm, 32768)
 #define TUNE_AVX2_Q(nm, qtile)                                                                            \
     {.name = nm, .rows_max = {6, 3}, .rows_max_big = {4, 5}, .rows_max_dk = {6, 3}, .rows_full = {0, 0},  \
+     .rows_max_big_dk = {0, 0},                                                                           \
      .tail_max = {4, 2}, .decode_pf = {1, 1}, .fuse = 0, .stream = 1, .bk_tiled = 64, .bk_tiled_mem = 32, \
      .q_tile_bytes = qtile, .q_tile_bytes_band = 32768, .bk_rows = 128, .bk_decode = 256,                 \
      .bq_tiled = 128,                                                                                     \
@@ -125,6 +131,7 @@
      .bwd_bq = 64, .bwd_bk = 256, .rows_full_dk = 0, .rows_max_kv = 12, .tail_mem = 1, .tile_pf_l1 = 0, .decode_far = 1}
 #define TUNE_AVX512(nm)                                                                                     \
     {.name = nm, .rows_max = {12, 12}, .rows_max_big = {24, 20}, .rows_max_dk = {24, 20},                   \
+     .rows_max_big_dk = {0, 0},                                                                             \
      .rows_full = {14, 0}, .tail_max = {8, 4}, .decode_pf = {1, 1}, .fuse = 1, .stream = 1, .bk_tiled = 64, \
      .bk_tiled_mem = 32, .q_tile_bytes = 32768, .q_tile_bytes_band = 32768, .bk_rows = 128,                \
      .bq_tiled = 128,                                                                                      \
@@ -145,6 +152,7 @@ static fa_isa_table table_avx512 = {.name = "avx512", .tune = TUNE_AVX512("avx51
 /* Zen 5, retuned (docs/tuning.md, "Zen 5"). */
 #define TUNE_ZEN5                                                                                           \
     {.name = "zen5", .rows_max = {12, 10}, .rows_max_big = {24, 20}, .rows_max_dk = {24, 12},               \
+     .rows_max_big_dk = {0, 0},                                                                             \
      .rows_full = {14, 0}, .tail_max = {8, 4}, .decode_pf = {0, 0}, .fuse = 1, .stream = 0, .bk_tiled = 64, \
      .bk_tiled_mem = 16, .q_tile_bytes = 131072, .q_tile_bytes_band = 131072, .bk_rows = 512,             \
      .bq_tiled = 128,                                                                                     \
@@ -158,6 +166,7 @@ static fa_isa_table table_avx512 = {.name = "avx512", .tune = TUNE_AVX512("avx51
  * tiles (docs/tuning.md, "Zen 4"). */
 #define TUNE_ZEN4                                                                                           \
     {.name = "zen4", .rows_max = {12, 12}, .rows_max_big = {24, 20}, .rows_max_dk = {24, 20},               \
+     .rows_max_big_dk = {0, 0},                                                                             \
      .rows_full = {14, 0}, .tail_max = {8, 4}, .decode_pf = {1, 1}, .fuse = 1, .stream = 1, .bk_tiled = 64, \
      .bk_tiled_mem = 32, .q_tile_bytes = 32768, .q_tile_bytes_band = 32768, .bk_rows = 512,                \
      .bq_tiled = 128,                                                                                      \
@@ -174,20 +183,22 @@ static fa_isa_table table_avx512 = {.name = "avx512", .tune = TUNE_AVX512("avx51
  * prefetch across passes, longer key tiles for the row kernel, shorter ones
  * for the tiled kernel from memory, larger query tiles (without a mask up
  * to 512 rows), prefill's and the
- * backward's; from memory the tiled kernel from 9 rows (float64: 3), without
+ * backward's; from memory the tiled kernel from 9 rows (float32 at dk >= 128:
+ * 13; float64: 3), without
  * a tail after a single block; float64 from 13 rows at d128 in cache, and its
  * decoding without software prefetch; the group kernel's items of several rows
  * in chunks of keys, up to 8 float64 rows of a (B, n, H, d) cache from
- * memory in the group kernel, and up to 8 rows from memory in the row kernel's
- * pipelined loop. */
+ * memory in the group kernel, and up to 12 float32 rows (float64: 8) from
+ * memory in the row kernel's pipelined loop. */
 #define TUNE_XEON_A7                                                                                         \
     {.name = "xeon-a7", .rows_max = {12, 12}, .rows_max_big = {8, 2}, .rows_max_dk = {24, 12},              \
+     .rows_max_big_dk = {12, 0},                                                                            \
      .rows_full = {14, 0}, .tail_max = {8, 4}, .decode_pf = {1, 0}, .fuse = 1, .stream = 0, .bk_tiled = 64, \
      .bk_tiled_mem = 16, .q_tile_bytes = 131072, .q_tile_bytes_band = 32768, .bk_rows = 512,               \
      .bq_tiled = 512,                                                                                       \
      .bk_decode = 256, .group_bk_max = 64,                                                                  \
      .group_tile_bytes = 256 << 10, .group_touch = 0, .group_chunks_rows = 1,                               \
-     .pipe_rows = {8, 8}, .group_rows = {8, 8}, .fold_rows = 8, .fold_rows_big = 12,                        \
+     .pipe_rows = {12, 8}, .group_rows = {8, 8}, .fold_rows = 8, .fold_rows_big = 12,                       \
      .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = (int64_t)16 << 20,       \
      .bwd_bq = 64, .bwd_bk = 256, .rows_full_dk = 0, .rows_max_kv = 0, .tail_mem = 0, .tile_pf_l1 = 1, .decode_far = 0}
 
@@ -418,7 +429,8 @@ int fa_tuning_check(const fa_tuning *t)
 {
     for (int dt = 0; dt < 2; dt++)
         if (!in(t->rows_max[dt], 1, FA_ROWS_CAP) || !in(t->rows_max_big[dt], 1, FA_ROWS_CAP) ||
-            !in(t->rows_max_dk[dt], 1, FA_ROWS_CAP) || !in(t->rows_full[dt], 0, FA_LANES_MAX) ||
+            !in(t->rows_max_dk[dt], 1, FA_ROWS_CAP) || !in(t->rows_max_big_dk[dt], 0, FA_ROWS_CAP) ||
+            !in(t->rows_full[dt], 0, FA_LANES_MAX) ||
             !in(t->tail_max[dt], 0, FA_LANES_MAX - 1) || !in(t->decode_pf[dt], 0, 1) ||
             !in(t->group_rows[dt], 0, FA_GROUP_ROWS) || !in(t->pipe_rows[dt], 1, FA_ROWS_CAP))
             return FA_EINVAL;

@@ -190,6 +190,8 @@ typedef struct {
     int rows_max_big[2];              /* ... when K and V come from memory
                                        * (beyond kv_mem_bytes) */
     int rows_max_dk[2];               /* ... else when dk >= FA_ROWS_DK_BIG */
+    int rows_max_big_dk[2];           /* > 0: in place of rows_max_big when dk >=
+                                       * FA_ROWS_DK_BIG (0: rows_max_big) */
     int rows_full[2];                 /* but n_q from this up to one vector's lanes
                                        * takes the tiled kernel (0: never), unless
                                        * dk > FA_ROWS_DK_BIG with K and V from memory */
@@ -327,7 +329,8 @@ static inline int64_t fa_mt_cache_elems(const fa_tiles *t, int64_t nk, int64_t e
     return (FA_MT_HEAD_BYTES + FA_MT_REC_BYTES * tiles) / esz + tiles * t->bk * t->ld;
 }
 /* The row kernel takes n_q <= rows_max query rows (the tuning's rows_max,
- * rows_max_big when the call's K and V exceed the tuning's kv_mem_bytes, else
+ * rows_max_big when the call's K and V exceed the tuning's kv_mem_bytes (or
+ * rows_max_big_dk, where set, when dk is at least FA_ROWS_DK_BIG), else
  * rows_max_dk when dk is at least FA_ROWS_DK_BIG; or the override
  * fa_overrides.rows_max, at most FA_ROWS_CAP); dk is padded to a whole number of
  * vectors (at most FA_LANES_MAX lanes: float32 in 64 bytes). */

@@ -220,7 +220,8 @@ int fa_attention_plan(const fa_attention_args *a, int weights, fa_plan *p)
     p->from_memory = p->kv_bytes > tu->kv_mem_bytes; /* K and V beyond the L3 */
 
     /* The kernel.  The row kernel up to rows_max query rows (more with K and V
-     * from memory, or long dot products; with 16-bit K and V, which the tiled
+     * from memory, more or fewer with them at dk >= FA_ROWS_DK_BIG where the
+     * table sets rows_max_big_dk, or long dot products; with 16-bit K and V, which the tiled
      * kernel widens first, rows_max_kv where the table sets it: docs/tuning.md,
      * rows_max_kv), except that rows_full to lanes rows,
      * which fill one vector of the tiled kernel, take that one; not where
@@ -232,6 +233,8 @@ int fa_attention_plan(const fa_attention_args *a, int weights, fa_plan *p)
      * heads' stride: docs/tuning.md, rows_full, rows_full_dk). */
     p->rows_max = f->rows_max          ? (f->rows_max < FA_ROWS_CAP ? f->rows_max : FA_ROWS_CAP)
                   : a->kv_dtype != FA_KV_SAME && tu->rows_max_kv > 0 ? tu->rows_max_kv
+                  : p->from_memory && a->dk >= FA_ROWS_DK_BIG && tu->rows_max_big_dk[dt] > 0
+                                       ? tu->rows_max_big_dk[dt]
                   : p->from_memory     ? tu->rows_max_big[dt]
                   : a->dk >= FA_ROWS_DK_BIG ? tu->rows_max_dk[dt]
                                             : tu->rows_max[dt];

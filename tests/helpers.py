@@ -167,13 +167,16 @@ def rows_limits(dtype, kind, dk=None, contiguous=True):
     the (lo, hi) rows that take the tiled kernel below it (None: none), read from
     its table (_core.isa_table, what the plan reads), for K and V of the queries'
     dtype.  kind: 0 K and V within 48 MiB and dk < 128 (rows_max), 1 K and V beyond
-    48 MiB (rows_max_big), 2 within 48 MiB and dk >= 128 (rows_max_dk).  dk
+    48 MiB (rows_max_big; at dk >= 128 rows_max_big_dk where set), 2 within 48 MiB
+    and dk >= 128 (rows_max_dk).  dk
     (default: 128 for kind 2, else 64) against the table's rows_full_dk, which
     applies where K's and V's rows are contiguous; dk > 128 from memory: no
     rows_full."""
     t, x = _core.isa_table(), int(dtype == F64)
-    limit = t[("rows_max", "rows_max_big", "rows_max_dk")[kind]][x]
     dk = dk if dk is not None else 128 if kind == 2 else 64
+    limit = t[("rows_max", "rows_max_big", "rows_max_dk")[kind]][x]
+    if kind == 1 and dk >= 128 and t["rows_max_big_dk"][x] > 0:
+        limit = t["rows_max_big_dk"][x]
     full = t["rows_full"][x]
     if (contiguous and 0 < t["rows_full_dk"] <= dk) or (kind == 1 and dk > 128):
         full = 0

@@ -270,6 +270,30 @@ def test_group_rows_from_the_table(isa, rng, tuning, force, dtype):
 
 
 @pytest.mark.parametrize("dtype", [F32, F64])
+def test_rows_max_big_dk_from_the_table(isa, rng, tuning, force, dtype):
+    """rows_max_big_dk: with K and V from memory and dk >= 128, where set (> 0), the
+    row kernel takes up to that many query rows in place of rows_max_big's (more or
+    fewer); below dk 128, in cache, and where it is 0, rows_max_big and the others
+    decide.  Each result against the reference, and bit for bit the forced kernel's."""
+    tuning(rows_max=(2, 2), rows_max_big=(2, 2), rows_max_dk=(2, 2), rows_full=(0, 0), kv_mem_bytes=1 << 10,
+           pipe_rows=(6, 6))
+    for d, nk in ((128, 300), (64, 300), (160, 130)):
+        k, v = rand(rng, (2, nk, d), dtype), rand(rng, (2, nk, 40), dtype)
+        for nq in (2, 3, 6, 7):
+            q = rand(rng, (2, nq, d), dtype)
+            for limit, mem in ((0, True), (6, True), (6, False), (1, True)):
+                tuning(rows_max_big_dk=(limit, limit), kv_mem_bytes=(1 << 10) if mem else (1 << 40))
+                assert _core.isa_table()["rows_max_big_dk"] == (limit, limit)
+                most = limit if limit > 0 and mem and d >= 128 else 2
+                want = "rows" if nq <= most else "tiled"
+                assert _plan(q, k, v)["kernel"] == want, (d, nq, limit, mem)
+                got = check(q, k, v, num_threads=[1, 2])[0]
+                force.set(rows_max=nq if want == "rows" else 1)   # the same kernel, forced
+                np.testing.assert_array_equal(fastattn.attention(q, k, v), got)
+                force.set(rows_max=0)
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
 def test_pipe_rows_from_the_table(isa, rng, tuning, force, dtype):
     """pipe_rows: with K and V from memory, up to that many query rows of the
     row kernel take its pipelined loop (1: decoding only); in cache decoding only;
@@ -322,7 +346,8 @@ def test_rows_full_dk_from_the_table(rng, tuning, rows_max, half):
     for on in (0, 128):
         for q, k, v, layout, mem, d in cases:
             tuning(rows_max=(lanes, lanes), rows_max_big=(lanes, lanes), rows_max_dk=(lanes, lanes),
-                   rows_full=(full, 0), rows_full_dk=on, kv_mem_bytes=(1 << 10) if mem else (1 << 40))
+                   rows_max_big_dk=(0, 0), rows_full=(full, 0), rows_full_dk=on,
+                   kv_mem_bytes=(1 << 10) if mem else (1 << 40))
             assert _core.isa_table()["rows_full_dk"] == on
             p = _plan(q, k, v, layout=layout)
             keeps_rows = on and layout == "bhld" and (d >= on or (half and mem))
@@ -446,6 +471,8 @@ def test_decode_far_from_the_table(isa, rng, tuning, dtype):
     ({"group_chunks_rows": -1}, "out of range"), ({"group_rows": (9, 0)}, "group_rows is out of range"),
     ({"group_rows": (0, -1)}, "group_rows is out of range"),
     ({"pipe_rows": (0, 8)}, "pipe_rows is out of range"), ({"pipe_rows": (8, 25)}, "pipe_rows is out of range"),
+    ({"rows_max_big_dk": (-1, 0)}, "rows_max_big_dk is out of range"),
+    ({"rows_max_big_dk": (0, 25)}, "rows_max_big_dk is out of range"),
     ({"bk_tiled_mem": 1024}, "out of range"), ({"fuse": 2}, "out of range"),
     ({"kv_mem_bytes": -1}, "out of range"), ({"rows_max": (4,)}, "pair"), ({"rows_maxx": (4, 4)}, "rows_maxx"),
     ({"bk_rows": 12.5}, "bk_rows must be an integer"), ({"bk_rows": 2 ** 40}, "bk_rows is out of range"),
