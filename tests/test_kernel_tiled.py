@@ -61,6 +61,39 @@ def test_single_vector_items(isa, rng, force, dtype, nq, bq, dv):
 
 
 @pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("nq", [2, 9, 16])
+@pytest.mark.parametrize("d,dv,bk", [(128, 128, 16), (64, 40, 24), (100, 16, 64), (24, 56, 40)])
+@pytest.mark.parametrize("mem", [False, True])
+def test_spread_tiles(isa, rng, tuning, fused, force, dtype, nq, d, dv, bk, mem):
+    """tile_spread (float32 on AVX-512; elsewhere the same calls take the usual
+    tiles): items of one query vector take 16-key and 16-column register tiles
+    that spread the next pass's prefetch over their products.  Key tiles of 16,
+    24, 40 and 64 (16 each, then 8 or 24 keys past them, and a partial last tile
+    of the 700 keys), dk of 128, 100 and 24, dv of 16 to 128 (whole 16-column
+    tiles and a rest), in cache and from memory (the prefetch into L1), K and V
+    with their own rows or at the heads' stride (then the prefetch is not
+    spread), scores rising by 40 a 16-key tile (the lagging max raised in the
+    first register tile), causal, two threads; against the reference, and
+    within rounding of the same calls with tile_spread off."""
+    nk = 700
+    tuning(kv_mem_bytes=1 << 10 if mem else 1 << 40)
+    force.set(bk=bk, rows_max=1)
+    q, k, v = rand(rng, (2, nq, d), dtype), rand(rng, (2, nk, d), dtype), rand(rng, (2, nk, dv), dtype)
+    qs, ks, vs = _scored_inputs(rng, dtype, nq, nk, 40 * np.arange(nk) / 16, dv=dv, dk=d)
+    hm = [np.ascontiguousarray(np.swapaxes(a, 0, 1)) for a in (q, k, v)]   # (n, H, d): rows H d apart
+    got = {}
+    for spread in (1, 0):
+        tuning(tile_spread=spread)
+        assert fastattn._attention._plan(q, k, v)["spread"] == bool(spread)
+        got[spread] = [check(q, k, v, dtype, num_threads=[1, 2])[0],
+                       check(q, k, v, dtype, causal=True)[0],
+                       check(qs, ks, vs, dtype, scale=1.0)[0],
+                       check(*hm, dtype, layout="blhd")[0]]
+    for a, b in zip(got[1], got[0]):
+        assert_close(a, b, dtype)
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
 @pytest.mark.parametrize("H,d", [(1, 64), (1, 128), (2, 32), (4, 32), (2, 64), (3, 40)],
                          ids=["d64", "d128", "H2d32", "H4d32", "H2d64", "H3d40"])
 @pytest.mark.parametrize("nq", [16, 40])
@@ -92,11 +125,11 @@ def test_key_row_strides(isa, rng, force, fused, dtype, H, d, nq):
 # Unfused (the fixture's other half), tile_softmax lags by the same 24 and
 # rescales l and Ot only where a tile's max rises further (vstep_begin_lag)
 # ---------------------------------------------------------------------------
-def _scored_inputs(rng, dtype, nq, nk, scores, dv=6):
+def _scored_inputs(rng, dtype, nq, nk, scores, dv=6, dk=4):
     """q, k, v with q_i . k_j = scores[j] (rounded to eighths) + 0 or r_j, for
     r_j in [-1, 1) also in eighths, so that every score is exact in float32:
-    large scores carry no rounding of their own into the weights."""
-    d = 4
+    large scores carry no rounding of their own into the weights (dk >= 2)."""
+    d = dk
     q = np.zeros((2, nq, d), dtype)
     q[..., 0] = 1
     q[..., 1] = rng.integers(0, 2, (2, nq))

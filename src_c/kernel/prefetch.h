@@ -26,6 +26,8 @@ typedef struct {
     int per_key;       /* rows_pv: row j with key j of the first column tile
                         * (fa_attn_group_rows), not in step with the column tiles */
     int l1;            /* into L1, not L2 (fa_tiles.pf_l1) */
+    int spread;        /* spread over the register tiles where it can (fa_tiles.spread;
+                        * tiled.h, tile_spread) */
 } tile_pf;
 
 /* Software prefetch of a row p[0..n) of esz-byte elements, into L1 or L2: a

@@ -22,7 +22,18 @@
 #ifndef FA_RB64
 #define FA_RB64 12
 #endif
-enum { RB = FA_VB == 64 ? FA_RB64 : 6 };
+
+/* Items of one query vector (bqp == L) under the tuning's tile_spread, float32
+ * on AVX-512: register tiles of RBS keys in Q.K^T and of RBS columns of V in
+ * P.V (RBS accumulators, no 4-row tail to cover the FMA latency), each issuing
+ * its share of the tile's prefetch (tile_pf) an equal part every SPREAD_STEP
+ * steps of its products rather than all at once: from memory, a burst of
+ * prefetches fills the L1's miss buffers and the products wait behind it
+ * (docs/tuning.md, tile_spread). */
+#ifndef FA_RBS
+#define FA_RBS 16
+#endif
+enum { RB = FA_VB == 64 ? FA_RB64 : 6, RBS = FA_VB == 64 && !FA_IS_F64 ? FA_RBS : RB, SPREAD_STEP = 8 };
 
 /* The fused exp (pass 4 in fa_attn_item).  A key tile with no score modifier
  * takes its probabilities p = exp(s - m) straight from the accumulator
@@ -118,6 +129,58 @@ INLINE void tile_products(const int R, const int NV, vec *a0, vec *a1, const T *
     }
 }
 
+/* tile_products with NV = 1, meanwhile the lines of [p, p_end) prefetched (into
+ * L1 with l1, else L2), an equal share of them before every SPREAD_STEP steps */
+INLINE void tile_products_spread(const int R, vec *a0, const T *restrict a, int64_t ars, int64_t acs,
+                                 const T *restrict b, int64_t bs, int64_t n, const char *p, const char *p_end,
+                                 int l1)
+{
+    const int64_t steps = (n + SPREAD_STEP - 1) / SPREAD_STEP;
+    const int64_t per = steps > 0 ? ((p_end - p + 63) / 64 + steps - 1) / steps : 0;
+    for (int64_t c0 = 0; c0 < n; c0 += SPREAD_STEP) {
+        for (int64_t x = 0; x < per && p < p_end; x++, p += 64) {
+            if (l1) __builtin_prefetch(p, 0, 3); /* (a constant level in each call) */
+            else    __builtin_prefetch(p, 0, 2);
+        }
+        const int64_t c1 = c0 + SPREAD_STEP < n ? c0 + SPREAD_STEP : n;
+        for (int64_t c = c0; c < c1; c++) {
+            const vec b0 = vload(b + c * bs);
+            UNROLL(16) for (int r = 0; r < R; r++) a0[r] += a[r * ars + c * acs] * b0;
+        }
+    }
+}
+
+/* Whether a tile's prefetch pf can be spread over the register tiles
+ * (tile_spread): the table says so, and pf holds rows of one kind only,
+ * contiguous (V during Q.K^T, K during P.V), so that each register tile's share
+ * is one range of bytes; the last tile's, which adds the output rows or the
+ * next item's queries, is issued as before. */
+INLINE int spread_v(const tile_pf *pf)
+{
+    return pf && pf->spread && pf->nv > 0 && pf->vrs == pf->dv && !pf->nk && !pf->nq && !pf->nm && !pf->no;
+}
+INLINE int spread_k(const tile_pf *pf)
+{
+    return pf && pf->spread && pf->nk > 0 && pf->krs == pf->dk && !pf->nv && !pf->nq && !pf->nm && !pf->no;
+}
+
+/* St[r][0..L) = sum_c kr[r][c] * Qt[c][0..L) for r < R, of one query vector
+ * without a mask (qk_tile's NV = 1, i = 0; f: the fused exp), meanwhile the
+ * lines [p, p_end) prefetched (tile_products_spread) */
+INLINE void qk_tile_spread(const int R, T *st, int64_t bqp, const T *restrict kr, int64_t krs,
+                           const T *restrict qt, int64_t dk, fuse_t *f, int64_t j, const char *p,
+                           const char *p_end, int l1)
+{
+    vec a0[RBS];
+    UNROLL(16) for (int r = 0; r < R; r++) a0[r] = vset1(0);
+    tile_products_spread(R, a0, kr, krs, 1, qt, bqp, dk, p, p_end, l1);
+    if (f) {
+        fuse_exp(R, a0, f, 0, j, st, bqp);
+        return;
+    }
+    UNROLL(16) for (int r = 0; r < R; r++) vstore(st + r * bqp, a0[r]);
+}
+
 /* St[r][0..NV*L) = sum_c kr[r][c] * Qt[c][0..NV*L) (+ mt[r][0..NV*L))   for r < R
  * or, with f, their probabilities (fuse_exp; st is f->St + j * bqp + i):
  *   st  (R, NV*L)   row stride bqp
@@ -169,6 +232,17 @@ INLINE void pv_tile(const int R, const int NV, T *restrict ot, int64_t bqp, cons
     }
 }
 
+/* pv_tile of one query vector (NV = 1), meanwhile the lines [p, p_end)
+ * prefetched (tile_products_spread) */
+INLINE void pv_tile_spread(const int R, T *restrict ot, int64_t bqp, const T *restrict pt,
+                           const T *restrict vc, int64_t vrs, int64_t nb, const char *p, const char *p_end, int l1)
+{
+    vec a0[RBS];
+    UNROLL(16) for (int r = 0; r < R; r++) a0[r] = vset1(0);
+    tile_products_spread(R, a0, vc, 1, vrs, pt, bqp, nb, p, p_end, l1);
+    UNROLL(16) for (int r = 0; r < R; r++) vstore(ot + r * bqp, vload(ot + r * bqp) + a0[r]);
+}
+
 /* The rows [R, R + npf) of a float mask's tile Mt (the next register tile's),
  * columns [i, i + w), into L1: mask_cache's kept tiles sit in L2, and qk_tile
  * adds them right after its products (docs/tuning.md, mask_cache). */
@@ -216,7 +290,13 @@ INLINE void qk_block_body(T *St, const T *restrict K, int64_t krs, const T *rest
                           int64_t bqp, int64_t dk, int64_t nb, const tile_pf *pf, fuse_t *f, const T *Mt)
 {
     int64_t j = 0;
-    const int64_t end = rb_tiles_end(nb);
+    if (RBS > RB && bqp == L && !Mt && spread_v(pf)) /* (tile_spread) */
+        for (; j + RBS <= nb; j += RBS) {
+            const KT *v1 = pf->v + (j + RBS < pf->nv ? j + RBS : pf->nv) * pf->vrs;
+            qk_tile_spread(RBS, St + j * ld, ld, K + j * krs, krs, Qt, dk, f, j,
+                           (const char *)(pf->v + j * pf->vrs), (const char *)v1, pf->l1);
+        }
+    const int64_t end = j + rb_tiles_end(nb - j);
 #define QK_MT(j) (Mt ? Mt + (j) * ld : NULL)
     for (; j < end; j += RB) {
         if (pf) tile_prefetch(pf, j, RB);
@@ -251,7 +331,11 @@ INLINE void pv_cols(const int NV, T *restrict Ot, const T *restrict Pt, const T 
                     int64_t vrs, int64_t ld, int64_t dv, int64_t nb, const tile_pf *pf)
 {
     int64_t c = 0;
-    const int64_t end = rb_tiles_end(dv);
+    if (RBS > RB && NV == 1 && spread_k(pf)) /* (tile_spread; each tile's rows as prefetch_in_step's) */
+        for (; c + RBS <= dv; c += RBS)
+            pv_tile_spread(RBS, Ot + c * ld, ld, Pt, V + c, vrs, nb, (const char *)(pf->k + c * pf->nk / dv * pf->krs),
+                           (const char *)(pf->k + (c + RBS) * pf->nk / dv * pf->krs), pf->l1);
+    const int64_t end = c + rb_tiles_end(dv - c);
     for (; c < end; c += RB) {
         if (pf) prefetch_in_step(pf, c, c + RB, dv);
         pv_tile(RB, NV, Ot + c * ld, ld, Pt, V + c, vrs, nb);
@@ -843,14 +927,14 @@ void FN(fa_attn_item)(const fa_attention_args *a, const fa_tiles *tl, const fa_i
         const int out_pf = last && !it->part;
         tile_pf pf_v = {.v = (const KT *)it->v + j0 * a->v_rs, .nv = nb, .vrs = a->v_rs, .dv = dv, .l1 = tl->pf_l1,
                         .o = out_pf ? it->out : NULL, .no = out_pf ? it->bq : 0, .ors = a->o_rs,
-                        .o_per = (it->bq + nb - 1) / nb};
+                        .o_per = (it->bq + nb - 1) / nb, .spread = tl->spread};
         /* the next tile's K rows (in the last tile: the first K rows and the
          * queries of the thread's next item), prefetched during pass 5 */
         tile_pf pf_k = {.k = last ? it->next_k : (const KT *)it->k + (j0 + nb) * a->k_rs,
                         .q = a->q_kv ? NULL : it->next_q, /* (16-bit q: not prefetched) */
                         .nk = last ? it->next_nk : nb_next,
                         .nq = last && !a->q_kv ? it->next_bq : 0,
-                        .krs = a->k_rs, .qrs = a->q_rs, .dk = dk, .l1 = tl->pf_l1};
+                        .krs = a->k_rs, .qrs = a->q_rs, .dk = dk, .l1 = tl->pf_l1, .spread = tl->spread};
         if (a->mask_kind == FA_MASK_ADD && a->m_cs == 1 && a->m_rs != 0 && mc.state == 0 && !last) {
             /* the next tile's float mask rows, which mask_tile reads transposing them */
             pf_k.m = (const T *)it->mask + j0 + nb;
