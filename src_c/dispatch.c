@@ -47,7 +47,7 @@
  *   rows_max_big_dk  > 0: in place of rows_max_big when dk >= FA_ROWS_DK_BIG (0:
  *                 rows_max_big), where the row kernel's pipelined loop (pipe_rows)
  *                 keeps up with memory for more rows than at shorter dot products
- *                 (the Xeon of xeon-a7: 12 float32 rows);
+ *                 (the Xeon of xeon-a7: 10 float32 rows);
  *   rows_full     from this many rows up to one vector's lanes, the tiled kernel even
  *                 below rows_max (0: never), since one vector of rows is its best block;
  *   rows_full_dk  > 0: not so from this dk on, nor for 16-bit K and V from memory,
@@ -184,21 +184,21 @@ static fa_isa_table table_avx512 = {.name = "avx512", .tune = TUNE_AVX512("avx51
  * for the tiled kernel from memory, larger query tiles (without a mask up
  * to 512 rows), prefill's and the
  * backward's; from memory the tiled kernel from 9 rows (float32 at dk >= 128:
- * 13; float64: 3), without
+ * 11; float64: 3), without
  * a tail after a single block; float64 from 13 rows at d128 in cache, and its
  * decoding without software prefetch; the group kernel's items of several rows
  * in chunks of keys, up to 8 float64 rows of a (B, n, H, d) cache from
- * memory in the group kernel, and up to 12 float32 rows (float64: 8) from
+ * memory in the group kernel, and up to 10 float32 rows (float64: 8) from
  * memory in the row kernel's pipelined loop. */
 #define TUNE_XEON_A7                                                                                         \
     {.name = "xeon-a7", .rows_max = {12, 12}, .rows_max_big = {8, 2}, .rows_max_dk = {24, 12},              \
-     .rows_max_big_dk = {12, 0}, .tile_spread = 1,                                                          \
+     .rows_max_big_dk = {10, 0}, .tile_spread = 1,                                                          \
      .rows_full = {14, 0}, .tail_max = {8, 4}, .decode_pf = {1, 0}, .fuse = 1, .stream = 0, .bk_tiled = 64, \
      .bk_tiled_mem = 16, .q_tile_bytes = 131072, .q_tile_bytes_band = 32768, .bk_rows = 512,               \
      .bq_tiled = 512,                                                                                       \
      .bk_decode = 256, .group_bk_max = 64,                                                                  \
      .group_tile_bytes = 256 << 10, .group_touch = 0, .group_chunks_rows = 1,                               \
-     .pipe_rows = {12, 8}, .group_rows = {8, 8}, .fold_rows = 8, .fold_rows_big = 12,                       \
+     .pipe_rows = {10, 8}, .group_rows = {8, 8}, .fold_rows = 8, .fold_rows_big = 12,                       \
      .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = (int64_t)16 << 20,       \
      .bwd_bq = 64, .bwd_bk = 256, .rows_full_dk = 0, .rows_max_kv = 0, .tail_mem = 0, .tile_pf_l1 = 1, .decode_far = 0}
 

@@ -66,9 +66,9 @@ typedef struct {
                    * K and V rows it reads into L2, further ahead (prefetch_row) */
     int pf_l1;    /* the tiled kernel prefetches its next pass's rows into L1, not L2
                    * (the tuning's tile_pf_l1; prefetch.h, tile_prefetch) */
-    int spread;   /* items of one float32 vector of rows on AVX-512 take 16-row register
-                   * tiles, their prefetch spread over the products (the tuning's
-                   * tile_spread; tiled.h) */
+    int spread;   /* items of one float32 vector of rows on AVX-512 take register tiles
+                   * of 16 keys and 16 V columns, their prefetch spread over the
+                   * products (the tuning's tile_spread; tiled.h) */
     int decode_pf; /* one row (decoding): the row kernel prefetches the K and V rows it
                    * reads (0: it leaves them to the hardware prefetchers) */
     int pipe_rows; /* up to this many rows (1: decoding only) the row kernel takes
@@ -212,8 +212,9 @@ typedef struct {
                                        * (tile_pf) into L1, not L2, for items of at most
                                        * 32 rows with K and V from memory */
     int tile_spread;                  /* the tiled kernel's items of one float32 vector of
-                                       * rows (AVX-512): 16-row register tiles that
-                                       * spread the prefetch over their products */
+                                       * rows (AVX-512): register tiles of 16 keys and
+                                       * 16 V columns that spread the prefetch over
+                                       * their products */
     int decode_pf[2];                 /* decoding (one row, item_rows) prefetches float32
                                        * or float64 K and V rows (16-bit ones: always) */
     int decode_far;                   /* ... float32 and float64 ones into L2, further

@@ -332,9 +332,10 @@ INLINE void pv_cols(const int NV, T *restrict Ot, const T *restrict Pt, const T 
 {
     int64_t c = 0;
     if (RBS > RB && NV == 1 && spread_k(pf)) /* (tile_spread; each tile's rows as prefetch_in_step's) */
-        for (; c + RBS <= dv; c += RBS)
-            pv_tile_spread(RBS, Ot + c * ld, ld, Pt, V + c, vrs, nb, (const char *)(pf->k + c * pf->nk / dv * pf->krs),
-                           (const char *)(pf->k + (c + RBS) * pf->nk / dv * pf->krs), pf->l1);
+        for (; c + RBS <= dv; c += RBS) {
+            const KT *k0 = pf->k + c * pf->nk / dv * pf->krs, *k1 = pf->k + (c + RBS) * pf->nk / dv * pf->krs;
+            pv_tile_spread(RBS, Ot + c * ld, ld, Pt, V + c, vrs, nb, (const char *)k0, (const char *)k1, pf->l1);
+        }
     const int64_t end = c + rb_tiles_end(dv - c);
     for (; c < end; c += RB) {
         if (pf) prefetch_in_step(pf, c, c + RB, dv);
