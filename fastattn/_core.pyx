@@ -159,7 +159,7 @@ cdef extern from "runtime.h" nogil:
 
     ctypedef struct fa_tiles:
         int64_t bq, bk, bqp, ld, q_main
-        int fuse, stream, far, pf_l1, spread, decode_pf, pipe_rows, group_touch, chunks_rows
+        int fuse, stream, far, pf_l1, spread, decode_pf, pipe_rows, pipe_pf_l2, group_touch, chunks_rows
         int64_t kv_rows, mt_off
 
     ctypedef struct fa_plan:
@@ -187,6 +187,7 @@ cdef extern from "runtime.h" nogil:
         int tail_mem
         int tile_pf_l1
         int tile_spread
+        int pipe_pf_l2
         int decode_pf[2]
         int decode_far
         int fuse, stream, bk_tiled, bk_tiled_mem, bq_tiled, q_tile_bytes, q_tile_bytes_band, bk_rows, bk_decode
@@ -1026,7 +1027,7 @@ TUNING_PAIRS = ("rows_max", "rows_max_big", "rows_max_dk", "rows_max_big_dk", "r
                 "group_rows", "pipe_rows")   # two int each
 # the other fields and the bits of their C types
 _TUNING_BITS = {"rows_full_dk": 32, "rows_max_kv": 32, "tail_mem": 32, "tile_pf_l1": 32, "tile_spread": 32,
-                "decode_far": 32,
+                "pipe_pf_l2": 32, "decode_far": 32,
                 "fuse": 32, "stream": 32, "bk_tiled": 32, "bk_tiled_mem": 32, "bq_tiled": 32, "q_tile_bytes": 32,
                 "q_tile_bytes_band": 32, "bk_rows": 32, "bk_decode": 32, "group_bk_max": 32, "group_tile_bytes": 64,
                 "group_touch": 32, "group_chunks_rows": 32, "fold_rows": 32, "fold_rows_big": 32,
@@ -1040,7 +1041,7 @@ cdef dict _tuning_dict(const fa_tuning *t):
     for key in TUNING_PAIRS:
         d[key] = tuple(d[key])
     for key in ("fuse", "stream", "group_touch", "group_chunks_rows", "tail_mem", "tile_pf_l1", "tile_spread",
-                "decode_far"):
+                "pipe_pf_l2", "decode_far"):
         d[key] = bool(d[key])
     return d
 
@@ -1145,7 +1146,7 @@ cdef dict _plan_dict(const fa_plan *p):
         "bq": p.tiles.bq, "bk": p.tiles.bk, "bqp": p.tiles.bqp, "ld": p.tiles.ld,
         "fuse": bool(p.tiles.fuse), "stream": bool(p.tiles.stream), "far": bool(p.tiles.far),
         "pf_l1": bool(p.tiles.pf_l1), "spread": bool(p.tiles.spread), "decode_pf": bool(p.tiles.decode_pf),
-        "pipe_rows": p.tiles.pipe_rows,
+        "pipe_rows": p.tiles.pipe_rows, "pipe_pf_l2": bool(p.tiles.pipe_pf_l2),
         "group_touch": bool(p.tiles.group_touch),
         "chunks_rows": bool(p.tiles.chunks_rows),
         "kv_rows": p.tiles.kv_rows, "lanes": p.lanes, "rows_max": p.rows_max,

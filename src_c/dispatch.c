@@ -107,7 +107,7 @@
  * The two sizes of an ISA's default follow this CPU's L3 (builtin_for). */
 #define TUNE_GENERIC(nm)                                                                                   \
     {.name = nm, .rows_max = {10, 10}, .rows_max_big = {10, 10}, .rows_max_dk = {10, 10},                  \
-     .rows_max_big_dk = {0, 0}, .tile_spread = 0,                                                          \
+     .rows_max_big_dk = {0, 0}, .tile_spread = 0, .pipe_pf_l2 = 0,                                         \
      .rows_full = {0, 0}, .tail_max = {3, 1}, .decode_pf = {1, 1}, .fuse = 0, .stream = 1, .bk_tiled = 64, \
      .bk_tiled_mem = 32, .q_tile_bytes = 32768, .q_tile_bytes_band = 32768, .bk_rows = 128,               \
      .bq_tiled = 128,                                                                                     \
@@ -120,7 +120,7 @@
 #define TUNE_AVX2(nm) TUNE_AVX2_Q(nm, 32768)
 #define TUNE_AVX2_Q(nm, qtile)                                                                            \
     {.name = nm, .rows_max = {6, 3}, .rows_max_big = {4, 5}, .rows_max_dk = {6, 3}, .rows_full = {0, 0},  \
-     .rows_max_big_dk = {0, 0}, .tile_spread = 0,                                                         \
+     .rows_max_big_dk = {0, 0}, .tile_spread = 0, .pipe_pf_l2 = 0,                                        \
      .tail_max = {4, 2}, .decode_pf = {1, 1}, .fuse = 0, .stream = 1, .bk_tiled = 64, .bk_tiled_mem = 32, \
      .q_tile_bytes = qtile, .q_tile_bytes_band = 32768, .bk_rows = 128, .bk_decode = 256,                 \
      .bq_tiled = 128,                                                                                     \
@@ -131,7 +131,7 @@
      .bwd_bq = 64, .bwd_bk = 256, .rows_full_dk = 0, .rows_max_kv = 12, .tail_mem = 1, .tile_pf_l1 = 0, .decode_far = 1}
 #define TUNE_AVX512(nm)                                                                                     \
     {.name = nm, .rows_max = {12, 12}, .rows_max_big = {24, 20}, .rows_max_dk = {24, 20},                   \
-     .rows_max_big_dk = {0, 0}, .tile_spread = 0,                                                           \
+     .rows_max_big_dk = {0, 0}, .tile_spread = 0, .pipe_pf_l2 = 0,                                          \
      .rows_full = {14, 0}, .tail_max = {8, 4}, .decode_pf = {1, 1}, .fuse = 1, .stream = 1, .bk_tiled = 64, \
      .bk_tiled_mem = 32, .q_tile_bytes = 32768, .q_tile_bytes_band = 32768, .bk_rows = 128,                \
      .bq_tiled = 128,                                                                                      \
@@ -152,7 +152,7 @@ static fa_isa_table table_avx512 = {.name = "avx512", .tune = TUNE_AVX512("avx51
 /* Zen 5, retuned (docs/tuning.md, "Zen 5"). */
 #define TUNE_ZEN5                                                                                           \
     {.name = "zen5", .rows_max = {12, 10}, .rows_max_big = {24, 20}, .rows_max_dk = {24, 12},               \
-     .rows_max_big_dk = {0, 0}, .tile_spread = 0,                                                           \
+     .rows_max_big_dk = {0, 0}, .tile_spread = 0, .pipe_pf_l2 = 0,                                          \
      .rows_full = {14, 0}, .tail_max = {8, 4}, .decode_pf = {0, 0}, .fuse = 1, .stream = 0, .bk_tiled = 64, \
      .bk_tiled_mem = 16, .q_tile_bytes = 131072, .q_tile_bytes_band = 131072, .bk_rows = 512,             \
      .bq_tiled = 128,                                                                                     \
@@ -162,17 +162,19 @@ static fa_isa_table table_avx512 = {.name = "avx512", .tune = TUNE_AVX512("avx51
      .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = INT64_MAX, .bwd_bq = 64, \
      .bwd_bk = 256, .rows_full_dk = 128, .rows_max_kv = 0, .tail_mem = 1, .tile_pf_l1 = 0, .decode_far = 1}
 
-/* Zen 4, the avx512 default but for the row kernel's key tiles and the backward's
- * tiles (docs/tuning.md, "Zen 4"). */
+/* Zen 4, the avx512 default but for the row kernel's key tiles, the backward's
+ * tiles, the tiled kernel's spread tiles, the group kernel's items of several rows
+ * in chunks of keys, and up to 12 float32 rows (float64: 8) from memory in the row
+ * kernel's pipelined loop, its prefetch into L2 (docs/tuning.md, "Zen 4"). */
 #define TUNE_ZEN4                                                                                           \
     {.name = "zen4", .rows_max = {12, 12}, .rows_max_big = {24, 20}, .rows_max_dk = {24, 20},               \
-     .rows_max_big_dk = {0, 0}, .tile_spread = 0,                                                           \
+     .rows_max_big_dk = {0, 0}, .tile_spread = 1, .pipe_pf_l2 = 1,                                          \
      .rows_full = {14, 0}, .tail_max = {8, 4}, .decode_pf = {1, 1}, .fuse = 1, .stream = 1, .bk_tiled = 64, \
      .bk_tiled_mem = 32, .q_tile_bytes = 32768, .q_tile_bytes_band = 32768, .bk_rows = 512,                \
      .bq_tiled = 128,                                                                                      \
      .bk_decode = 256, .group_bk_max = 64,                                                                  \
-     .group_tile_bytes = 256 << 10, .group_touch = 0, .group_chunks_rows = 0,                               \
-     .pipe_rows = {1, 1}, .group_rows = {0, 0}, .fold_rows = 8, .fold_rows_big = 12,                        \
+     .group_tile_bytes = 256 << 10, .group_touch = 0, .group_chunks_rows = 1,                               \
+     .pipe_rows = {12, 8}, .group_rows = {0, 0}, .fold_rows = 8, .fold_rows_big = 12,                       \
      .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = (int64_t)16 << 20,       \
      .bwd_bq = 64, .bwd_bk = 256, .rows_full_dk = 0, .rows_max_kv = 0, .tail_mem = 1, .tile_pf_l1 = 0, .decode_far = 1}
 
@@ -192,7 +194,7 @@ static fa_isa_table table_avx512 = {.name = "avx512", .tune = TUNE_AVX512("avx51
  * memory in the row kernel's pipelined loop. */
 #define TUNE_XEON_A7                                                                                         \
     {.name = "xeon-a7", .rows_max = {12, 12}, .rows_max_big = {8, 2}, .rows_max_dk = {24, 12},              \
-     .rows_max_big_dk = {10, 0}, .tile_spread = 1,                                                          \
+     .rows_max_big_dk = {10, 0}, .tile_spread = 1, .pipe_pf_l2 = 0,                                         \
      .rows_full = {14, 0}, .tail_max = {8, 4}, .decode_pf = {1, 0}, .fuse = 1, .stream = 0, .bk_tiled = 64, \
      .bk_tiled_mem = 16, .q_tile_bytes = 131072, .q_tile_bytes_band = 32768, .bk_rows = 512,               \
      .bq_tiled = 512,                                                                                       \
@@ -441,7 +443,8 @@ int fa_tuning_check(const fa_tuning *t)
         !in(t->group_tile_bytes, 1, (int64_t)1 << 30) || !in(t->group_touch, 0, 1) ||
         !in(t->group_chunks_rows, 0, 1) ||
         !in(t->rows_full_dk, 0, 1 << 16) || !in(t->rows_max_kv, 0, FA_ROWS_CAP) || !in(t->tail_mem, 0, 1) ||
-        !in(t->tile_pf_l1, 0, 1) || !in(t->tile_spread, 0, 1) || !in(t->decode_far, 0, 1) ||
+        !in(t->tile_pf_l1, 0, 1) || !in(t->tile_spread, 0, 1) || !in(t->pipe_pf_l2, 0, 1) ||
+        !in(t->decode_far, 0, 1) ||
         !in(t->fold_rows, 0, 1024) || !in(t->fold_rows_big, 0, 1024) || t->fold_big_bytes < 0 ||
         t->kv_mem_bytes < 0 || t->kv_far_bytes < 0 || !in(t->bwd_bq, 8, 256) || !in(t->bwd_bk, 16, 1024))
         return FA_EINVAL;

@@ -73,6 +73,8 @@ typedef struct {
                    * reads (0: it leaves them to the hardware prefetchers) */
     int pipe_rows; /* up to this many rows (1: decoding only) the row kernel takes
                    * software-pipelined, K and V read together (rows.h, rows_step) */
+    int pipe_pf_l2; /* rows_step prefetches K and V into L2, FAR_PF_BYTES ahead, not
+                   * into L1 (the tuning's pipe_pf_l2; prefetch.h) */
     int group_touch; /* the group kernel's tiles: the next one read ahead by loads in
                    * address order (group.h, group_touch), not by software prefetch */
     int chunks_rows; /* the group kernel's items of several rows take chunks of keys
@@ -246,6 +248,8 @@ typedef struct {
                                        * (1: decoding only) take the row kernel's
                                        * pipelined loop, K and V read together (rows.h,
                                        * rows_step) */
+    int pipe_pf_l2;                   /* ... which prefetches them into L2, further
+                                       * ahead, not into L1 */
     int group_rows[2];                /* > 0: up to this many query rows (at most
                                        * FA_GROUP_ROWS) take the group kernel over the
                                        * heads of a (B, n, H, d) cache from memory, past

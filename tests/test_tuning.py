@@ -326,6 +326,32 @@ def test_pipe_rows_from_the_table(isa, rng, tuning, force, dtype):
     assert _plan(q, k, v)["pipe_rows"] == 24
 
 
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_pipe_pf_l2_from_the_table(isa, rng, tuning, dtype):
+    """pipe_pf_l2: the pipelined loop of several rows prefetches K and V into L2,
+    further ahead, rather than into L1.  Each setting in the plan as the table
+    has it; the results against the reference, with rows that abut and rows that
+    do not (the prefetch's tail line), a tail of keys past the last 4, key tiles
+    shorter than the prefetch distance, and bit for bit the same either way (a
+    prefetch changes no value)."""
+    tuning(rows_max=(8, 8), rows_max_big=(8, 8), rows_max_dk=(8, 8), rows_full=(0, 0), kv_mem_bytes=1 << 10,
+           bk_rows=64, pipe_rows=(8, 8))
+    for nk, strided in ((501, False), (130, True), (7, False)):
+        k, v = rand(rng, (2, nk, 128), dtype), rand(rng, (2, nk, 40), dtype)
+        if strided:
+            k, v = rand(rng, (2, nk, 136), dtype)[..., 3:131], rand(rng, (2, nk, 48), dtype)[..., 1:41]
+        for nq in (2, 5, 8):
+            q = rand(rng, (2, nq, 128), dtype)
+            got = {}
+            for on in (1, 0):
+                tuning(pipe_pf_l2=on)
+                assert _core.isa_table()["pipe_pf_l2"] is bool(on)
+                plan = _plan(q, k, v)
+                assert plan["pipe_pf_l2"] is bool(on) and plan["kernel"] == "rows" and plan["pipe_rows"] == 8
+                got[on] = check(q, k, v, num_threads=[1, 2])[0]
+            np.testing.assert_array_equal(got[1], got[0])
+
+
 @pytest.mark.parametrize("half", [False, True])
 def test_rows_full_dk_from_the_table(rng, tuning, rows_max, half):
     """rows_full_dk: where set, rows_full's rows keep the row kernel from that dk on,
@@ -468,7 +494,8 @@ def test_decode_far_from_the_table(isa, rng, tuning, dtype):
     ({"bk_tiled": 4}, "out of range"), ({"bk_rows": 5000}, "out of range"),
     ({"bk_decode": 0}, "out of range"), ({"group_bk_max": 4}, "out of range"),
     ({"group_tile_bytes": 0}, "out of range"), ({"group_touch": 2}, "out of range"),
-    ({"group_chunks_rows": -1}, "out of range"), ({"group_rows": (9, 0)}, "group_rows is out of range"),
+    ({"group_chunks_rows": -1}, "out of range"),
+    ({"pipe_pf_l2": 2}, "pipe_pf_l2 is out of range"), ({"group_rows": (9, 0)}, "group_rows is out of range"),
     ({"group_rows": (0, -1)}, "group_rows is out of range"),
     ({"pipe_rows": (0, 8)}, "pipe_rows is out of range"), ({"pipe_rows": (8, 25)}, "pipe_rows is out of range"),
     ({"rows_max_big_dk": (-1, 0)}, "rows_max_big_dk is out of range"),

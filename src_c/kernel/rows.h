@@ -561,15 +561,16 @@ INLINE void pv_rx4(const int R, T *restrict A, int64_t lda, const T *restrict P,
 /* decode_step for bq > 1 rows (the tuning's pipe_rows): the next tile's scores
  * Sn (bq, ls) and A (bq, dv) += P (bq, ls) . V over this tile, four keys of
  * each at a time, so that K and V stream together as in decoding; K and V rows
- * prefetched into L1 PIPE_PF_BYTES ahead (docs/tuning.md, pipe_rows).
+ * prefetched into L1 PIPE_PF_BYTES ahead, or with far (the tuning's pipe_pf_l2)
+ * into L2 FAR_PF_BYTES ahead (docs/tuning.md, pipe_rows and pipe_pf_l2).
  *   Qs (bq, dkp)   P (bq, ls)   other pointers as decode_step's */
 static void rows_step(T *restrict Sn, int64_t ls, const T *restrict Qs, int64_t dkp, int64_t bq,
                       const KT *restrict K, int64_t krs, int64_t dk, int64_t nk, int64_t npk, T *restrict A,
-                      const T *restrict P, const KT *restrict V, int64_t vrs, int64_t dv, int64_t nv, int64_t npv)
+                      const T *restrict P, const KT *restrict V, int64_t vrs, int64_t dv, int64_t nv, int64_t npv,
+                      int far)
 {
-    const int far = 0; /* (prefetch_row's near kind: into L1) */
-    const int64_t dkv = dk / L * L, dvv = dv / L * L;
-    const int64_t pfk = prefetch_dist_bytes(dk, PIPE_PF_BYTES), pfv = prefetch_dist_bytes(dv, PIPE_PF_BYTES);
+    const int64_t dkv = dk / L * L, dvv = dv / L * L, ahead = far ? FAR_PF_BYTES : PIPE_PF_BYTES;
+    const int64_t pfk = prefetch_dist_bytes(dk, ahead), pfv = prefetch_dist_bytes(dv, ahead);
     const int64_t n = nk > nv ? nk : nv;
     for (int64_t j = 0; j < n; j += 4) {
         if (j + 4 <= nk) {
@@ -675,7 +676,7 @@ static void item_rows(const fa_attention_args *a, const fa_tiles *tl, const fa_i
                             v + j0 * a->v_rs, a->v_rs, dv, nb, pf ? b.j_hi - j0 : 0, far);
             else
                 rows_step(Sn, bk, Qs, dkp, bq, k + j1 * a->k_rs, a->k_rs, dk, nb1, b.j_hi - j1, A, S,
-                          v + j0 * a->v_rs, a->v_rs, dv, nb, b.j_hi - j0);
+                          v + j0 * a->v_rs, a->v_rs, dv, nb, b.j_hi - j0, tl->pipe_pf_l2);
             if ((block += nb) >= FOLD_KEYS) { /* the block joins the total (FOLD_KEYS) */
                 acc_flush(A, bq * dv, 0);
                 block = 0;
