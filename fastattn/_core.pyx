@@ -1007,8 +1007,9 @@ def plan(*args, **kwargs):
     """The plan of an attention call (src_c/plan.c) as a dict, computed and not
     run: attention(*args, plan_only=True, **kwargs).  Its fields: kernel
     ("tiled", "rows", "group", "weights"), the tiles (bq, bk, bqp, ld), the
-    switches (fuse, stream, far, decode_pf, group_touch), the thresholds that applied (lanes, rows_max,
-    rows_full, tail_max), the tail (tail, q_main), K and V (kv_bytes, from_memory; kv_rows:
+    switches (fuse, stream, far, pf_l1, spread, decode_pf, pipe_pf_l2, group_touch,
+    chunks_rows), the thresholds that applied (lanes, rows_max, rows_full, tail_max,
+    pipe_rows), the tail (tail, q_main), K and V (kv_bytes, from_memory; kv_rows:
     the 16-bit keys a thread keeps widened at a time, 0 for none), the work (n_lead, n_qb,
     n_items, group, n_groups, n_splits, long_splits, chunk, wave, few), mask_pack,
     head_turns, mask_cache (a float mask's tiles kept for the next head), threads and

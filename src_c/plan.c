@@ -262,7 +262,7 @@ int fa_attention_plan(const fa_attention_args *a, int weights, fa_plan *p)
     const int want = fa_threads_wanted(a->num_threads);
     choose_tiles(a, f, tu, p->lanes, p->rows_max, rows_kernel, p->from_memory, p->n_lead, want, &p->tiles);
     p->tiles.fuse = f->fuse >= 0 ? f->fuse : tu->fuse;
-    p->tiles.spread = tu->tile_spread;
+    p->tiles.spread = tu->tile_spread && p->lanes == 16; /* float32 on AVX-512 only (tiled.h, RBS) */
     p->tiles.pipe_pf_l2 = tu->pipe_pf_l2;
     p->tiles.stream = f->stream >= 0 ? f->stream : p->from_memory && tu->stream;
     const int decoding = rows_kernel && p->tiles.bq == 1 && a->kv_dtype == FA_KV_SAME; /* (decode_far) */

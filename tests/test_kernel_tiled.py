@@ -84,7 +84,8 @@ def test_spread_tiles(isa, rng, tuning, fused, force, dtype, nq, d, dv, bk, mem)
     got = {}
     for spread in (1, 0):
         tuning(tile_spread=spread)
-        assert fastattn._attention._plan(q, k, v)["spread"] == bool(spread)
+        # the plan says so where the kernel takes them: float32 on AVX-512
+        assert fastattn._attention._plan(q, k, v)["spread"] == (bool(spread) and isa == "avx512" and dtype == F32)
         got[spread] = [check(q, k, v, dtype, num_threads=[1, 2])[0],
                        check(q, k, v, dtype, causal=True)[0],
                        check(qs, ks, vs, dtype, scale=1.0)[0],
