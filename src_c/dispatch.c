@@ -62,6 +62,9 @@
  *                 would read them a second time;
  *   tile_pf_l1    the tiled kernel's prefetch one pass ahead (tile_pf) into L1, not L2,
  *                 for items of at most 32 rows with K and V from memory;
+ *   tile_spread   the tiled kernel's items of one float32 vector of rows (AVX-512) take
+ *                 register tiles of 16 keys and 16 V columns that spread that prefetch
+ *                 over their products, where a burst of it fills the L1's miss buffers;
  *   decode_pf     decoding's software prefetch of float32 and float64 K and V rows
  *                 (one row: item_rows, decode_step), where the hardware's alone falls behind;
  *   decode_far    ... into L2 and further ahead (the far kind, prefetch_row) where K and V
@@ -91,7 +94,9 @@
  *                 keep up with memory better than key tiles (the Xeon of xeon-a7);
  *   pipe_rows     K and V from memory: up to that many query rows take the row kernel's
  *                 pipelined loop, which reads K and V together in steps of four keys
- *                 (1: decoding only; the Xeon of xeon-a7: 8);
+ *                 (1: decoding only; the Xeon of xeon-a7: 10, Zen 4: 12);
+ *   pipe_pf_l2    that loop prefetches K and V into L2, further ahead, not into L1,
+ *                 where the L1 kind waits on its prefetches (Zen 4);
  *   group_rows    > 0: up to that many query rows of a (B, n, H, d) cache from memory
  *                 take the group kernel even past rows_max_big, where the tiled kernel
  *                 reads each head's rows in pieces H d apart (float64 on the Xeon of
