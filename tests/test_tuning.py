@@ -331,9 +331,10 @@ def test_pipe_pf_l2_from_the_table(isa, rng, tuning, dtype):
     """pipe_pf_l2: the pipelined loop of several rows prefetches K and V into L2,
     further ahead, rather than into L1.  Each setting in the plan as the table
     has it; the results against the reference, with rows that abut and rows that
-    do not (the prefetch's tail line), a tail of keys past the last 4, key tiles
-    shorter than the prefetch distance, and bit for bit the same either way (a
-    prefetch changes no value)."""
+    do not (the prefetch's tail line), a tail of keys past the last 4, prefetches
+    that reach past a tile's end (up to the last key the rows see), a cache
+    shorter than one tile, and bit for bit the same either way (a prefetch
+    changes no value)."""
     tuning(rows_max=(8, 8), rows_max_big=(8, 8), rows_max_dk=(8, 8), rows_full=(0, 0), kv_mem_bytes=1 << 10,
            bk_rows=64, pipe_rows=(8, 8))
     for nk, strided in ((501, False), (130, True), (7, False)):
