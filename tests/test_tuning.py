@@ -1,6 +1,7 @@
 """The tuning tables (src_c/dispatch.c): chosen by CPU, replaced by set_tuning and
 by fastattn.tune()'s saved measurements (fastattn/_tune.py), read back at import
 unless FASTATTN_TUNING=off, and named by show_config."""
+import itertools
 import json
 import os
 
@@ -334,13 +335,17 @@ def test_pipe_pf_l2_from_the_table(isa, rng, tuning, dtype):
     do not (the prefetch's tail line), a tail of keys past the last 4, prefetches
     that reach past a tile's end (up to the last key the rows see), a cache
     shorter than one tile, and bit for bit the same either way (a prefetch
-    changes no value)."""
+    changes no value); with float32 q also float16 and bfloat16 K and V, whose
+    rows are half as long."""
     tuning(rows_max=(8, 8), rows_max_big=(8, 8), rows_max_dk=(8, 8), rows_full=(0, 0), kv_mem_bytes=1 << 10,
-           bk_rows=64, pipe_rows=(8, 8))
-    for nk, strided in ((501, False), (130, True), (7, False)):
+           bk_rows=64, pipe_rows=(8, 8), rows_max_kv=8)
+    halves = (None, np.float16, ml_dtypes.bfloat16) if dtype == F32 else (None,)
+    for (nk, strided), half in itertools.product(((501, False), (130, True), (7, False)), halves):
         k, v = rand(rng, (2, nk, 128), dtype), rand(rng, (2, nk, 40), dtype)
         if strided:
             k, v = rand(rng, (2, nk, 136), dtype)[..., 3:131], rand(rng, (2, nk, 48), dtype)[..., 1:41]
+        if half is not None:
+            k, v = k.astype(half), v.astype(half)
         for nq in (2, 5, 8):
             q = rand(rng, (2, nq, 128), dtype)
             got = {}
@@ -349,7 +354,7 @@ def test_pipe_pf_l2_from_the_table(isa, rng, tuning, dtype):
                 assert _core.isa_table()["pipe_pf_l2"] is bool(on)
                 plan = _plan(q, k, v)
                 assert plan["pipe_pf_l2"] is bool(on) and plan["kernel"] == "rows" and plan["pipe_rows"] == 8
-                got[on] = check(q, k, v, num_threads=[1, 2])[0]
+                got[on] = check(q, k, v, dtype, num_threads=[1, 2])[0]
             np.testing.assert_array_equal(got[1], got[0])
 
 
