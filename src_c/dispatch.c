@@ -168,14 +168,15 @@ static fa_isa_table table_avx512 = {.name = "avx512", .tune = TUNE_AVX512("avx51
      .bwd_bk = 256, .rows_full_dk = 128, .rows_max_kv = 0, .tail_mem = 1, .tile_pf_l1 = 0, .decode_far = 1}
 
 /* Zen 4, the avx512 default but for the row kernel's key tiles, the backward's
- * tiles, the tiled kernel's spread tiles, the group kernel's items of several rows
+ * tiles, the tiled kernel's spread tiles and its key tiles of few rows from
+ * memory (64 keys), the group kernel's items of several rows
  * in chunks of keys, and up to 12 float32 rows (float64: 8) from memory in the row
  * kernel's pipelined loop, its prefetch into L2 (docs/tuning.md, "Zen 4"). */
 #define TUNE_ZEN4                                                                                           \
     {.name = "zen4", .rows_max = {12, 12}, .rows_max_big = {24, 20}, .rows_max_dk = {24, 20},               \
      .rows_max_big_dk = {0, 0}, .tile_spread = 1, .pipe_pf_l2 = 1,                                          \
      .rows_full = {14, 0}, .tail_max = {8, 4}, .decode_pf = {1, 1}, .fuse = 1, .stream = 1, .bk_tiled = 64, \
-     .bk_tiled_mem = 32, .q_tile_bytes = 32768, .q_tile_bytes_band = 32768, .bk_rows = 512,                \
+     .bk_tiled_mem = 64, .q_tile_bytes = 32768, .q_tile_bytes_band = 32768, .bk_rows = 512,                \
      .bq_tiled = 128,                                                                                      \
      .bk_decode = 256, .group_bk_max = 64,                                                                  \
      .group_tile_bytes = 256 << 10, .group_touch = 0, .group_chunks_rows = 1,                               \
