@@ -223,6 +223,30 @@ def test_group_chunks_several(isa, rng, group, rows_max, tuning, dtype, B, nk, t
     run(1, hq=H)                                            # one row an item: chunks whatever the table
 
 
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("pipe", [1, 8])
+def test_group_chunks_pv_rx4(isa, rng, group, rows_max, tuning, dtype, pipe, force):
+    """Items of 2, 3 and 4 rows in chunks (GQA's heads folded) take P . V four keys
+    a step by the pipelined row kernel's pv_rx4 where pipe_rows covers their rows
+    (pipe 8: up to PV4_ROWS rows), rows_pv's tiles where not (pipe 1).  Against the
+    reference, with V rows of a tail alone (dv 12), whole vectors and a tail (40),
+    whole vectors (128), a key tail of 3 past the last 4 (1,031 keys: also the
+    block flush), on one and two threads."""
+    tuning(group_chunks_rows=1)
+    group(1)
+    rows_max(8)
+    force.set(pipe_rows=pipe)
+    H, d, nk = 3, 24, 1031
+    for dv in (12, 40, 128):
+        for r in (2, 3, 4):
+            qh = rand(rng, (1, r * H, 1, d), dtype)
+            kh, vh = rand(rng, (1, H, nk, d), dtype), rand(rng, (1, H, nk, dv), dtype)
+            force.reset_counts()
+            check(heads_last(qh), heads_last(kh), heads_last(vh), dtype, layout="blhd", enable_gqa=True,
+                  num_threads=[1, 2])
+            assert force.group_runs >= 1 and force.chunk_rows >= r * H
+
+
 @pytest.mark.parametrize("nq,heads,groups", [(6, 32, 4), (5, 12, 1), (5, 13, 2), (8, 9, 2), (1, 130, 3)])
 def test_group_rows_at_most_group_max(rng, group, rows_max, tuning, force, nq, heads, groups):
     """A group holds at most FA_GROUP_MAX (64) rows, the heads spread evenly over

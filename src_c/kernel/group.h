@@ -112,7 +112,10 @@ INLINE void group_step(const T *restrict Qs, const KT *restrict K, int64_t krs, 
  *   2. the online softmax step of the chunk, vectorised across the rows (S
  *      becomes P; A rescaled where a row's max grew; m keeps NaN, as the
  *      scalar steps' max_nan does, for the merge of split keys);
- *   3. A += P . V, four keys at a time, the items in turn (V in address order).
+ *   3. A += P . V, four keys at a time, the items in turn (V in address order);
+ *      an item of up to PV4_ROWS rows by the pipelined row kernel's pv_rx4
+ *      where the table's pipe_rows takes that many rows (faster than rows_pv's
+ *      register tiles on four keys: docs/tuning.md, group_chunks).
  * One softmax step a chunk for all the rows, not a chain of scalar work per
  * item and four keys, so that the work keeps up with memory (docs/tuning.md,
  * group_chunks).  The rest take the tiles below: items of several rows where
@@ -134,7 +137,7 @@ INLINE void group_step(const T *restrict Qs, const KT *restrict K, int64_t krs, 
 enum { GROUP_CHUNK = 32 };
 _Static_assert(FA_GROUP_MAX % FA_LANES_MAX == 0, "group_chunks: rows rounded up to whole vectors fit FA_GROUP_MAX");
 static void group_chunks(const fa_attention_args *a, const fa_item *its, int64_t n, T *scratch, int64_t st,
-                         int64_t lo, int64_t hi, int pf)
+                         int64_t lo, int64_t hi, int pf, int64_t pipe_rows)
 {
     const int64_t dk = a->dk, dv = a->dv, dkp = (dk + L - 1) / L * L, dkv = dk / L * L, dvv = dv / L * L;
     const int64_t krs = a->k_rs, vrs = a->v_rs;
@@ -208,8 +211,17 @@ static void group_chunks(const fa_attention_args *a, const fa_item *its, int64_t
                 T p[FA_GROUP_ROWS * 4];
                 for (int64_t i = 0; i < its[g].bq; i++)
                     for (int64_t y = 0; y < nj; y++) p[i * 4 + y] = P[y * np + x + i];
+                const KT *v1 = V + vrs, *v2 = v1 + vrs, *v3 = v2 + vrs;
                 if (nj == 4 && its[g].bq == 1)
-                    pv_1x4(A, p[0], p[1], p[2], p[3], V, V + vrs, V + 2 * vrs, V + 3 * vrs, dv, dvv);
+                    pv_1x4(A, p[0], p[1], p[2], p[3], V, v1, v2, v3, dv, dvv);
+                else if (nj == 4 && its[g].bq <= PV4_ROWS && its[g].bq <= pipe_rows)
+                    switch (its[g].bq) { /* (2 <= bq <= PV4_ROWS) */
+#if PV4_ROWS > 3
+                    case 4: pv_rx4(4, A, dv, p, 4, V, v1, v2, v3, dv, dvv); break;
+                    case 3: pv_rx4(3, A, dv, p, 4, V, v1, v2, v3, dv, dvv); break;
+#endif
+                    default: pv_rx4(2, A, dv, p, 4, V, v1, v2, v3, dv, dvv); break;
+                    }
                 else /* several rows: each V vector loaded once for R rows */
                     rows_pv(A, p, 4, its[g].bq, V, vrs, dv, nj, 0, 0, NULL);
             }
@@ -283,7 +295,7 @@ void FN(fa_attn_group_rows)(const fa_attention_args *a, const fa_tiles *tl, cons
     }
     chunks = chunks && rows <= FA_GROUP_MAX;
     if (chunks) {
-        if (lo < hi) group_chunks(a, its, n, (T *)scratch, st, lo, hi, tl->decode_pf);
+        if (lo < hi) group_chunks(a, its, n, (T *)scratch, st, lo, hi, tl->decode_pf, tl->pipe_rows);
         if (a->stats) __atomic_fetch_add(&a->stats->chunk_rows, rows, __ATOMIC_RELAXED);
         hi = lo; /* (nothing left for the tiles below) */
     }
