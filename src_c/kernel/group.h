@@ -114,8 +114,9 @@ INLINE void group_step(const T *restrict Qs, const KT *restrict K, int64_t krs, 
  *      scalar steps' max_nan does, for the merge of split keys);
  *   3. A += P . V, four keys at a time, the items in turn (V in address order);
  *      an item of up to PV4_ROWS rows by the pipelined row kernel's pv_rx4
- *      where the table's pipe_rows takes that many rows (faster than rows_pv's
- *      register tiles on four keys: docs/tuning.md, group_chunks).
+ *      where the plan's pipe_rows (the table's, from memory) takes that many
+ *      rows (faster than rows_pv's register tiles on four keys: docs/tuning.md,
+ *      group_chunks).
  * One softmax step a chunk for all the rows, not a chain of scalar work per
  * item and four keys, so that the work keeps up with memory (docs/tuning.md,
  * group_chunks).  The rest take the tiles below: items of several rows where
@@ -211,16 +212,15 @@ static void group_chunks(const fa_attention_args *a, const fa_item *its, int64_t
                 T p[FA_GROUP_ROWS * 4];
                 for (int64_t i = 0; i < its[g].bq; i++)
                     for (int64_t y = 0; y < nj; y++) p[i * 4 + y] = P[y * np + x + i];
-                const KT *v1 = V + vrs, *v2 = v1 + vrs, *v3 = v2 + vrs;
                 if (nj == 4 && its[g].bq == 1)
-                    pv_1x4(A, p[0], p[1], p[2], p[3], V, v1, v2, v3, dv, dvv);
+                    pv_1x4(A, p[0], p[1], p[2], p[3], V, V + vrs, V + 2 * vrs, V + 3 * vrs, dv, dvv);
                 else if (nj == 4 && its[g].bq <= PV4_ROWS && its[g].bq <= pipe_rows)
                     switch (its[g].bq) { /* (2 <= bq <= PV4_ROWS) */
 #if PV4_ROWS > 3
-                    case 4: pv_rx4(4, A, dv, p, 4, V, v1, v2, v3, dv, dvv); break;
-                    case 3: pv_rx4(3, A, dv, p, 4, V, v1, v2, v3, dv, dvv); break;
+                    case 4: pv_rx4(4, A, dv, p, 4, V, V + vrs, V + 2 * vrs, V + 3 * vrs, dv, dvv); break;
+                    case 3: pv_rx4(3, A, dv, p, 4, V, V + vrs, V + 2 * vrs, V + 3 * vrs, dv, dvv); break;
 #endif
-                    default: pv_rx4(2, A, dv, p, 4, V, v1, v2, v3, dv, dvv); break;
+                    default: pv_rx4(2, A, dv, p, 4, V, V + vrs, V + 2 * vrs, V + 3 * vrs, dv, dvv); break;
                     }
                 else /* several rows: each V vector loaded once for R rows */
                     rows_pv(A, p, 4, its[g].bq, V, vrs, dv, nj, 0, 0, NULL);
