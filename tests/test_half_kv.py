@@ -140,14 +140,16 @@ def test_gqa_and_blhd_cache(isa, rng, force, dtype, nq, touch):
 
 @pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
 @pytest.mark.parametrize("nk", [150, 1030])
-def test_group_chunks_several_rows(isa, rng, force, tuning, dtype, nk):
+@pytest.mark.parametrize("pipe", [1, 8])
+def test_group_chunks_several_rows(isa, rng, force, tuning, dtype, nk, pipe):
     """Items of several rows in the group kernel's chunks (group_chunks_rows on) from
     16-bit (B, n, H, d) caches: GQA's four query heads a K and V head folded (one
     position), and three tokens a head without causal; one and two threads (nk 1030:
-    split keys).  bfloat16 takes the chunks on every path, float16 on avx2 only
-    (group_step elsewhere: group.h)."""
+    split keys); P . V by pv_rx4 where pipe_rows covers the rows (pipe 8) and by
+    rows_pv's tiles (pipe 1).  bfloat16 takes the chunks on every path, float16 on
+    avx2 only (group_step elsewhere: group.h)."""
     tuning(group_chunks_rows=1)
-    force.set(group=1)
+    force.set(group=1, pipe_rows=pipe)
     B, Hkv, d = 2, 3, 40
     for nq, H, causal in ((1, 4 * Hkv, True), (3, Hkv, False)):
         q = rand(rng, (B, H, nq, d))
