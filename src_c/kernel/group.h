@@ -215,13 +215,7 @@ static void group_chunks(const fa_attention_args *a, const fa_item *its, int64_t
                 if (nj == 4 && its[g].bq == 1)
                     pv_1x4(A, p[0], p[1], p[2], p[3], V, V + vrs, V + 2 * vrs, V + 3 * vrs, dv, dvv);
                 else if (nj == 4 && its[g].bq <= PV4_ROWS && its[g].bq <= pipe_rows)
-                    switch (its[g].bq) { /* (2 <= bq <= PV4_ROWS) */
-#if PV4_ROWS > 3
-                    case 4: pv_rx4(4, A, dv, p, 4, V, V + vrs, V + 2 * vrs, V + 3 * vrs, dv, dvv); break;
-                    case 3: pv_rx4(3, A, dv, p, 4, V, V + vrs, V + 2 * vrs, V + 3 * vrs, dv, dvv); break;
-#endif
-                    default: pv_rx4(2, A, dv, p, 4, V, V + vrs, V + 2 * vrs, V + 3 * vrs, dv, dvv); break;
-                    }
+                    pv_rx4_rows(its[g].bq, A, dv, p, 4, V, V + vrs, V + 2 * vrs, V + 3 * vrs, dv, dvv);
                 else /* several rows: each V vector loaded once for R rows */
                     rows_pv(A, p, 4, its[g].bq, V, vrs, dv, nj, 0, 0, NULL);
             }

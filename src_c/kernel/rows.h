@@ -558,6 +558,24 @@ INLINE void pv_rx4(const int R, T *restrict A, int64_t lda, const T *restrict P,
     }
 }
 
+/* pv_rx4 for R rows known only at run time, 1 <= R <= PV4_ROWS: one copy of
+ * pv_rx4 for each R, so that each keeps its weights in registers (the rows
+ * past a whole PV4_ROWS in rows_step, an item's rows in group_chunks). */
+INLINE void pv_rx4_rows(int64_t R, T *restrict A, int64_t lda, const T *restrict P, int64_t ls,
+                        const KT *restrict v0, const KT *restrict v1, const KT *restrict v2,
+                        const KT *restrict v3, int64_t dv, int64_t dvv)
+{
+    switch (R) {
+#if PV4_ROWS > 3
+    case 4: pv_rx4(4, A, lda, P, ls, v0, v1, v2, v3, dv, dvv); break;
+    case 3: pv_rx4(3, A, lda, P, ls, v0, v1, v2, v3, dv, dvv); break;
+#endif
+    case 2: pv_rx4(2, A, lda, P, ls, v0, v1, v2, v3, dv, dvv); break;
+    case 1: pv_rx4(1, A, lda, P, ls, v0, v1, v2, v3, dv, dvv); break;
+    default: break;
+    }
+}
+
 /* decode_step for bq > 1 rows (the tuning's pipe_rows): the next tile's scores
  * Sn (bq, ls) and A (bq, dv) += P (bq, ls) . V over this tile, four keys of
  * each at a time, so that K and V stream together as in decoding; K and V rows
@@ -586,14 +604,7 @@ static void rows_step(T *restrict Sn, int64_t ls, const T *restrict Qs, int64_t 
             int64_t i = 0;
             for (; i + PV4_ROWS <= bq; i += PV4_ROWS)
                 pv_rx4(PV4_ROWS, A + i * dv, dv, P + i * ls + j, ls, v0, v1, v2, v3, dv, dvv);
-            switch (bq - i) {
-#if PV4_ROWS > 3
-            case 3: pv_rx4(3, A + i * dv, dv, P + i * ls + j, ls, v0, v1, v2, v3, dv, dvv); break;
-            case 2: pv_rx4(2, A + i * dv, dv, P + i * ls + j, ls, v0, v1, v2, v3, dv, dvv); break;
-#endif
-            case 1: pv_rx4(1, A + i * dv, dv, P + i * ls + j, ls, v0, v1, v2, v3, dv, dvv); break;
-            default: break;
-            }
+            if (i < bq) pv_rx4_rows(bq - i, A + i * dv, dv, P + i * ls + j, ls, v0, v1, v2, v3, dv, dvv);
         } else if (j < nv) { /* the last 1-3 keys */
             rows_pv(A, P + j, ls, bq, V + j * vrs, vrs, dv, nv - j, 0, 0, NULL);
         }
