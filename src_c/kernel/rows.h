@@ -479,6 +479,49 @@ INLINE void pv_1x4(T *restrict A, T p0, T p1, T p2, T p3, const KT *restrict v0,
         A[c] += (p0 * kv_s(v0[c]) + p1 * kv_s(v1[c])) + (p2 * kv_s(v2[c]) + p3 * kv_s(v3[c]));
 }
 
+/* rows_scores_1x4 and pv_1x4 with each K or V row read whole, one row after
+ * the other in address order, rather than the four rows' vectors in turn:
+ * decode_step from memory, where the hardware prefetchers then keep up
+ * better (docs/tuning.md, decode_step).  Pointers as theirs. */
+INLINE void rows_scores_1x4_inorder(T *restrict s, const T *restrict qi, const KT *restrict k0,
+                                    const KT *restrict k1, const KT *restrict k2, const KT *restrict k3,
+                                    int64_t dk, int64_t dkv)
+{
+    const KT *kr[4] = {k0, k1, k2, k3};
+    vec a[4], b[4];
+    UNROLL(4) for (int r = 0; r < 4; r++) {
+        a[r] = b[r] = vset1(0);
+        int64_t c = 0;
+        for (; c + 2 * L <= dkv; c += 2 * L) {
+            a[r] += vload(qi + c) * vload_kv(kr[r] + c);
+            b[r] += vload(qi + c + L) * vload_kv(kr[r] + c + L);
+        }
+        for (; c < dkv; c += L) a[r] += vload(qi + c) * vload_kv(kr[r] + c);
+    }
+    hsum4(a[0] + b[0], a[1] + b[1], a[2] + b[2], a[3] + b[3], s);
+    for (int64_t c = dkv; c < dk; c++) {
+        s[0] += qi[c] * kv_s(k0[c]); s[1] += qi[c] * kv_s(k1[c]);
+        s[2] += qi[c] * kv_s(k2[c]); s[3] += qi[c] * kv_s(k3[c]);
+    }
+}
+
+enum { PV_IN_VECS = 8 }; /* pv_1x4_inorder's columns a block, in registers: 8 of the 16 of AVX2 */
+INLINE void pv_1x4_inorder(T *restrict A, T p0, T p1, T p2, T p3, const KT *restrict v0, const KT *restrict v1,
+                           const KT *restrict v2, const KT *restrict v3, int64_t dv, int64_t dvv)
+{
+    const vec w0 = vset1(p0), w1 = vset1(p1), w2 = vset1(p2), w3 = vset1(p3);
+    int64_t c = 0;
+    for (; c + PV_IN_VECS * L <= dvv; c += PV_IN_VECS * L) {
+        vec acc[PV_IN_VECS];
+        UNROLL(8) for (int x = 0; x < PV_IN_VECS; x++) acc[x] = w0 * vload_kv(v0 + c + x * L);
+        UNROLL(8) for (int x = 0; x < PV_IN_VECS; x++) acc[x] += w1 * vload_kv(v1 + c + x * L);
+        UNROLL(8) for (int x = 0; x < PV_IN_VECS; x++) acc[x] += w2 * vload_kv(v2 + c + x * L);
+        UNROLL(8) for (int x = 0; x < PV_IN_VECS; x++) acc[x] += w3 * vload_kv(v3 + c + x * L);
+        UNROLL(8) for (int x = 0; x < PV_IN_VECS; x++) vstore(A + c + x * L, vload(A + c + x * L) + acc[x]);
+    }
+    if (c < dv) pv_1x4(A + c, p0, p1, p2, p3, v0 + c, v1 + c, v2 + c, v3 + c, dv - c, dvv - c);
+}
+
 /* One decode step, K and V read side by side: the scores of the next key
  * tile (Sn[j] = Qs . K[j], j < nk) and A += P . V over this tile (j < nv),
  * four keys of each at a time.  Two streams at once, in small chunks, keep
@@ -489,8 +532,9 @@ INLINE void pv_1x4(T *restrict A, T p0, T p1, T p2, T p3, const KT *restrict v0,
  *   P  (nv)        probabilities of this tile
  *   V  (nv, dv)    row stride vrs; rows j < npv exist
  *   A  (dv)        accumulator
- * far: K and V come from memory (prefetch_row); npk = npv = 0: no prefetch
- * (fa_tiles.decode_pf off: the hardware prefetchers alone). */
+ * far: K and V come from memory (prefetch_row; their rows read in address
+ * order, the _inorder products); npk = npv = 0: no prefetch (fa_tiles.decode_pf
+ * off: the hardware prefetchers alone). */
 static void decode_step(T *restrict Sn, const T *restrict Qs, const KT *restrict K, int64_t krs, int64_t dk,
                         int64_t nk, int64_t npk, T *restrict A, const T *restrict P, const KT *restrict V,
                         int64_t vrs, int64_t dv, int64_t nv, int64_t npv, int far)
@@ -502,14 +546,16 @@ static void decode_step(T *restrict Sn, const T *restrict Qs, const KT *restrict
         if (j + 4 <= nk) {
             const KT *k0 = K + j * krs;
             for (int64_t r = j + pfk; r < j + pfk + 4 && r < npk; r++) prefetch_row(K + r * krs, dk, far, krs != dk);
-            rows_scores_1x4(Sn + j, Qs, k0, k0 + krs, k0 + 2 * krs, k0 + 3 * krs, dk, dkv);
+            if (far) rows_scores_1x4_inorder(Sn + j, Qs, k0, k0 + krs, k0 + 2 * krs, k0 + 3 * krs, dk, dkv);
+            else     rows_scores_1x4(Sn + j, Qs, k0, k0 + krs, k0 + 2 * krs, k0 + 3 * krs, dk, dkv);
         } else if (j < nk) { /* the last 1-3 keys: rows_scores' one-key loop */
             rows_scores(Sn + j, 0, Qs, 0, 1, K + j * krs, krs, dk, nk - j, 0, 0, NULL);
         }
         if (j + 4 <= nv) {
             const KT *v0 = V + j * vrs, *v1 = v0 + vrs, *v2 = v1 + vrs, *v3 = v2 + vrs;
             for (int64_t r = j + pfv; r < j + pfv + 4 && r < npv; r++) prefetch_row(V + r * vrs, dv, far, vrs != dv);
-            pv_1x4(A, P[j], P[j + 1], P[j + 2], P[j + 3], v0, v1, v2, v3, dv, dvv);
+            if (far) pv_1x4_inorder(A, P[j], P[j + 1], P[j + 2], P[j + 3], v0, v1, v2, v3, dv, dvv);
+            else     pv_1x4(A, P[j], P[j + 1], P[j + 2], P[j + 3], v0, v1, v2, v3, dv, dvv);
         } else if (j < nv) { /* the last 1-3 keys */
             rows_pv(A, P + j, 0, 1, V + j * vrs, vrs, dv, nv - j, 0, 0, NULL);
         }
