@@ -159,7 +159,7 @@ cdef extern from "runtime.h" nogil:
 
     ctypedef struct fa_tiles:
         int64_t bq, bk, bqp, ld, q_main
-        int fuse, stream, far, pf_l1, spread, decode_pf, pipe_rows, pipe_pf_l2, group_touch, chunks_rows
+        int fuse, stream, far, pf_l1, spread, decode_pf, inorder, pipe_rows, pipe_pf_l2, group_touch, chunks_rows
         int64_t kv_rows, mt_off
 
     ctypedef struct fa_plan:
@@ -190,6 +190,7 @@ cdef extern from "runtime.h" nogil:
         int pipe_pf_l2
         int decode_pf[2]
         int decode_far
+        int decode_inorder
         int fuse, stream, bk_tiled, bk_tiled_mem, bq_tiled, q_tile_bytes, q_tile_bytes_band, bk_rows, bk_decode
         int group_bk_max, group_touch, group_chunks_rows
         int group_rows[2]
@@ -1007,7 +1008,7 @@ def plan(*args, **kwargs):
     """The plan of an attention call (src_c/plan.c) as a dict, computed and not
     run: attention(*args, plan_only=True, **kwargs).  Its fields: kernel
     ("tiled", "rows", "group", "weights"), the tiles (bq, bk, bqp, ld), the
-    switches (fuse, stream, far, pf_l1, spread, decode_pf, pipe_pf_l2, group_touch,
+    switches (fuse, stream, far, pf_l1, spread, decode_pf, inorder, pipe_pf_l2, group_touch,
     chunks_rows), the thresholds that applied (lanes, rows_max, rows_full, tail_max,
     pipe_rows), the tail (tail, q_main), K and V (kv_bytes, from_memory; kv_rows:
     the 16-bit keys a thread keeps widened at a time, 0 for none), the work (n_lead, n_qb,
@@ -1028,7 +1029,7 @@ TUNING_PAIRS = ("rows_max", "rows_max_big", "rows_max_dk", "rows_max_big_dk", "r
                 "group_rows", "pipe_rows")   # two int each
 # the other fields and the bits of their C types
 _TUNING_BITS = {"rows_full_dk": 32, "rows_max_kv": 32, "tail_mem": 32, "tile_pf_l1": 32, "tile_spread": 32,
-                "pipe_pf_l2": 32, "decode_far": 32,
+                "pipe_pf_l2": 32, "decode_far": 32, "decode_inorder": 32,
                 "fuse": 32, "stream": 32, "bk_tiled": 32, "bk_tiled_mem": 32, "bq_tiled": 32, "q_tile_bytes": 32,
                 "q_tile_bytes_band": 32, "bk_rows": 32, "bk_decode": 32, "group_bk_max": 32, "group_tile_bytes": 64,
                 "group_touch": 32, "group_chunks_rows": 32, "fold_rows": 32, "fold_rows_big": 32,
@@ -1042,7 +1043,7 @@ cdef dict _tuning_dict(const fa_tuning *t):
     for key in TUNING_PAIRS:
         d[key] = tuple(d[key])
     for key in ("fuse", "stream", "group_touch", "group_chunks_rows", "tail_mem", "tile_pf_l1", "tile_spread",
-                "pipe_pf_l2", "decode_far"):
+                "pipe_pf_l2", "decode_far", "decode_inorder"):
         d[key] = bool(d[key])
     return d
 
@@ -1147,6 +1148,7 @@ cdef dict _plan_dict(const fa_plan *p):
         "bq": p.tiles.bq, "bk": p.tiles.bk, "bqp": p.tiles.bqp, "ld": p.tiles.ld,
         "fuse": bool(p.tiles.fuse), "stream": bool(p.tiles.stream), "far": bool(p.tiles.far),
         "pf_l1": bool(p.tiles.pf_l1), "spread": bool(p.tiles.spread), "decode_pf": bool(p.tiles.decode_pf),
+        "inorder": bool(p.tiles.inorder),
         "pipe_rows": p.tiles.pipe_rows, "pipe_pf_l2": bool(p.tiles.pipe_pf_l2),
         "group_touch": bool(p.tiles.group_touch),
         "chunks_rows": bool(p.tiles.chunks_rows),

@@ -35,8 +35,9 @@ What it measures (the fields of src_c/internal.h's fa_tuning; docs/tuning.md):
         reads the next tile ahead (loads or software prefetch).
   bwd_bq, bwd_bk
         the backward's query rows a block and keys a unit (float32, d64 and d128).
-The GQA fold, rows_full_dk, rows_max_kv, tail_mem, tile_spread, group_rows, pipe_rows, pipe_pf_l2, bq_tiled and
-kv_mem_bytes keep the built-in table's values (kv_far_bytes is only turned off or on: on, the built-in size or 16 MiB).
+The GQA fold, rows_full_dk, rows_max_kv, tail_mem, tile_spread, group_rows, pipe_rows, pipe_pf_l2, decode_inorder,
+bq_tiled and kv_mem_bytes keep the built-in table's values (kv_far_bytes is only turned off or on: on, the
+built-in size or 16 MiB).
 
 A choice replaces the built-in one only where it measured at least TIE (2 %)
 faster in total, TIE / 4 for the row thresholds and the tail (summed over many

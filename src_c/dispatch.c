@@ -70,6 +70,8 @@
  *   decode_far    ... into L2 and further ahead (the far kind, prefetch_row) where K and V
  *                 exceed kv_far_bytes, as for more rows (0: the near kind at any size; 16-bit
  *                 K and V: far);
+ *   decode_inorder with that far kind, decode_step reads each of its four float32 or
+ *                 float64 K and V rows whole, in address order, not the rows' vectors in turn;
  *   fuse          the tiled kernel's fused exp, where 32 vector registers leave it room;
  *   stream        the row kernel's prefetch across passes with K and V from memory;
  *   bk_tiled, bk_tiled_mem  the tiled kernel's keys a tile (from memory, blocks of at
@@ -120,7 +122,8 @@
      .group_chunks_rows = 0, .pipe_rows = {1, 1}, .group_rows = {0, 0},                                    \
      .fold_rows = 8, .fold_rows_big = 8,                                                                   \
      .fold_big_bytes = INT64_MAX, .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = (int64_t)16 << 20,    \
-     .bwd_bq = 64, .bwd_bk = 256, .rows_full_dk = 0, .rows_max_kv = 0, .tail_mem = 1, .tile_pf_l1 = 0, .decode_far = 1}
+     .bwd_bq = 64, .bwd_bk = 256, .rows_full_dk = 0, .rows_max_kv = 0, .tail_mem = 1, .tile_pf_l1 = 0,     \
+     .decode_far = 1, .decode_inorder = 0}
 /* The avx2 default is Zen 3's table but for q_tile_bytes (docs/tuning.md, "Zen 3"). */
 #define TUNE_AVX2(nm) TUNE_AVX2_Q(nm, 32768)
 #define TUNE_AVX2_Q(nm, qtile)                                                                            \
@@ -133,7 +136,8 @@
      .group_tile_bytes = 256 << 10, .group_touch = 1, .group_chunks_rows = 0,                             \
      .pipe_rows = {1, 1}, .group_rows = {0, 0}, .fold_rows = 8, .fold_rows_big = 12,                      \
      .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = (int64_t)16 << 20,     \
-     .bwd_bq = 64, .bwd_bk = 256, .rows_full_dk = 0, .rows_max_kv = 12, .tail_mem = 1, .tile_pf_l1 = 0, .decode_far = 1}
+     .bwd_bq = 64, .bwd_bk = 256, .rows_full_dk = 0, .rows_max_kv = 12, .tail_mem = 1, .tile_pf_l1 = 0,   \
+     .decode_far = 1, .decode_inorder = 0}
 #define TUNE_AVX512(nm)                                                                                     \
     {.name = nm, .rows_max = {12, 12}, .rows_max_big = {24, 20}, .rows_max_dk = {24, 20},                   \
      .rows_max_big_dk = {0, 0}, .tile_spread = 0, .pipe_pf_l2 = 0,                                          \
@@ -144,7 +148,8 @@
      .group_tile_bytes = 256 << 10, .group_touch = 0, .group_chunks_rows = 0,                               \
      .pipe_rows = {1, 1}, .group_rows = {0, 0}, .fold_rows = 8, .fold_rows_big = 12,                        \
      .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = (int64_t)16 << 20,       \
-     .bwd_bq = 32, .bwd_bk = 64, .rows_full_dk = 0, .rows_max_kv = 0, .tail_mem = 1, .tile_pf_l1 = 0, .decode_far = 1}
+     .bwd_bq = 32, .bwd_bk = 64, .rows_full_dk = 0, .rows_max_kv = 0, .tail_mem = 1, .tile_pf_l1 = 0,       \
+     .decode_far = 1, .decode_inorder = 0}
 
 static fa_isa_table table_generic = {.name = "generic", .tune = TUNE_GENERIC("generic"), FA_KERNELS(generic)};
 #ifdef FA_HAVE_AVX2_BUILD
@@ -165,13 +170,15 @@ static fa_isa_table table_avx512 = {.name = "avx512", .tune = TUNE_AVX512("avx51
      .group_tile_bytes = 1 << 20, .group_touch = 0, .group_chunks_rows = 0,                                 \
      .pipe_rows = {1, 1}, .group_rows = {0, 0}, .fold_rows = 8, .fold_rows_big = 12,                        \
      .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = INT64_MAX, .bwd_bq = 64, \
-     .bwd_bk = 256, .rows_full_dk = 128, .rows_max_kv = 0, .tail_mem = 1, .tile_pf_l1 = 0, .decode_far = 1}
+     .bwd_bk = 256, .rows_full_dk = 128, .rows_max_kv = 0, .tail_mem = 1, .tile_pf_l1 = 0,                  \
+     .decode_far = 1, .decode_inorder = 0}
 
 /* Zen 4, the avx512 default but for the row kernel's key tiles, the backward's
  * tiles, the tiled kernel's spread tiles and its key tiles of few rows from
  * memory (64 keys), the group kernel's items of several rows
  * in chunks of keys, and up to 12 float32 rows (float64: 8) from memory in the row
- * kernel's pipelined loop, its prefetch into L2 (docs/tuning.md, "Zen 4"). */
+ * kernel's pipelined loop, its prefetch into L2; decoding from memory reads its
+ * K and V rows in address order (docs/tuning.md, "Zen 4"). */
 #define TUNE_ZEN4                                                                                           \
     {.name = "zen4", .rows_max = {12, 12}, .rows_max_big = {24, 20}, .rows_max_dk = {24, 20},               \
      .rows_max_big_dk = {0, 0}, .tile_spread = 1, .pipe_pf_l2 = 1,                                          \
@@ -182,7 +189,8 @@ static fa_isa_table table_avx512 = {.name = "avx512", .tune = TUNE_AVX512("avx51
      .group_tile_bytes = 256 << 10, .group_touch = 0, .group_chunks_rows = 1,                               \
      .pipe_rows = {12, 8}, .group_rows = {0, 0}, .fold_rows = 8, .fold_rows_big = 12,                       \
      .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = (int64_t)16 << 20,       \
-     .bwd_bq = 64, .bwd_bk = 256, .rows_full_dk = 0, .rows_max_kv = 0, .tail_mem = 1, .tile_pf_l1 = 0, .decode_far = 1}
+     .bwd_bq = 64, .bwd_bk = 256, .rows_full_dk = 0, .rows_max_kv = 0, .tail_mem = 1, .tile_pf_l1 = 0,      \
+     .decode_far = 1, .decode_inorder = 1}
 
 /* An Intel Xeon that KVM reports as family 6 model 167 with a 480 MiB L3, AMX
  * and AVX512-FP16 (Granite Rapids by those; docs/tuning.md, "Intel Xeon, model
@@ -208,7 +216,8 @@ static fa_isa_table table_avx512 = {.name = "avx512", .tune = TUNE_AVX512("avx51
      .group_tile_bytes = 256 << 10, .group_touch = 0, .group_chunks_rows = 1,                               \
      .pipe_rows = {10, 8}, .group_rows = {8, 8}, .fold_rows = 8, .fold_rows_big = 12,                       \
      .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = (int64_t)16 << 20,       \
-     .bwd_bq = 64, .bwd_bk = 256, .rows_full_dk = 0, .rows_max_kv = 0, .tail_mem = 0, .tile_pf_l1 = 1, .decode_far = 0}
+     .bwd_bq = 64, .bwd_bk = 256, .rows_full_dk = 0, .rows_max_kv = 0, .tail_mem = 0, .tile_pf_l1 = 1,      \
+     .decode_far = 0, .decode_inorder = 0}
 
 /* The CPUs with tables of their own, by CPUID vendor, family and model ranges
  * (as Linux's arch/x86/kernel/cpu/amd.c names them) and an L3 of at least
@@ -450,7 +459,7 @@ int fa_tuning_check(const fa_tuning *t)
         !in(t->group_chunks_rows, 0, 1) ||
         !in(t->rows_full_dk, 0, 1 << 16) || !in(t->rows_max_kv, 0, FA_ROWS_CAP) || !in(t->tail_mem, 0, 1) ||
         !in(t->tile_pf_l1, 0, 1) || !in(t->tile_spread, 0, 1) || !in(t->pipe_pf_l2, 0, 1) ||
-        !in(t->decode_far, 0, 1) ||
+        !in(t->decode_far, 0, 1) || !in(t->decode_inorder, 0, 1) ||
         !in(t->fold_rows, 0, 1024) || !in(t->fold_rows_big, 0, 1024) || t->fold_big_bytes < 0 ||
         t->kv_mem_bytes < 0 || t->kv_far_bytes < 0 || !in(t->bwd_bq, 8, 256) || !in(t->bwd_bk, 16, 1024))
         return FA_EINVAL;

@@ -71,6 +71,9 @@ typedef struct {
                    * products (the tuning's tile_spread; tiled.h) */
     int decode_pf; /* one row (decoding): the row kernel prefetches the K and V rows it
                    * reads (0: it leaves them to the hardware prefetchers) */
+    int inorder;  /* with far, decoding float32 or float64 K and V reads each of its four
+                   * rows whole, in address order (the tuning's decode_inorder; rows.h,
+                   * decode_step) */
     int pipe_rows; /* up to this many rows (1: decoding only) the row kernel takes
                    * software-pipelined, K and V read together (rows.h, rows_step) */
     int pipe_pf_l2; /* rows_step prefetches K and V into L2, FAR_PF_BYTES ahead, not
@@ -222,6 +225,9 @@ typedef struct {
     int decode_far;                   /* ... float32 and float64 ones into L2, further
                                        * ahead, beyond kv_far_bytes (0: into L1 at any
                                        * size) */
+    int decode_inorder;               /* ... and with that far kind reads each K and V
+                                       * row whole, in address order (decode_step;
+                                       * not 16-bit K and V) */
     int fuse;                         /* the tiled kernel's fused exp */
     int stream;                       /* the row kernel's prefetch across passes, K
                                        * and V from memory (rows.h, item_rows) */

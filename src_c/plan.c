@@ -265,11 +265,12 @@ int fa_attention_plan(const fa_attention_args *a, int weights, fa_plan *p)
     p->tiles.spread = tu->tile_spread && p->lanes == 16; /* float32 on AVX-512 only (tiled.h, RBS) */
     p->tiles.pipe_pf_l2 = tu->pipe_pf_l2;
     p->tiles.stream = f->stream >= 0 ? f->stream : p->from_memory && tu->stream;
-    const int decoding = rows_kernel && p->tiles.bq == 1 && a->kv_dtype == FA_KV_SAME; /* (decode_far) */
+    const int decoding = rows_kernel && p->tiles.bq == 1 && a->kv_dtype == FA_KV_SAME; /* (decode_far, _inorder) */
     p->tiles.far = f->far >= 0      ? f->far
                    : f->stream >= 0 ? f->stream
                                     : p->kv_bytes > tu->kv_far_bytes && (tu->decode_far || !decoding);
     p->tiles.decode_pf = f->decode_pf >= 0 ? f->decode_pf : a->kv_dtype != FA_KV_SAME || tu->decode_pf[dt];
+    p->tiles.inorder = decoding && p->tiles.far && tu->decode_inorder; /* decode_step's */
     /* the row kernel's own items only: not the tiled kernel's tails, which follow
      * their block while K and V are still in cache (docs/tuning.md, pipe_rows) */
     p->tiles.pipe_rows = f->pipe_rows > 0 ? (int)(f->pipe_rows < FA_ROWS_CAP ? f->pipe_rows : FA_ROWS_CAP)

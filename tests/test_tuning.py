@@ -492,11 +492,35 @@ def test_decode_far_from_the_table(isa, rng, tuning, dtype):
                     check(q, k16, v16, F32, num_threads=2)
 
 
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_decode_inorder_from_the_table(isa, rng, tuning, dtype):
+    """decode_inorder: decoding with the far prefetch (beyond kv_far_bytes) reads each
+    of its four K and V rows whole, in address order (rows.h, decode_step); never
+    near, nor 16-bit K and V.  Results against the reference either way: several key
+    tiles with a tail past fours, dv in whole register blocks of 8 vectors with and
+    without a rest of vectors and of scalars, a bool mask, a padded cache."""
+    for on in (0, 1):
+        for far_bytes in (1 << 10, 1 << 40):
+            tuning(kv_far_bytes=far_bytes, decode_far=1, decode_pf=(1, 1), decode_inorder=on, bk_decode=64)
+            assert _core.isa_table()["decode_inorder"] == bool(on)
+            for d, dv in ((128, 128), (72, 40), (64, 264)):
+                q, k, v = rand(rng, (3, 1, d), dtype), rand(rng, (3, 301, d), dtype), rand(rng, (3, 301, dv), dtype)
+                p = _plan(q, k, v, num_threads=2)
+                assert p["kernel"] == "rows" and p["inorder"] == (on and far_bytes == 1 << 10), (on, far_bytes)
+                check(q, k, v, dtype, num_threads=(1, 2), kv_lengths=np.array([301, 150, 1]))
+                check(q, k, v, dtype, num_threads=1, mask=rng.random((3, 1, 301)) < 0.8)
+                if dtype == F32:   # 16-bit K and V keep the old order
+                    k16, v16 = k.astype(np.float16), v.astype(np.float16)
+                    assert not _plan(q, k16, v16, num_threads=2)["inorder"]
+                    check(q, k16, v16, F32, num_threads=2)
+
+
 @pytest.mark.parametrize("fields, word", [
     ({"rows_max": (0, 4)}, "out of range"), ({"rows_max": (25, 4)}, "out of range"),
     ({"tail_max": (-1, 0)}, "out of range"), ({"rows_full": (17, 0)}, "out of range"),
     ({"rows_full_dk": -1}, "out of range"), ({"rows_max_kv": 25}, "out of range"), ({"tail_mem": 2}, "out of range"),
     ({"tile_pf_l1": 2}, "out of range"), ({"decode_far": -1}, "out of range"),
+    ({"decode_inorder": 2}, "out of range"),
     ({"bk_tiled": 4}, "out of range"), ({"bk_rows": 5000}, "out of range"),
     ({"bk_decode": 0}, "out of range"), ({"group_bk_max": 4}, "out of range"),
     ({"group_tile_bytes": 0}, "out of range"), ({"group_touch": 2}, "out of range"),

@@ -481,8 +481,8 @@ INLINE void pv_1x4(T *restrict A, T p0, T p1, T p2, T p3, const KT *restrict v0,
 
 /* rows_scores_1x4 and pv_1x4 with each K or V row read whole, one row after
  * the other in address order, rather than the four rows' vectors in turn:
- * decode_step from memory, where the hardware prefetchers then keep up
- * better (docs/tuning.md, decode_step).  Pointers as theirs. */
+ * decode_step from memory where the tuning's decode_inorder says so (docs/tuning.md,
+ * decode_inorder).  Pointers as theirs. */
 INLINE void rows_scores_1x4_inorder(T *restrict s, const T *restrict qi, const KT *restrict k0,
                                     const KT *restrict k1, const KT *restrict k2, const KT *restrict k3,
                                     int64_t dk, int64_t dkv)
@@ -532,12 +532,13 @@ INLINE void pv_1x4_inorder(T *restrict A, T p0, T p1, T p2, T p3, const KT *rest
  *   P  (nv)        probabilities of this tile
  *   V  (nv, dv)    row stride vrs; rows j < npv exist
  *   A  (dv)        accumulator
- * far: K and V come from memory (prefetch_row; their rows read in address
- * order, the _inorder products); npk = npv = 0: no prefetch (fa_tiles.decode_pf
- * off: the hardware prefetchers alone). */
+ * far: K and V come from memory (prefetch_row); npk = npv = 0: no prefetch
+ * (fa_tiles.decode_pf off: the hardware prefetchers alone).  inorder
+ * (fa_tiles.inorder, from memory): each K and V row read whole, in address
+ * order (the _inorder products). */
 static void decode_step(T *restrict Sn, const T *restrict Qs, const KT *restrict K, int64_t krs, int64_t dk,
                         int64_t nk, int64_t npk, T *restrict A, const T *restrict P, const KT *restrict V,
-                        int64_t vrs, int64_t dv, int64_t nv, int64_t npv, int far)
+                        int64_t vrs, int64_t dv, int64_t nv, int64_t npv, int far, int inorder)
 {
     const int64_t dkv = dk / L * L, dvv = dv / L * L, ahead = far ? FAR_PF_BYTES : DECODE_PF_BYTES;
     const int64_t pfk = prefetch_dist_bytes(dk, ahead), pfv = prefetch_dist_bytes(dv, ahead);
@@ -546,16 +547,16 @@ static void decode_step(T *restrict Sn, const T *restrict Qs, const KT *restrict
         if (j + 4 <= nk) {
             const KT *k0 = K + j * krs;
             for (int64_t r = j + pfk; r < j + pfk + 4 && r < npk; r++) prefetch_row(K + r * krs, dk, far, krs != dk);
-            if (far) rows_scores_1x4_inorder(Sn + j, Qs, k0, k0 + krs, k0 + 2 * krs, k0 + 3 * krs, dk, dkv);
-            else     rows_scores_1x4(Sn + j, Qs, k0, k0 + krs, k0 + 2 * krs, k0 + 3 * krs, dk, dkv);
+            if (inorder) rows_scores_1x4_inorder(Sn + j, Qs, k0, k0 + krs, k0 + 2 * krs, k0 + 3 * krs, dk, dkv);
+            else         rows_scores_1x4(Sn + j, Qs, k0, k0 + krs, k0 + 2 * krs, k0 + 3 * krs, dk, dkv);
         } else if (j < nk) { /* the last 1-3 keys: rows_scores' one-key loop */
             rows_scores(Sn + j, 0, Qs, 0, 1, K + j * krs, krs, dk, nk - j, 0, 0, NULL);
         }
         if (j + 4 <= nv) {
             const KT *v0 = V + j * vrs, *v1 = v0 + vrs, *v2 = v1 + vrs, *v3 = v2 + vrs;
             for (int64_t r = j + pfv; r < j + pfv + 4 && r < npv; r++) prefetch_row(V + r * vrs, dv, far, vrs != dv);
-            if (far) pv_1x4_inorder(A, P[j], P[j + 1], P[j + 2], P[j + 3], v0, v1, v2, v3, dv, dvv);
-            else     pv_1x4(A, P[j], P[j + 1], P[j + 2], P[j + 3], v0, v1, v2, v3, dv, dvv);
+            if (inorder) pv_1x4_inorder(A, P[j], P[j + 1], P[j + 2], P[j + 3], v0, v1, v2, v3, dv, dvv);
+            else         pv_1x4(A, P[j], P[j + 1], P[j + 2], P[j + 3], v0, v1, v2, v3, dv, dvv);
         } else if (j < nv) { /* the last 1-3 keys */
             rows_pv(A, P + j, 0, 1, V + j * vrs, vrs, dv, nv - j, 0, 0, NULL);
         }
@@ -730,7 +731,7 @@ static void item_rows(const fa_attention_args *a, const fa_tiles *tl, const fa_i
                                  S, bk, v + j0 * a->v_rs, a->v_rs, dv, nb, pf ? b.j_hi - j0 : 0, far);
             else if (bq == 1)
                 decode_step(Sn, Qs, k + j1 * a->k_rs, a->k_rs, dk, nb1, pf ? b.j_hi - j1 : 0, A, S,
-                            v + j0 * a->v_rs, a->v_rs, dv, nb, pf ? b.j_hi - j0 : 0, far);
+                            v + j0 * a->v_rs, a->v_rs, dv, nb, pf ? b.j_hi - j0 : 0, far, tl->inorder);
             else
                 rows_step(Sn, bk, Qs, dkp, bq, k + j1 * a->k_rs, a->k_rs, dk, nb1, b.j_hi - j1, A, S,
                           v + j0 * a->v_rs, a->v_rs, dv, nb, b.j_hi - j0, tl->pipe_pf_l2);
