@@ -49,6 +49,16 @@
 #define PV_ACC 8
 #endif
 
+/* s[0..4) += the head dim's columns [c0, dk) past whole vectors of four keys' scores */
+INLINE void scores_1x4_tail(T *restrict s, const T *restrict qi, const KT *restrict k0, const KT *restrict k1,
+                            const KT *restrict k2, const KT *restrict k3, int64_t c0, int64_t dk)
+{
+    for (int64_t c = c0; c < dk; c++) {
+        s[0] += qi[c] * kv_s(k0[c]); s[1] += qi[c] * kv_s(k1[c]);
+        s[2] += qi[c] * kv_s(k2[c]); s[3] += qi[c] * kv_s(k3[c]);
+    }
+}
+
 /* Scores of one row and four keys, K rows k0..k3: s[0..4) = Qs row . K row.
  * Two accumulators per key: eight independent FMA chains (the decode case). */
 INLINE void rows_scores_1x4(T *restrict s, const T *restrict qi, const KT *restrict k0,
@@ -70,10 +80,7 @@ INLINE void rows_scores_1x4(T *restrict s, const T *restrict qi, const KT *restr
         a2 += x * vload_kv(k2 + c); a3 += x * vload_kv(k3 + c);
     }
     hsum4(a0 + b0, a1 + b1, a2 + b2, a3 + b3, s);
-    for (; c < dk; c++) {
-        s[0] += qi[c] * kv_s(k0[c]); s[1] += qi[c] * kv_s(k1[c]);
-        s[2] += qi[c] * kv_s(k2[c]); s[3] += qi[c] * kv_s(k3[c]);
-    }
+    scores_1x4_tail(s, qi, k0, k1, k2, k3, c, dk);
 }
 
 /* Scores of R rows (Qs rows i = 0..R, stride dkp) and four keys k0..k3:
@@ -499,10 +506,7 @@ INLINE void rows_scores_1x4_inorder(T *restrict s, const T *restrict qi, const K
         for (; c < dkv; c += L) a[r] += vload(qi + c) * vload_kv(kr[r] + c);
     }
     hsum4(a[0] + b[0], a[1] + b[1], a[2] + b[2], a[3] + b[3], s);
-    for (int64_t c = dkv; c < dk; c++) {
-        s[0] += qi[c] * kv_s(k0[c]); s[1] += qi[c] * kv_s(k1[c]);
-        s[2] += qi[c] * kv_s(k2[c]); s[3] += qi[c] * kv_s(k3[c]);
-    }
+    scores_1x4_tail(s, qi, k0, k1, k2, k3, dkv, dk);
 }
 
 enum { PV_IN_VECS = 8 }; /* pv_1x4_inorder's columns a block, in registers: 8 of the 16 of AVX2 */
@@ -534,8 +538,8 @@ INLINE void pv_1x4_inorder(T *restrict A, T p0, T p1, T p2, T p3, const KT *rest
  *   A  (dv)        accumulator
  * far: K and V come from memory (prefetch_row); npk = npv = 0: no prefetch
  * (fa_tiles.decode_pf off: the hardware prefetchers alone).  inorder
- * (fa_tiles.inorder, from memory): each K and V row read whole, in address
- * order (the _inorder products). */
+ * (fa_tiles.inorder, from memory; never 16-bit K and V, which the plan keeps
+ * off it): each K and V row read whole, in address order (the _inorder products). */
 static void decode_step(T *restrict Sn, const T *restrict Qs, const KT *restrict K, int64_t krs, int64_t dk,
                         int64_t nk, int64_t npk, T *restrict A, const T *restrict P, const KT *restrict V,
                         int64_t vrs, int64_t dv, int64_t nv, int64_t npv, int far, int inorder)
@@ -547,16 +551,16 @@ static void decode_step(T *restrict Sn, const T *restrict Qs, const KT *restrict
         if (j + 4 <= nk) {
             const KT *k0 = K + j * krs;
             for (int64_t r = j + pfk; r < j + pfk + 4 && r < npk; r++) prefetch_row(K + r * krs, dk, far, krs != dk);
-            if (inorder) rows_scores_1x4_inorder(Sn + j, Qs, k0, k0 + krs, k0 + 2 * krs, k0 + 3 * krs, dk, dkv);
-            else         rows_scores_1x4(Sn + j, Qs, k0, k0 + krs, k0 + 2 * krs, k0 + 3 * krs, dk, dkv);
+            if (!FA_KV && inorder) rows_scores_1x4_inorder(Sn + j, Qs, k0, k0 + krs, k0 + 2 * krs, k0 + 3 * krs, dk, dkv);
+            else                   rows_scores_1x4(Sn + j, Qs, k0, k0 + krs, k0 + 2 * krs, k0 + 3 * krs, dk, dkv);
         } else if (j < nk) { /* the last 1-3 keys: rows_scores' one-key loop */
             rows_scores(Sn + j, 0, Qs, 0, 1, K + j * krs, krs, dk, nk - j, 0, 0, NULL);
         }
         if (j + 4 <= nv) {
             const KT *v0 = V + j * vrs, *v1 = v0 + vrs, *v2 = v1 + vrs, *v3 = v2 + vrs;
             for (int64_t r = j + pfv; r < j + pfv + 4 && r < npv; r++) prefetch_row(V + r * vrs, dv, far, vrs != dv);
-            if (inorder) pv_1x4_inorder(A, P[j], P[j + 1], P[j + 2], P[j + 3], v0, v1, v2, v3, dv, dvv);
-            else         pv_1x4(A, P[j], P[j + 1], P[j + 2], P[j + 3], v0, v1, v2, v3, dv, dvv);
+            if (!FA_KV && inorder) pv_1x4_inorder(A, P[j], P[j + 1], P[j + 2], P[j + 3], v0, v1, v2, v3, dv, dvv);
+            else                   pv_1x4(A, P[j], P[j + 1], P[j + 2], P[j + 3], v0, v1, v2, v3, dv, dvv);
         } else if (j < nv) { /* the last 1-3 keys */
             rows_pv(A, P + j, 0, 1, V + j * vrs, vrs, dv, nv - j, 0, 0, NULL);
         }
