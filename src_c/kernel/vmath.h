@@ -129,12 +129,12 @@ INLINE vec vexp_neg(vec x)
      * (one vpermt2pd over two registers, which reads the low 4 bits of its
      * index), 2^n added to its exponent bits, and c that rounding's relative
      * error, from a second table.  exp(r) = 1 + r g(r), g the Taylor series to
-     * r^6 (relative error 1e-18): four FMAs fewer than exp_reduce's degree 11
-     * and vscalef.  The result S + S (r g + c), one FMA, so that the table's
-     * rounding stays out of it: within 0.6 ulp (docs/tuning.md, vexp_neg).
-     * Lanes below EXP_TINY are zeroed by that FMA's zero-masking (they may
-     * compute garbage, inf - inf, at no cost); NaN compares not-less and stays
-     * NaN through r; EXP_TINY <= x <= 30 keeps S a normal number. */
+     * r^6 (relative error 1e-18): three FMAs and the vscalef fewer than
+     * exp_reduce's degree 11.  The result S + S (r g + c), one FMA, so that
+     * the table's rounding stays out of it: within 0.6 ulp (docs/tuning.md,
+     * vexp_neg).  Lanes below EXP_TINY are zeroed by that FMA's zero-masking
+     * (they may compute garbage, inf - inf, at no cost); NaN compares not-less
+     * and stays NaN through r; EXP_TINY <= x <= 30 keeps S a normal number. */
     static const uint64_t tab[16] = {
         0x3ff0000000000000ull, 0x3fefb5586cf9890full, 0x3fef72b83c7d517bull, 0x3fef387a6e756238ull,
         0x3fef06fe0a31b715ull, 0x3feedea64c123422ull, 0x3feebfdad5362a27ull, 0x3feeab07dd485429ull,
