@@ -498,12 +498,14 @@ def test_decode_inorder_from_the_table(isa, rng, tuning, dtype):
     of its four K and V rows whole, in address order (rows.h, decode_step); never
     near, nor 16-bit K and V.  Results against the reference either way: several key
     tiles with a tail past fours, dv in whole register blocks of 8 vectors with and
-    without a rest of vectors and of scalars, a bool mask, a padded cache."""
+    without a rest of vectors and of scalars, dv of 4, 8 and 16 whole vectors (the
+    rolled loop, decode_step_rolled) on each ISA, dk with a rest of scalars, a bool
+    mask, a padded cache."""
     for on in (0, 1):
         for far_bytes in (1 << 10, 1 << 40):
             tuning(kv_far_bytes=far_bytes, decode_far=1, decode_pf=(1, 1), decode_inorder=on, bk_decode=64)
             assert _core.isa_table()["decode_inorder"] == bool(on)
-            for d, dv in ((128, 128), (72, 40), (64, 264)):
+            for d, dv in ((128, 128), (72, 40), (64, 264), (72, 64), (40, 32), (128, 256)):
                 q, k, v = rand(rng, (3, 1, d), dtype), rand(rng, (3, 301, d), dtype), rand(rng, (3, 301, dv), dtype)
                 p = _plan(q, k, v, num_threads=2)
                 assert p["kernel"] == "rows" and p["inorder"] == (on and far_bytes == 1 << 10), (on, far_bytes)

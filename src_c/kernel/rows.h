@@ -526,6 +526,43 @@ INLINE void pv_1x4_inorder(T *restrict A, T p0, T p1, T p2, T p3, const KT *rest
     if (c < dv) pv_1x4(A + c, p0, p1, p2, p3, v0 + c, v1 + c, v2 + c, v3 + c, dv - c, dvv - c);
 }
 
+/* decode_step under fa_tiles.inorder for dv = NV whole vectors: one key at a
+ * time, its K row then its V row, each read whole, in a loop kept rolled, with
+ * no software prefetch.  Rolled, the loop has one load instruction a vector of
+ * a row (8 + 8 at d128 float32 on AVX-512), not one a vector of four rows: the
+ * hardware prefetchers then stream K and V faster than the unrolled loop with
+ * its software prefetch does (docs/tuning.md, decode_inorder).  The sums of
+ * rows_scores_1x4_inorder and pv_1x4_inorder (the four keys' fresh sum, from -0,
+ * then added to A; the compiler may fuse another product first, so the last bit
+ * can differ).  Pointers as decode_step's; n4 keys of both K and V, a multiple of 4. */
+INLINE void decode_step_rolled(const int NV, T *restrict Sn, const T *restrict Qs, const KT *restrict K, int64_t krs,
+                               int64_t dk, T *restrict A, const T *restrict P, const KT *restrict V, int64_t vrs,
+                               int64_t n4)
+{
+    const int64_t dkv = dk / L * L;
+    for (int64_t j = 0; j < n4; j += 4) {
+        vec s[4], t[16];
+        UNROLL(16) for (int x = 0; x < NV; x++) t[x] = vset1(-(T)0);
+        NO_UNROLL for (int r = 0; r < 4; r++) {
+            const KT *kr = K + (j + r) * krs, *vr = V + (j + r) * vrs;
+            vec a = vset1(0), b = a;
+            int64_t c = 0;
+            for (; c + 2 * L <= dkv; c += 2 * L) {
+                a += vload(Qs + c) * vload_kv(kr + c);
+                b += vload(Qs + c + L) * vload_kv(kr + c + L);
+            }
+            for (; c < dkv; c += L) a += vload(Qs + c) * vload_kv(kr + c);
+            s[r] = a + b;
+            const vec w = vset1(P[j + r]);
+            UNROLL(16) for (int x = 0; x < NV; x++) t[x] += w * vload_kv(vr + x * L);
+        }
+        hsum4(s[0], s[1], s[2], s[3], Sn + j);
+        const KT *k0 = K + j * krs;
+        scores_1x4_tail(Sn + j, Qs, k0, k0 + krs, k0 + 2 * krs, k0 + 3 * krs, dkv, dk);
+        UNROLL(16) for (int x = 0; x < NV; x++) vstore(A + x * L, vload(A + x * L) + t[x]);
+    }
+}
+
 /* One decode step, K and V read side by side: the scores of the next key
  * tile (Sn[j] = Qs . K[j], j < nk) and A += P . V over this tile (j < nv),
  * four keys of each at a time.  Two streams at once, in small chunks, keep
@@ -539,7 +576,9 @@ INLINE void pv_1x4_inorder(T *restrict A, T p0, T p1, T p2, T p3, const KT *rest
  * far: K and V come from memory (prefetch_row); npk = npv = 0: no prefetch
  * (fa_tiles.decode_pf off: the hardware prefetchers alone).  inorder
  * (fa_tiles.inorder, from memory; never 16-bit K and V, which the plan keeps
- * off it): each K and V row read whole, in address order (the _inorder products). */
+ * off it): each K and V row read whole, in address order (the _inorder products),
+ * and where dv is 4, 8 or 16 whole vectors one key at a time without software
+ * prefetch (decode_step_rolled). */
 static void decode_step(T *restrict Sn, const T *restrict Qs, const KT *restrict K, int64_t krs, int64_t dk,
                         int64_t nk, int64_t npk, T *restrict A, const T *restrict P, const KT *restrict V,
                         int64_t vrs, int64_t dv, int64_t nv, int64_t npv, int far, int inorder)
@@ -547,7 +586,14 @@ static void decode_step(T *restrict Sn, const T *restrict Qs, const KT *restrict
     const int64_t dkv = dk / L * L, dvv = dv / L * L, ahead = far ? FAR_PF_BYTES : DECODE_PF_BYTES;
     const int64_t pfk = prefetch_dist_bytes(dk, ahead), pfv = prefetch_dist_bytes(dv, ahead);
     const int64_t n = nk > nv ? nk : nv;
-    for (int64_t j = 0; j < n; j += 4) {
+    int64_t j = 0;
+    if (!FA_KV && inorder && ((FA_VB == 64 && dv == 16 * L) || dv == 8 * L || dv == 4 * L)) { /* rolled */
+        j = (nk < nv ? nk : nv) / 4 * 4;
+        if (FA_VB == 64 && dv == 16 * L) decode_step_rolled(16, Sn, Qs, K, krs, dk, A, P, V, vrs, j);
+        else if (dv == 8 * L) decode_step_rolled(8, Sn, Qs, K, krs, dk, A, P, V, vrs, j);
+        else                  decode_step_rolled(4, Sn, Qs, K, krs, dk, A, P, V, vrs, j);
+    }
+    for (; j < n; j += 4) {
         if (j + 4 <= nk) {
             const KT *k0 = K + j * krs;
             for (int64_t r = j + pfk; r < j + pfk + 4 && r < npk; r++) prefetch_row(K + r * krs, dk, far, krs != dk);

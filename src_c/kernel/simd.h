@@ -30,11 +30,14 @@ FA_PRAGMA(GCC target(FA_TARGET))
 #endif
 
 /* Full unrolling of the register-tile loops (n: their largest trip count),
- * so that the accumulator arrays live in registers. */
+ * so that the accumulator arrays live in registers; NO_UNROLL keeps a loop
+ * rolled (decode_step_rolled). */
 #if defined(__clang__)
 #define UNROLL(n) _Pragma("unroll")
+#define NO_UNROLL _Pragma("nounroll")
 #else
 #define UNROLL(n) FA_PRAGMA(GCC unroll n)
+#define NO_UNROLL FA_PRAGMA(GCC unroll 1)
 #endif
 
 #define FA_CAT3_(a, b, c) a##_##b##_##c
