@@ -505,7 +505,7 @@ def test_decode_inorder_from_the_table(isa, rng, tuning, dtype):
         for far_bytes in (1 << 10, 1 << 40):
             tuning(kv_far_bytes=far_bytes, decode_far=1, decode_pf=(1, 1), decode_inorder=on, bk_decode=64)
             assert _core.isa_table()["decode_inorder"] == bool(on)
-            for d, dv in ((128, 128), (72, 40), (64, 264), (72, 64), (40, 32), (128, 256)):
+            for d, dv in ((128, 128), (72, 40), (64, 264), (72, 64), (40, 32), (128, 256), (24, 16), (12, 8)):
                 q, k, v = rand(rng, (3, 1, d), dtype), rand(rng, (3, 301, d), dtype), rand(rng, (3, 301, dv), dtype)
                 p = _plan(q, k, v, num_threads=2)
                 assert p["kernel"] == "rows" and p["inorder"] == (on and far_bytes == 1 << 10), (on, far_bytes)
