@@ -49,6 +49,21 @@
 #define PV_ACC 8
 #endif
 
+/* One row's dot product with one K row over the whole vectors [0, dkv) of the
+ * head dim, as a vector to sum: two accumulators, the even and odd vectors.
+ *   qi (dkv)   kr (dkv) */
+INLINE vec dot_row(const T *restrict qi, const KT *restrict kr, int64_t dkv)
+{
+    vec a = vset1(0), b = a;
+    int64_t c = 0;
+    for (; c + 2 * L <= dkv; c += 2 * L) {
+        a += vload(qi + c) * vload_kv(kr + c);
+        b += vload(qi + c + L) * vload_kv(kr + c + L);
+    }
+    for (; c < dkv; c += L) a += vload(qi + c) * vload_kv(kr + c);
+    return a + b;
+}
+
 /* s[0..4) += the head dim's columns [c0, dk) past whole vectors of four keys' scores */
 INLINE void scores_1x4_tail(T *restrict s, const T *restrict qi, const KT *restrict k0, const KT *restrict k1,
                             const KT *restrict k2, const KT *restrict k3, int64_t c0, int64_t dk)
@@ -207,15 +222,8 @@ static void rows_scores(T *restrict S, int64_t ls, const T *restrict Qs, int64_t
         const KT *kj = K + j * krs;
         for (int64_t i = 0; i < bq; i++) {
             const T *qi = Qs + i * dkp;
-            vec a0 = vset1(0), b0 = a0;
-            int64_t c = 0;
-            for (; c + 2 * L <= dkv; c += 2 * L) {
-                a0 += vload(qi + c) * vload_kv(kj + c);
-                b0 += vload(qi + c + L) * vload_kv(kj + c + L);
-            }
-            for (; c < dkv; c += L) a0 += vload(qi + c) * vload_kv(kj + c);
-            T s = hsum(a0 + b0);
-            for (; c < dk; c++) s += qi[c] * kv_s(kj[c]);
+            T s = hsum(dot_row(qi, kj, dkv));
+            for (int64_t c = dkv; c < dk; c++) s += qi[c] * kv_s(kj[c]);
             S[i * ls + j] = s;
         }
     }
@@ -494,18 +502,9 @@ INLINE void rows_scores_1x4_inorder(T *restrict s, const T *restrict qi, const K
                                     const KT *restrict k1, const KT *restrict k2, const KT *restrict k3,
                                     int64_t dk, int64_t dkv)
 {
-    const KT *kr[4] = {k0, k1, k2, k3};
-    vec a[4], b[4];
-    UNROLL(4) for (int r = 0; r < 4; r++) {
-        a[r] = b[r] = vset1(0);
-        int64_t c = 0;
-        for (; c + 2 * L <= dkv; c += 2 * L) {
-            a[r] += vload(qi + c) * vload_kv(kr[r] + c);
-            b[r] += vload(qi + c + L) * vload_kv(kr[r] + c + L);
-        }
-        for (; c < dkv; c += L) a[r] += vload(qi + c) * vload_kv(kr[r] + c);
-    }
-    hsum4(a[0] + b[0], a[1] + b[1], a[2] + b[2], a[3] + b[3], s);
+    const vec d0 = dot_row(qi, k0, dkv), d1 = dot_row(qi, k1, dkv);
+    const vec d2 = dot_row(qi, k2, dkv), d3 = dot_row(qi, k3, dkv);
+    hsum4(d0, d1, d2, d3, s);
     scores_1x4_tail(s, qi, k0, k1, k2, k3, dkv, dk);
 }
 
@@ -545,14 +544,7 @@ INLINE void decode_step_rolled(const int NV, T *restrict Sn, const T *restrict Q
         UNROLL(16) for (int x = 0; x < NV; x++) t[x] = vset1(-(T)0);
         NO_UNROLL for (int r = 0; r < 4; r++) {
             const KT *kr = K + (j + r) * krs, *vr = V + (j + r) * vrs;
-            vec a = vset1(0), b = a;
-            int64_t c = 0;
-            for (; c + 2 * L <= dkv; c += 2 * L) {
-                a += vload(Qs + c) * vload_kv(kr + c);
-                b += vload(Qs + c + L) * vload_kv(kr + c + L);
-            }
-            for (; c < dkv; c += L) a += vload(Qs + c) * vload_kv(kr + c);
-            s[r] = a + b;
+            s[r] = dot_row(Qs, kr, dkv);
             const vec w = vset1(P[j + r]);
             UNROLL(16) for (int x = 0; x < NV; x++) t[x] += w * vload_kv(vr + x * L);
         }
