@@ -528,12 +528,11 @@ INLINE void pv_1x4_inorder(T *restrict A, T p0, T p1, T p2, T p3, const KT *rest
 /* decode_step under fa_tiles.inorder for dv = NV whole vectors: one key at a
  * time, its K row then its V row, each read whole, in a loop kept rolled, with
  * no software prefetch.  Rolled, the loop has one load instruction a vector of
- * a row (8 + 8 at d128 float32 on AVX-512), not one a vector of four rows: the
- * hardware prefetchers then stream K and V faster than the unrolled loop with
- * its software prefetch does (docs/tuning.md, decode_inorder).  The sums of
- * rows_scores_1x4_inorder and pv_1x4_inorder (the four keys' fresh sum, from -0,
- * then added to A; the compiler may fuse another product first, so the last bit
- * can differ).  Pointers as decode_step's; n4 keys of both K and V, a multiple of 4. */
+ * one row, not of four rows, which the hardware prefetchers stream faster
+ * (docs/tuning.md, decode_inorder).  The sums of rows_scores_1x4_inorder and
+ * pv_1x4_inorder (the four keys' fresh sum, from -0, then added to A), but the
+ * compiler may fuse another product first, so the last bit can differ.
+ * Pointers as decode_step's; n4 keys of both K and V, a multiple of 4. */
 INLINE void decode_step_rolled(const int NV, T *restrict Sn, const T *restrict Qs, const KT *restrict K, int64_t krs,
                                int64_t dk, T *restrict A, const T *restrict P, const KT *restrict V, int64_t vrs,
                                int64_t n4)
@@ -578,13 +577,13 @@ static void decode_step(T *restrict Sn, const T *restrict Qs, const KT *restrict
     const int64_t dkv = dk / L * L, dvv = dv / L * L, ahead = far ? FAR_PF_BYTES : DECODE_PF_BYTES;
     const int64_t pfk = prefetch_dist_bytes(dk, ahead), pfv = prefetch_dist_bytes(dv, ahead);
     const int64_t n = nk > nv ? nk : nv;
-    int64_t j = 0;
-    if (!FA_KV && inorder && ((FA_VB == 64 && dv == 16 * L) || dv == 8 * L || dv == 4 * L)) { /* rolled */
-        j = (nk < nv ? nk : nv) / 4 * 4;
-        if (FA_VB == 64 && dv == 16 * L) decode_step_rolled(16, Sn, Qs, K, krs, dk, A, P, V, vrs, j);
-        else if (dv == 8 * L) decode_step_rolled(8, Sn, Qs, K, krs, dk, A, P, V, vrs, j);
-        else                  decode_step_rolled(4, Sn, Qs, K, krs, dk, A, P, V, vrs, j);
-    }
+    /* the rolled loop's V vectors a row (0: dv does not fit it); it takes the
+     * whole fours of both K and V, the loop below the rest */
+    const int rolled = FA_KV || !inorder ? 0 : FA_VB == 64 && dv == 16 * L ? 16 : dv == 8 * L ? 8 : dv == 4 * L ? 4 : 0;
+    int64_t j = rolled ? (nk < nv ? nk : nv) / 4 * 4 : 0;
+    if (rolled == 16)     decode_step_rolled(16, Sn, Qs, K, krs, dk, A, P, V, vrs, j);
+    else if (rolled == 8) decode_step_rolled(8, Sn, Qs, K, krs, dk, A, P, V, vrs, j);
+    else if (rolled == 4) decode_step_rolled(4, Sn, Qs, K, krs, dk, A, P, V, vrs, j);
     for (; j < n; j += 4) {
         if (j + 4 <= nk) {
             const KT *k0 = K + j * krs;
