@@ -446,6 +446,7 @@ static void pv_block_rows(T *restrict A, const T *restrict Pt, const T *restrict
         }
 }
 
+enum { Q_PF_BYTES = 65536 }; /* pack_queries' prefetch, at most: twice a 32 KiB L1 */
 /* Pack the item's queries, times scale, transposed and zero-padded:
  *   Qt (dk, bqp) row stride ld <- q (bq, dk) row stride q_rs
  * L x L blocks in registers (bqp is a whole number of vectors; rows past bq
@@ -467,6 +468,11 @@ static void pack_queries(const fa_attention_args *a, const fa_tiles *tl, const f
 #else
     (void)tl, (void)scratch;
 #endif
+    /* The rows into L1 first, so that their misses overlap: the transpose reads
+     * one line of each row at a time, and an item of few keys (BERT's 128)
+     * waits on them (docs/tuning.md, pack_queries). */
+    if (bq * dk * (int64_t)sizeof(T) <= Q_PF_BYTES)
+        for (int64_t i = 0; i < bq; i++) prefetch_lines(q + i * q_rs, dk, (int64_t)sizeof(T), q_rs != dk, 1);
     int64_t c0 = 0;
     for (; c0 + L <= dk; c0 += L)
         for (int64_t i0 = 0; i0 < bqp; i0 += L) {
