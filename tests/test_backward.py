@@ -4,6 +4,8 @@ float64; every option the forward takes, both layouts, broadcasting, GQA, both
 thread modes of the driver (whole leading indices, or key blocks shared), each
 SIMD path, and bitwise determinism."""
 
+import warnings
+
 import numpy as np
 import pytest
 from conftest import tol
@@ -319,3 +321,38 @@ def test_no_query_rows():
         del junk
         dq, dk, dv = fastattn.attention_backward(np.ones_like(out), q, k, v, out, lse)
         assert dq.shape == q.shape and not dk.any() and not dv.any()
+
+
+def test_lossy_lse_warns():
+    """A row whose every key is hidden by finfo.min has an lse whose rounding swallows the
+    log of its weights' sum, so the weights recomputed from it are wrong (docs/gradients.md):
+    the backward warns where such a row has nonzero dO, and is exact, without a warning,
+    where its dO is zero (each row's share of the gradients is linear in its dO)."""
+    rng = np.random.default_rng(43)
+    c = lambda a: np.asarray(a, np.float64)  # noqa: E731
+    for dt in (F32, F64):
+        q, k, v = problem(rng, (1, 2, 3, 8), (1, 2, 16, 8), dtype=dt)
+        mask = np.zeros((3, 16), dt)
+        mask[1] = np.finfo(dt).min
+        out, lse = fastattn.attention(q, k, v, mask=mask, return_lse=True)
+        do = np.random.default_rng(1).standard_normal(out.shape).astype(dt)
+        with pytest.warns(RuntimeWarning, match="2 query row"):
+            fastattn.attention_backward(do, q, k, v, out, lse, mask=mask)
+        do[..., 1, :] = 0
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            got = fastattn.attention_backward(do, q, k, v, out, lse, mask=mask)
+        want = ref.attention_backward(c(do), c(q), c(k), c(v), c(out), mask=c(mask))
+        check(got, want, (q, k, v), dt)
+        # a row with -1e4 (float32) or -1e9 (float64) throughout: lse exact enough, no warning
+        mask[1] = -1e4 if dt == F32 else -1e9
+        out, lse = fastattn.attention(q, k, v, mask=mask, return_lse=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            fastattn.attention_backward(np.ones_like(out), q, k, v, out, lse, mask=mask)
+    cu = np.array([0, 3, 5])
+    qp, kp = (rng.standard_normal((5, 2, 8)).astype(F32) for _ in range(2))
+    out, lse = fastattn.attention_varlen(qp, kp, kp, cu, cu, return_lse=True)
+    lse[1, 4] = -1e30
+    with pytest.warns(RuntimeWarning, match="1 query row"):
+        fastattn.attention_varlen_backward(np.ones_like(out), qp, kp, kp, out, lse, cu, cu)
