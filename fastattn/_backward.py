@@ -38,7 +38,7 @@ def _warn_lossy_lse(lse: np.ndarray, do: np.ndarray, name: str) -> None:
     that its rounding (more than 2^-10) swallows the log of its weights' sum, as when every
     key of the row is hidden by a large finite constant such as finfo.min.  exp(s - lse)
     then misses that sum, and the row's gradients are wrong unless its dO is zero (each
-    row's share of dq, dk and dv is linear in its dO).  lse (rows,), do (rows, d_v)."""
+    row's share of dq, dk and dv is linear in its dO).  lse (..., n_q), do (..., n_q, d_v)."""
     bound = 2.0 ** (np.finfo(lse.dtype).nmant - 9)
     lossy = np.isfinite(lse) & (np.abs(lse) >= bound)
     if lossy.any():
