@@ -45,10 +45,10 @@ def _warn_lossy_lse(lse: np.ndarray, do: np.ndarray, name: str) -> None:
         n = int(np.count_nonzero(np.any(do[lossy] != 0, axis=-1)))
         if n:
             warnings.warn(f"{name}: {n} query row(s) with nonzero dO have |lse| >= {bound:g} "
-                          f"({lse.dtype}), too large for their attention weights to be recomputed from lse: "
-                          "their gradients are wrong.  A row whose every key is hidden by a large finite "
-                          "constant (such as finfo.min) does this; hide keys with -inf or a bool mask, or "
-                          "give such rows zero dO.", RuntimeWarning, stacklevel=3)
+                          f"({lse.dtype}), too large for their attention weights to be recomputed exactly from lse: "
+                          "their gradients can be off, by a factor of their number of keys where a large finite "
+                          "constant (such as finfo.min) hides every key of the row; hide keys with -inf or a "
+                          "bool mask, or give such rows zero dO.", RuntimeWarning, stacklevel=3)
 
 
 def attention_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike, out: ArrayLike, lse: ArrayLike, *,
