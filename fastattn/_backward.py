@@ -7,7 +7,6 @@ them over the axes an input was broadcast along and, with enable_gqa, over each
 group's query heads.
 """
 
-import warnings
 from typing import Any, Optional, Tuple
 
 import numpy as np
@@ -31,24 +30,6 @@ def _as_read(a: np.ndarray, kv: Any, comp: Any) -> np.ndarray:
     """do or out as the C core reads it: in the compute dtype, or as stored where it is
     of the 16-bit dtype that K and V are read in (kv)."""
     return _as_compute(a, kv if kv != comp and a.dtype == kv else comp)
-
-
-def _warn_lossy_lse(lse: np.ndarray, do: np.ndarray, name: str) -> None:
-    """Warn where the weights cannot be recomputed from lse: a row whose |lse| is so large
-    that its rounding (more than 2^-10) swallows the log of its weights' sum, as when every
-    key of the row is hidden by a large finite constant such as finfo.min.  exp(s - lse)
-    then misses that sum, and the row's gradients are wrong unless its dO is zero (each
-    row's share of dq, dk and dv is linear in its dO).  lse (..., n_q), do (..., n_q, d_v)."""
-    bound = 2.0 ** (np.finfo(lse.dtype).nmant - 9)
-    lossy = np.isfinite(lse) & (np.abs(lse) >= bound)
-    if lossy.any():
-        n = int(np.count_nonzero(np.any(do[lossy] != 0, axis=-1)))
-        if n:
-            warnings.warn(f"{name}: {n} query row(s) with nonzero dO have |lse| >= {bound:g} "
-                          f"({lse.dtype}), too large for their attention weights to be recomputed exactly from lse: "
-                          "their gradients can be off, by a factor of their number of keys where a large finite "
-                          "constant (such as finfo.min) hides every key of the row; hide keys with -inf or a "
-                          "bool mask, or give such rows zero dO.", RuntimeWarning, stacklevel=3)
 
 
 def attention_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike, out: ArrayLike, lse: ArrayLike, *,
@@ -131,7 +112,6 @@ def attention_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike, 
     do_c = _as_read(do_a.reshape(core_o), p.k.dtype, p.comp)
     out_c = _as_read(out_a.reshape(core_o), p.k.dtype, p.comp)
     lse_c = np.ascontiguousarray(lse_a.reshape(core_l), dtype=p.comp)
-    _warn_lossy_lse(lse_c, do_c, "attention_backward")
     dq = np.empty(p.lead + p.q.shape[-2:], p.comp)
     dk = np.empty(p.lead + p.k.shape[-2:], p.comp)
     dv = np.empty(p.lead + p.v.shape[-2:], p.comp)
@@ -201,7 +181,6 @@ def attention_varlen_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: Arra
     (T_q, H, _), (T_k, Hkv, _), d_v, G = pk.q.shape, pk.k.shape, pk.v.shape[2], pk.G
     do_c, out_c = _as_read(do_a, pk.k.dtype, pk.comp), _as_read(out_a, pk.k.dtype, pk.comp)
     lse_c = np.ascontiguousarray(lse_a, dtype=pk.comp)
-    _warn_lossy_lse(lse_c.T, do_c, "attention_varlen_backward")
     # dk and dv per query head (T_k, H, d), summed over each group's G heads below:
     # every leading index (b, h_kv, g) of the C core writes its own rows (with GQA,
     # temporaries G times dk's and dv's size); the sequences cover every row, and

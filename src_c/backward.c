@@ -9,7 +9,9 @@
  * runs in a fixed order: the same inputs on the same team give bitwise the
  * same gradients.  Each leading index's D = rowsum(dO * out) is computed
  * before its key blocks (bwd_rows_d: by the thread that takes it, or shared
- * among the team), where a 16-bit dO is widened too.  Packed sequences: the
+ * among the team), where a 16-bit dO is widened too; then its rows' lo, the
+ * log of the weights' sum that a large lse lost (bwd_lo, fa_bwd_lse_lo: 0 but
+ * in a query block with such a row; each block by one thread).  Packed sequences: the
  * state's counts (n_qb, n_kb, the dQ rows) are for the longest sequence; each
  * leading index's own rows and offsets come from lead_rows.
  */
@@ -26,12 +28,14 @@ typedef struct {
     const fa_backward_args *b;
     fa_tiles t;
     fa_bwd_unit_fn fn;
+    fa_bwd_lo_fn lo_fn;
     fa_kv_widen_fn widen; /* 16-bit dO or out (do_kv, o_kv): their rows to float32 */
     int64_t n_lead, n_qb, n_kb, dkp;
     size_t esz, msz, scratch_bytes, dq_bytes, items_bytes, d_bytes, w_bytes;
     int per_lead;  /* 1: threads take whole leading indices */
     void **dq;     /* each team member's dQ rows (nq, dkp) */
-    void *D;       /* per_lead 0: the leading index's D (nq), and a 16-bit dO */
+    void *D;       /* per_lead 0: the leading index's D (nq), then its lo (nq), and a 16-bit dO */
+    void *lo;
     float *dow;    /* widened (nq, dv), shared by the team (bwd_rows_d) */
     int status;
 } bwd_state;
@@ -115,20 +119,38 @@ static void bwd_rows_d(const bwd_state *p, int64_t l, const bwd_rows *r, int64_t
     }
 }
 
-/* Leading index l (its rows r): its query blocks as items (their real rows:
- * fa_fill_item), then the key blocks ks, ks + step, ... of it, adding to dq
- * (nq, dkp); dO as the kernel reads it (bwd_dout) and its rows' D (nq). */
-static void bwd_lead(const bwd_state *p, int64_t l, const bwd_rows *r, int64_t ks, int64_t step, fa_item *its,
-                     const void *dout, int64_t dos, const void *D, void *dq, void *scratch)
+/* Leading index l (its rows r): its query blocks as items its[0..n_qb) (their
+ * real rows: fa_fill_item); returns n_qb. */
+static int64_t bwd_items(const bwd_state *p, int64_t l, const bwd_rows *r, fa_item *its)
+{
+    const int64_t bq = p->t.bq, n_qb = (r->nq + bq - 1) / bq;
+    for (int64_t qb = 0; qb < n_qb; qb++) {
+        fa_fill_item(p->a, &p->t, NULL, p->n_qb, l * p->n_qb + qb, p->esz, p->msz, &its[qb]);
+        its[qb].out = NULL; /* (the kernel reads D, not out) */
+    }
+    return n_qb;
+}
+
+/* lo (nq) of leading index l (its rows r, its items its[0..n_qb)): the query
+ * blocks qs, qs + step, ... (fa_bwd_lse_lo). */
+static void bwd_lo(const bwd_state *p, const bwd_rows *r, const fa_item *its, int64_t n_qb, int64_t qs,
+                   int64_t step, void *lo, void *scratch)
+{
+    for (int64_t qb = qs; qb < n_qb && !fa_stopped(p->a->stop); qb += step)
+        p->lo_fn(p->a, &p->t, &its[qb], r->nk, (char *)lo + its[qb].i0 * (int64_t)p->esz, scratch);
+}
+
+/* Leading index l (its rows r, its items its[0..n_qb)): the key blocks ks,
+ * ks + step, ... of it, adding to dq (nq, dkp); dO as the kernel reads it
+ * (bwd_dout), its rows' D (nq) and lo (nq). */
+static void bwd_lead(const bwd_state *p, int64_t l, const bwd_rows *r, int64_t ks, int64_t step, const fa_item *its,
+                     int64_t n_qb, const void *dout, int64_t dos, const void *D, const void *lo, void *dq,
+                     void *scratch)
 {
     const fa_attention_args *a = p->a;
     const fa_backward_args *b = p->b;
     const int64_t e = (int64_t)p->esz;
-    const int64_t bq = p->t.bq, bk = p->t.bk, n_qb = (r->nq + bq - 1) / bq, n_kb = (r->nk + bk - 1) / bk;
-    for (int64_t qb = 0; qb < n_qb; qb++) {
-        fa_fill_item(a, &p->t, NULL, p->n_qb, l * p->n_qb + qb, p->esz, p->msz, &its[qb]);
-        its[qb].out = NULL; /* (the kernel reads D, not out) */
-    }
+    const int64_t bk = p->t.bk, n_kb = (r->nk + bk - 1) / bk;
     char *dk = (char *)b->dk + (lead_offset(a, l, b->dk_lead) + r->k0 * b->dk_rs) * e;
     char *dv = (char *)b->dv + (lead_offset(a, l, b->dv_lead) + r->k0 * b->dv_rs) * e;
     for (int64_t kb = ks; kb < n_kb && !fa_stopped(a->stop); kb += step) {
@@ -140,7 +162,7 @@ static void bwd_lead(const bwd_state *p, int64_t l, const bwd_rows *r, int64_t k
             }
             continue;
         }
-        p->fn(a, &p->t, its, n_qb, dout, dos, D, j0, nb, dk + j0 * b->dk_rs * e, b->dk_rs, dv + j0 * b->dv_rs * e,
+        p->fn(a, &p->t, its, n_qb, dout, dos, D, lo, j0, nb, dk + j0 * b->dk_rs * e, b->dk_rs, dv + j0 * b->dv_rs * e,
               b->dv_rs, dq, scratch);
     }
 }
@@ -182,8 +204,9 @@ static void bwd_team(void *arg)
     const int t = fa_thread_num(), team = fa_num_threads();
     void *dq = scratch ? scratch + p->scratch_bytes : NULL;
     fa_item *its = scratch ? (fa_item *)(scratch + p->scratch_bytes + p->dq_bytes) : NULL;
-    /* the thread's D (nq) and a 16-bit dO widened (nq, dv) (per_lead), then a 16-bit out's row (dv) */
+    /* the thread's D (nq), lo (nq) and a 16-bit dO widened (nq, dv) (per_lead), then a 16-bit out's row (dv) */
     char *ws = scratch ? scratch + p->scratch_bytes + p->dq_bytes + p->items_bytes : NULL;
+    char *lo = ws ? ws + p->d_bytes / 2 : NULL;
     float *dow = ws ? (float *)(ws + p->d_bytes) : NULL;
     float *orow = ws ? dow + (p->per_lead && p->b->do_kv ? a->nq * a->dv : 0) : NULL;
     int64_t dos;
@@ -195,20 +218,26 @@ static void bwd_team(void *arg)
             const bwd_rows r = lead_rows(a, l);
             memset(dq, 0, (size_t)(r.nq * p->dkp) * p->esz);
             bwd_rows_d(p, l, &r, 0, r.nq, ws, dow, orow);
+            const int64_t n_qb = bwd_items(p, l, &r, its);
+            bwd_lo(p, &r, its, n_qb, 0, 1, lo, scratch);
             const void *dout = bwd_dout(p, l, &r, dow, &dos);
-            bwd_lead(p, l, &r, 0, 1, its, dout, dos, ws, dq, scratch);
+            bwd_lead(p, l, &r, 0, 1, its, n_qb, dout, dos, ws, lo, dq, scratch);
             bwd_write_dq(p, l, &r, &dq, 1, 0, r.nq);
         }
     } else {
         for (int64_t l = 0; l < p->n_lead; l++) {
             const bwd_rows r = lead_rows(a, l);
-            if (scratch) /* the member's share of the rows' D (and of a 16-bit dO widened) */
+            int64_t n_qb = 0;
+            if (scratch) { /* the member's share of the rows' D (and of a 16-bit dO widened), and of lo */
                 bwd_rows_d(p, l, &r, r.nq * t / team, r.nq * (t + 1) / team, p->D, p->dow, orow);
+                n_qb = bwd_items(p, l, &r, its);
+                bwd_lo(p, &r, its, n_qb, t, team, p->lo, scratch);
+            }
 #pragma omp barrier
             if (scratch) {
                 memset(dq, 0, (size_t)(r.nq * p->dkp) * p->esz);
                 const void *dout = bwd_dout(p, l, &r, p->dow, &dos);
-                bwd_lead(p, l, &r, t, team, its, dout, dos, p->D, dq, scratch);
+                bwd_lead(p, l, &r, t, team, its, n_qb, dout, dos, p->D, p->lo, dq, scratch);
             }
 #pragma omp barrier
             if (p->status == FA_OK) /* every member has its accumulator */
@@ -231,6 +260,7 @@ int fa_attention_backward(const fa_attention_args *a, const fa_backward_args *b)
     const fa_isa_table *isa = fa_isa_current();
     const int dt = a->dtype;
     bwd_state st = {.a = a, .b = b, .fn = kv ? isa->bwd_unit_kv[a->kv_dtype - 1] : isa->bwd_unit[dt],
+                    .lo_fn = kv ? isa->bwd_lse_lo_kv[a->kv_dtype - 1] : isa->bwd_lse_lo[dt],
                     .widen = kv ? isa->kv_widen[a->kv_dtype - 1] : NULL, .status = FA_OK};
     st.esz = dt == FA_F32 ? sizeof(float) : sizeof(double);
     st.msz = a->mask_kind == FA_MASK_BOOL ? 1 : st.esz;
@@ -262,19 +292,20 @@ int fa_attention_backward(const fa_attention_args *a, const fa_backward_args *b)
     /* work: 5 products of nq nk (dk or dv) multiply-adds a leading index */
     const double work = 2.5 * (double)st.n_lead * (double)a->nq * (double)a->nk * (double)(a->dk + a->dv);
     st.per_lead = st.n_lead >= 2 * (int64_t)want || st.n_kb < 2;
-    /* D (nq) and a 16-bit dO widened (nq, dv) (bwd_rows_d): each thread's own
-     * when threads take whole leading indices, else one for the team; and a
-     * 16-bit out's row (dv) a thread */
+    /* D (nq), lo (nq) and a 16-bit dO widened (nq, dv) (bwd_rows_d, bwd_lo):
+     * each thread's own when threads take whole leading indices, else one for
+     * the team; and a 16-bit out's row (dv) a thread */
     const size_t d_bytes = ((size_t)a->nq * st.esz + 63) / 64 * 64;
     const size_t dow_bytes = (size_t)(b->do_kv ? a->nq * a->dv : 0) * sizeof(float);
-    st.d_bytes = st.per_lead ? d_bytes : 0;
+    st.d_bytes = st.per_lead ? 2 * d_bytes : 0;
     st.w_bytes = (st.per_lead ? dow_bytes : 0) + (size_t)(b->o_kv ? a->dv : 0) * sizeof(float);
     void *shared = NULL;
     if (!st.per_lead) {
-        shared = malloc(d_bytes + dow_bytes);
+        shared = malloc(2 * d_bytes + dow_bytes);
         if (!shared) return FA_ENOMEM;
         st.D = shared;
-        st.dow = (float *)((char *)shared + d_bytes);
+        st.lo = (char *)shared + d_bytes;
+        st.dow = (float *)((char *)shared + 2 * d_bytes);
     }
     const int threads = fa_team_size(a->num_threads, st.per_lead ? st.n_lead : st.n_kb, work);
     void *dq_ptrs[FA_THREADS_MAX];

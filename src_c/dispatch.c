@@ -30,6 +30,8 @@
     .attn_merge = {fa_attn_merge_f32_##isa, fa_attn_merge_f64_##isa},                       \
     .bwd_unit = {fa_bwd_unit_f32_##isa, fa_bwd_unit_f64_##isa},                             \
     .bwd_unit_kv = {fa_bwd_unit_h16_##isa, fa_bwd_unit_b16_##isa},                          \
+    .bwd_lse_lo = {fa_bwd_lse_lo_f32_##isa, fa_bwd_lse_lo_f64_##isa},                       \
+    .bwd_lse_lo_kv = {fa_bwd_lse_lo_h16_##isa, fa_bwd_lse_lo_b16_##isa},                    \
     .weights_item = {fa_weights_item_f32_##isa, fa_weights_item_f64_##isa},                \
     .softmax_row = {fa_softmax_row_f32_##isa, fa_softmax_row_f64_##isa},                    \
     .exp = {fa_exp_f32_##isa, fa_exp_f64_##isa}, .exp_neg = {fa_exp_neg_f32_##isa, fa_exp_neg_f64_##isa}

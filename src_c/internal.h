@@ -158,9 +158,13 @@ typedef void (*fa_attn_group_fn)(const fa_attention_args *a, const fa_tiles *t,
  * [j0, j0 + nb) of the leading index of the query blocks its[0..n_qb); D its
  * rows' sum(dO * out) (backward.c, bwd_rows_d). */
 typedef void (*fa_bwd_unit_fn)(const fa_attention_args *a, const fa_tiles *t, const fa_item *its,
-                               int64_t n_qb, const void *dout, int64_t do_rs, const void *D, int64_t j0,
-                               int64_t nb, void *dk, int64_t dk_rs, void *dv, int64_t dv_rs, void *dq,
-                               void *scratch);
+                               int64_t n_qb, const void *dout, int64_t do_rs, const void *D, const void *lo,
+                               int64_t j0, int64_t nb, void *dk, int64_t dk_rs, void *dv, int64_t dv_rs,
+                               void *dq, void *scratch);
+/* The lo of one query block's rows (kernel/backward.h, fa_bwd_lse_lo): what
+ * their lse lost, over the nk keys of its leading index, for the units. */
+typedef void (*fa_bwd_lo_fn)(const fa_attention_args *a, const fa_tiles *t, const fa_item *it, int64_t nk,
+                             void *lo, void *scratch);
 /* Work item w of a call as the drivers number them (attention.c). */
 void fa_fill_item(const fa_attention_args *a, const fa_tiles *t, const void *mask_pack, int64_t n_qb,
                   int64_t w, size_t esz, size_t msz, fa_item *it);
@@ -306,6 +310,8 @@ typedef struct {
     fa_attn_merge_fn attn_merge[2];
     fa_bwd_unit_fn bwd_unit[2];        /* the backward kernel (kernel/backward.h) */
     fa_bwd_unit_fn bwd_unit_kv[2];     /* ... float32 over 16-bit K and V (index kv_dtype - 1) */
+    fa_bwd_lo_fn bwd_lse_lo[2];        /* its lo of lossy lse rows (kernel/backward.h) */
+    fa_bwd_lo_fn bwd_lse_lo_kv[2];     /* ... over 16-bit K and V */
     fa_attn_item_fn weights_item[2];   /* probabilities (attention_weights) */
     fa_softmax_row_fn softmax_row[2];
     fa_exp_fn exp[2];
@@ -371,7 +377,7 @@ static inline int64_t fa_bwd_scratch_elems(const fa_tiles *t, int64_t dk, int64_
 {
     const int64_t dkp = (dk + FA_LANES_MAX - 1) / FA_LANES_MAX * FA_LANES_MAX;
     const int64_t dvp = (dv + FA_LANES_MAX - 1) / FA_LANES_MAX * FA_LANES_MAX;
-    return t->ld * (dk + dv + 2 * t->bk + 2 + (t->bk + 31) / 32) + t->bq * (dkp + dvp) + t->bk * (2 * dkp + dvp) +
+    return t->ld * (dk + dv + 2 * t->bk + 3 + (t->bk + 31) / 32) + t->bq * (dkp + dvp) + t->bk * (2 * dkp + dvp) +
            (widened ? t->bk * (dk + dv) : 0);
 }
 static inline int64_t fa_softmax_scratch_elems(int64_t n)
@@ -403,14 +409,18 @@ static inline int64_t fa_softmax_scratch_elems(int64_t n)
                                  const void *, int64_t, void *);                      \
     void fa_bwd_unit_f32_##isa(const fa_attention_args *, const fa_tiles *,           \
                                const fa_item *, int64_t, const void *, int64_t,       \
-                               const void *,                                          \
+                               const void *, const void *,                            \
                                int64_t, int64_t, void *, int64_t, void *, int64_t,    \
                                void *, void *);                                       \
     void fa_bwd_unit_f64_##isa(const fa_attention_args *, const fa_tiles *,           \
                                const fa_item *, int64_t, const void *, int64_t,       \
-                               const void *,                                          \
+                               const void *, const void *,                            \
                                int64_t, int64_t, void *, int64_t, void *, int64_t,    \
                                void *, void *);                                       \
+    void fa_bwd_lse_lo_f32_##isa(const fa_attention_args *, const fa_tiles *,         \
+                                 const fa_item *, int64_t, void *, void *);           \
+    void fa_bwd_lse_lo_f64_##isa(const fa_attention_args *, const fa_tiles *,         \
+                                 const fa_item *, int64_t, void *, void *);           \
     void fa_softmax_row_f32_##isa(const void *, int64_t, void *, int64_t, int64_t,    \
                                   void *);                                            \
     void fa_softmax_row_f64_##isa(const void *, int64_t, void *, int64_t, int64_t,    \
@@ -434,9 +444,11 @@ static inline int64_t fa_softmax_scratch_elems(int64_t n)
                                          const fa_item *, int64_t, void *);           \
     void fa_bwd_unit_##kv##_##isa(const fa_attention_args *, const fa_tiles *,        \
                                   const fa_item *, int64_t, const void *, int64_t,    \
-                                  const void *,                                       \
+                                  const void *, const void *,                         \
                                   int64_t, int64_t, void *, int64_t, void *, int64_t, \
                                   void *, void *);                                    \
+    void fa_bwd_lse_lo_##kv##_##isa(const fa_attention_args *, const fa_tiles *,      \
+                                    const fa_item *, int64_t, void *, void *);        \
     void fa_kv_widen_##kv##_##isa(const void *, float *, int64_t);
 
 FA_DECLARE_ISA(generic)

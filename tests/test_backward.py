@@ -4,7 +4,6 @@ float64; every option the forward takes, both layouts, broadcasting, GQA, both
 thread modes of the driver (whole leading indices, or key blocks shared), each
 SIMD path, and bitwise determinism."""
 
-import warnings
 
 import numpy as np
 import pytest
@@ -323,36 +322,44 @@ def test_no_query_rows():
         assert dq.shape == q.shape and not dk.any() and not dv.any()
 
 
-def test_lossy_lse_warns():
-    """A row whose every key is hidden by finfo.min has an lse whose rounding swallows the
-    log of its weights' sum, so the weights recomputed from it are wrong (docs/gradients.md):
-    the backward warns where such a row has nonzero dO, and is exact, without a warning,
-    where its dO is zero (each row's share of the gradients is linear in its dO)."""
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("kind", ["float32", "float64", "float16 K, V"])
+def test_large_lse_rows(isa, kind, threads):
+    """Rows whose lse is too large for exp(s - lse) to give their weights exactly get
+    the weights' sum recomputed (docs/gradients.md), with nonzero dO: rows whose every
+    key a large finite constant hides (finfo.min, where lse rounds to the constant
+    and P = exp(s - lse) summed to n_k, -1e9 and -1e4; their q zero, so that their
+    scores are the constant exactly, as in the float64 reference), a row with some keys
+    hidden by it, and a row of large scores; in each of three query blocks, causal or
+    not; threads on whole heads, or sharing a head's key blocks."""
     rng = np.random.default_rng(43)
-    c = lambda a: np.asarray(a, np.float64)  # noqa: E731
-    for dt in (F32, F64):
-        q, k, v = problem(rng, (1, 2, 3, 8), (1, 2, 16, 8), dtype=dt)
-        mask = np.zeros((3, 16), dt)
-        mask[1] = np.finfo(dt).min
-        out, lse = fastattn.attention(q, k, v, mask=mask, return_lse=True)
-        do = np.random.default_rng(1).standard_normal(out.shape).astype(dt)
-        with pytest.warns(RuntimeWarning, match="2 query row"):
-            fastattn.attention_backward(do, q, k, v, out, lse, mask=mask)
-        do[..., 1, :] = 0
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            got = fastattn.attention_backward(do, q, k, v, out, lse, mask=mask)
-        want = ref.attention_backward(c(do), c(q), c(k), c(v), c(out), mask=c(mask))
-        check(got, want, (q, k, v), dt)
-        # a row with -1e4 (float32) or -1e9 (float64) throughout: lse exact enough, no warning
-        mask[1] = -1e4 if dt == F32 else -1e9
-        out, lse = fastattn.attention(q, k, v, mask=mask, return_lse=True)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            fastattn.attention_backward(np.ones_like(out), q, k, v, out, lse, mask=mask)
-    cu = np.array([0, 3, 5])
-    qp, kp = (rng.standard_normal((5, 2, 8)).astype(F32) for _ in range(2))
-    out, lse = fastattn.attention_varlen(qp, kp, kp, cu, cu, return_lse=True)
-    lse[1, 4] = -1e30
-    with pytest.warns(RuntimeWarning, match="1 query row"):
-        fastattn.attention_varlen_backward(np.ones_like(out), qp, kp, kp, out, lse, cu, cu)
+    dt = F64 if kind == "float64" else F32
+    lead = (1, 1) if threads == 2 else (2, 2)
+    for const in (np.finfo(dt).min, -1e9, -1e4):
+        for causal in (False, True):
+            q, k, v = problem(rng, lead + (70, 24), lead + (300, 24), dtype=dt)
+            mask = np.zeros((70, 300), dt)
+            mask[[3, 40, 69]] = const
+            mask[10, 5:] = const
+            q[..., [3, 40, 69], :] = 0
+            q[..., 66, :] *= 60   # scores of some hundreds: |lse| >= 128
+            if kind == "float16 K, V":
+                k, v = k.astype(np.float16), v.astype(np.float16)
+            with _core.forcing(bq=32, bk=64):
+                got, want = grads(q, k, v, mask=mask, causal=causal, num_threads=threads,
+                                  seed=int(rng.integers(1 << 30)))
+            check(got, want, (q, k, v), dt)
+    # packed sequences: rows of large scores in each
+    cu = np.array([0, 30, 75])
+    q, k, v = (rng.standard_normal((75, 2, 16)).astype(dt) for _ in range(3))
+    q[[5, 40, 74]] *= 80
+    out, lse = fastattn.attention_varlen(q, k, v, cu, cu, causal=True, return_lse=True, num_threads=threads)
+    assert (np.abs(lse) >= 128).any()
+    do = rng.standard_normal(out.shape).astype(dt)
+    dq, dk, dv = fastattn.attention_varlen_backward(do, q, k, v, out, lse, cu, cu, causal=True, num_threads=threads)
+    for b in (0, 1):
+        sl = slice(cu[b], cu[b + 1])
+        c = lambda a: a.astype(F64)  # noqa: E731
+        want = ref.attention_backward(c(do[sl]), c(q[sl]), c(k[sl]), c(v[sl]), c(out[sl]), layout="blhd",
+                                      causal=True)
+        check((dq[sl], dk[sl], dv[sl]), want, (q[sl], k[sl], v[sl]), dt)

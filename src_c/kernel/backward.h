@@ -1,8 +1,9 @@
 /*
  * The backward kernel (included by kernel_body.h): the gradients of
  * sum(dO * out) with respect to q, k and v, FlashAttention-2's algorithm.
- * With P = exp(S - lse) recomputed tile by tile from the forward's lse and
- * D_i = sum_c dO[i][c] out[i][c]:
+ * With P = exp(S - lse - lo) recomputed tile by tile from the forward's lse
+ * (lo: 0, but for rows whose lse is too large for that to be exact,
+ * fa_bwd_lse_lo) and D_i = sum_c dO[i][c] out[i][c]:
  *   dV += P^T . dO      dP = dO . V^T      dS = P * (dP - D)
  *   dK += dS^T . Q * scale                 dQ += dS . K * scale
  * A work unit is one key block of one leading index: it walks every query
@@ -22,8 +23,9 @@
  *   St  (bk, ld)   scores, then P, then dS, transposed (key j, query i at
  *                  St[j * ld + i]);  dPt (bk, ld) likewise
  *   dKb (bk, dkp), dVb (bk, dvp)  the unit's gradients so far
- *   Dl  (2 ld)     D of the block's rows (from D, below), then their lse (+inf
- *                  past bq, so that padding lanes get P = 0)
+ *   Dl  (3 ld)     D of the block's rows (from D, below), their lse (+inf
+ *                  past bq, so that padding lanes get P = 0), then their lo (0
+ *                  past bq); fa_bwd_lse_lo's row sums in its first ld
  *   W   (ceil(bk / 32), ld)  a bool mask tile as bits (tile_scores)
  *   Kw  (nb, dk), Vw (nb, dv)  16-bit K and V (FA_KV): the unit's rows widened
  *                  once, read by every query block in place of K and V
@@ -93,25 +95,111 @@ static void pack_both(const T *x, int64_t xs, int64_t n, int64_t np, int64_t d, 
     }
 }
 
+/* Whether a row's lse is too large for P = exp(s - lse) to be exact: its
+ * rounding (half an ulp) would scale all the row's weights by as much as
+ * 2^-17 (float32) or 2^-41 (float64), as far off as the tests allow, or more:
+ * where one large finite constant (finfo.min) hides all of a row's keys, lse
+ * rounds to that constant, and the weights' sum (n_k) is lost altogether. */
+INLINE int lse_lossy(T lse)
+{
+    const T bound = sizeof(T) == 4 ? (T)0x1p7 : (T)0x1p12;
+    return (lse >= bound || lse <= -bound) && lse - lse == 0;
+}
+
+/* The item's rows' lo (lo (bq), written): 0 where lse_lossy(lse) is false,
+ * else lo = log(sum_j exp(s_j - lse)) over every key the row sees (all
+ * nk of its leading index, blocks of tl->bk), s as the unit computes it, so
+ * that fa_bwd_unit's P = exp(s - lse - lo) sums to 1 over the row again.
+ * Scratch as fa_bwd_unit's (Qt, St, Dl, W and, 16-bit K, Kw). */
+void FN(fa_bwd_lse_lo)(const fa_attention_args *a, const fa_tiles *tl, const fa_item *it, int64_t nk, void *lo_,
+                       void *scratch)
+{
+    T *lo = lo_;
+    const T *lse = it->lse;
+    const int64_t ld = tl->ld, bk = tl->bk, dk = a->dk, dv = a->dv, bq = it->bq, bqp = (bq + L - 1) / L * L;
+    const int64_t dkp = (dk + L - 1) / L * L, dvp = (dv + L - 1) / L * L;
+    T *Qt = scratch, *St = Qt + (dk + dv) * ld, *Dl = St + 2 * bk * ld;
+    IT *W = (IT *)(Dl + 3 * ld + tl->bq * (dkp + dvp) + bk * (2 * dkp + dvp));
+    int any = 0;
+    for (int64_t i = 0; i < bq; i++) {
+        lo[i] = 0;
+        any |= lse_lossy(lse[i * a->lse_rs]);
+    }
+    if (!any || bq <= 0) return;
+    const band_t b = item_band(a, it);
+    const int64_t jl = b.j_lo > 0 ? b.j_lo : 0, jh = b.j_hi < nk ? b.j_hi : nk;
+    pack_queries(a, tl, it, scratch, Qt, ld, bqp);
+    for (int64_t i = 0; i < bqp; i++) {
+        Dl[i] = 0;
+        Dl[ld + i] = i < bq ? lse[i * a->lse_rs] : (T)INFINITY;
+    }
+    T qmax = -1;
+    key_runs kr;
+    for (int64_t j0 = jl; j0 < jh; j0 += bk) {
+        const int64_t n = jh - j0 < bk ? jh - j0 : bk;
+#if FA_KV
+        T *Kw = (T *)(W + (bk + 31) / 32 * ld);
+        for (int64_t j = 0; j < n; j++) widen_row(Kw + j * dk, (const KT *)it->k + (j0 + j) * a->k_rs, dk);
+        const T *K = Kw;
+        const int64_t krs = dk;
+#else
+        const T *K = (const T *)it->k + j0 * a->k_rs;
+        const int64_t krs = a->k_rs;
+#endif
+        const int bits = tile_scores(a, it, &b, St, Qt, &qmax, W, ld, bqp, j0, n, K, krs, NULL, NULL, NULL, &kr);
+        if (bits < 0) continue;
+        if (bits) apply_bits(St, W, ld, bqp, n);
+        for (int64_t j = 0; j < n; j++)
+            for (int64_t i = 0; i < bqp; i += L) { /* as fa_bwd_unit's P, before lo */
+                const vec l = vload(Dl + ld + i), x = vload(St + j * ld + i) - l;
+                const vec p = vsel(l == vset1(-INFINITY), vset1(0), vexp_neg(vsel(x > 0, vset1(0), x)));
+                vstore(Dl + i, vload(Dl + i) + p);
+            }
+    }
+    for (int64_t i = 0; i < bq; i++)
+        if (lse_lossy(Dl[ld + i]) && Dl[i] > 0) lo[i] = (T)log((double)Dl[i]);
+}
+
+/* P (in St) and dS (in dPt) of a tile, n keys (rows) by bqp queries, from its
+ * scores (St), dP (dPt) and its rows' D, lse and, with_lo, lo (Dl): P = exp(s -
+ * lse - lo), dS = P (dP - D).  (Without lo, one subtraction fewer.) */
+INLINE void weights_and_ds(const int with_lo, T *restrict St, T *restrict dPt, const T *restrict Dl, int64_t ld,
+                           int64_t n, int64_t bqp)
+{
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t i = 0; i < bqp; i += L) {
+            const vec lse = vload(Dl + ld + i), s = vload(St + j * ld + i) - lse;
+            const vec x = with_lo ? s - vload(Dl + 2 * ld + i) : s;
+            /* a row that sees no key (lse -inf) has no weights: P = 0; and where
+             * P = 0 (a hidden key) dS = 0, even if V's row holds inf or NaN.
+             * x <= 0 but for rounding (lse: the row's log-sum-exp; lo 0 but
+             * where lse_lossy), so vexp_neg on x capped at 0 (NaN stays NaN) */
+            const vec p = vsel(lse == vset1(-INFINITY), vset1(0), vexp_neg(vsel(x > 0, vset1(0), x)));
+            vstore(St + j * ld + i, p);
+            vstore(dPt + j * ld + i, vsel(p == vset1(0), vset1(0), p * (vload(dPt + j * ld + i) - vload(Dl + i))));
+        }
+}
+
 /* One work unit: the keys [j0, j0 + nb) of the leading index whose query
  * blocks are its[0..n_qb) (fill_item's items: q, mask and lse offset to
  * their rows), nb <= tl->bk.
  *   dO    (nq, dv) of the leading index, row stride dos
  *   D     (nq) of the leading index: D_i = sum_c dO[i][c] out[i][c] (backward.c,
  *         bwd_rows_d: computed once a leading index, not by every unit)
+ *   lo    (nq) of the leading index: fa_bwd_lse_lo's, for P = exp(s - lse - lo)
  *   dk    (nb, dk) and dv (nb, dv), row strides dkrs, dvrs: the unit's rows of
  *         the gradients, written
  *   dq    (nq, dkp): the thread's dQ of the leading index, added to (/ scale) */
 void FN(fa_bwd_unit)(const fa_attention_args *a, const fa_tiles *tl, const fa_item *its, int64_t n_qb,
-                     const void *dO_, int64_t dos, const void *D_, int64_t j0, int64_t nb, void *dk_,
+                     const void *dO_, int64_t dos, const void *D_, const void *lo_, int64_t j0, int64_t nb, void *dk_,
                      int64_t dkrs, void *dv_, int64_t dvrs, void *dq_, void *scratch)
 {
-    const T *dO = dO_, *D = D_;
+    const T *dO = dO_, *D = D_, *lo = lo_;
     T *dkout = dk_, *dvout = dv_, *dq = dq_;
     const int64_t ld = tl->ld, bk = tl->bk, dk = a->dk, dv = a->dv;
     const int64_t dkp = (dk + L - 1) / L * L, dvp = (dv + L - 1) / L * L;
     T *Qt = scratch, *dOt = Qt + dk * ld, *St = dOt + dv * ld, *dPt = St + bk * ld, *Dl = dPt + bk * ld;
-    T *Qp = Dl + 2 * ld, *dOp = Qp + tl->bq * dkp, *Kp = dOp + tl->bq * dvp, *dKb = Kp + bk * dkp;
+    T *Qp = Dl + 3 * ld, *dOp = Qp + tl->bq * dkp, *Kp = dOp + tl->bq * dvp, *dKb = Kp + bk * dkp;
     T *dVb = dKb + bk * dkp;
     IT *W = (IT *)(dVb + bk * dvp);
     /* the unit's K and V rows (key j0 first) as the products read them, row strides krs and vrs */
@@ -154,25 +242,19 @@ void FN(fa_bwd_unit)(const fa_attention_args *a, const fa_tiles *tl, const fa_it
         const int bits = tile_scores(a, it, &b, St, Qt, &qmax, W, ld, bqp, jl, n, K + o * krs, krs, NULL, NULL, NULL, &kr);
         if (bits < 0) continue;
         if (bits) apply_bits(St, W, ld, bqp, n);
-        /* dO of the block, its rows' D and lse */
+        /* dO of the block, its rows' D, lse and lo */
+        int with_lo = 0;
         pack_both(dO + it->i0 * dos, dos, bq, bqp, dv, dvp, 1, dOt, ld, dOp);
         for (int64_t i = 0; i < bqp; i++) {
             Dl[i] = i < bq ? D[it->i0 + i] : 0;
             Dl[ld + i] = i < bq ? ((const T *)it->lse)[i * a->lse_rs] : (T)INFINITY;
+            Dl[2 * ld + i] = i < bq ? lo[it->i0 + i] : 0;
+            with_lo |= Dl[2 * ld + i] != 0;
         }
         /* dP = V . dO^T (transposed: key rows), then P and dS in place */
         qk_block(dPt, V + o * vrs, vrs, dOt, ld, bqp, dv, n, NULL, NULL, NULL);
-        for (int64_t j = 0; j < n; j++)
-            for (int64_t i = 0; i < bqp; i += L) {
-                const vec lse = vload(Dl + ld + i), x = vload(St + j * ld + i) - lse;
-                /* a row that sees no key (lse -inf) has no weights: P = 0; and where
-                 * P = 0 (a hidden key) dS = 0, even if V's row holds inf or NaN.
-                 * x <= 0 but for rounding (lse: the row's log-sum-exp), so vexp_neg
-                 * on x capped at 0 (NaN stays NaN) */
-                const vec p = vsel(lse == vset1(-INFINITY), vset1(0), vexp_neg(vsel(x > 0, vset1(0), x)));
-                vstore(St + j * ld + i, p);
-                vstore(dPt + j * ld + i, vsel(p == vset1(0), vset1(0), p * (vload(dPt + j * ld + i) - vload(Dl + i))));
-            }
+        if (with_lo) weights_and_ds(1, St, dPt, Dl, ld, n, bqp);
+        else         weights_and_ds(0, St, dPt, Dl, ld, n, bqp);
         /* dV += P^T . dO;  dK += dS^T . (Q scale);  dQ += dS . K */
         acc_products(dVb + o * dvp, dvp, n, dvp, St, ld, 1, dOp, dvp, bq);
         if (a->softcap > 0) { /* x = K . Qt (Qt: the queries times scale), dS *= 1 - tanh(x / c)^2 */
