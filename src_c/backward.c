@@ -10,8 +10,9 @@
  * same gradients.  Each leading index's D = rowsum(dO * out) is computed
  * before its key blocks (bwd_rows_d: by the thread that takes it, or shared
  * among the team), where a 16-bit dO is widened too; then its rows' lo, the
- * log of the weights' sum that a large lse lost (bwd_lo, fa_bwd_lse_lo: 0 but
- * in a query block with such a row; each block by one thread).  Packed sequences: the
+ * log of the weights' sum that a large lse lost, and their D anew from those
+ * weights (bwd_lo, fa_bwd_lse_lo: lo 0 but in a query block with such a row;
+ * each block by one thread).  Packed sequences: the
  * state's counts (n_qb, n_kb, the dQ rows) are for the longest sequence; each
  * leading index's own rows and offsets come from lead_rows.
  */
@@ -131,13 +132,18 @@ static int64_t bwd_items(const bwd_state *p, int64_t l, const bwd_rows *r, fa_it
     return n_qb;
 }
 
-/* lo (nq) of leading index l (its rows r, its items its[0..n_qb)): the query
- * blocks qs, qs + step, ... (fa_bwd_lse_lo). */
+/* lo (nq) of leading index l (its rows r, its items its[0..n_qb)), and D (nq)
+ * where lo is not 0: the query blocks qs, qs + step, ... (fa_bwd_lse_lo); dO
+ * as the kernel reads it (bwd_dout). */
 static void bwd_lo(const bwd_state *p, const bwd_rows *r, const fa_item *its, int64_t n_qb, int64_t qs,
-                   int64_t step, void *lo, void *scratch)
+                   int64_t step, const void *dout, int64_t dos, void *D, void *lo, void *scratch)
 {
-    for (int64_t qb = qs; qb < n_qb && !fa_stopped(p->a->stop); qb += step)
-        p->lo_fn(p->a, &p->t, &its[qb], r->nk, (char *)lo + its[qb].i0 * (int64_t)p->esz, scratch);
+    const int64_t e = (int64_t)p->esz;
+    for (int64_t qb = qs; qb < n_qb && !fa_stopped(p->a->stop); qb += step) {
+        const int64_t i0 = its[qb].i0;
+        p->lo_fn(p->a, &p->t, &its[qb], r->nk, (const char *)dout + i0 * dos * e, dos, (char *)D + i0 * e,
+                 (char *)lo + i0 * e, scratch);
+    }
 }
 
 /* Leading index l (its rows r, its items its[0..n_qb)): the key blocks ks,
@@ -219,8 +225,8 @@ static void bwd_team(void *arg)
             memset(dq, 0, (size_t)(r.nq * p->dkp) * p->esz);
             bwd_rows_d(p, l, &r, 0, r.nq, ws, dow, orow);
             const int64_t n_qb = bwd_items(p, l, &r, its);
-            bwd_lo(p, &r, its, n_qb, 0, 1, lo, scratch);
             const void *dout = bwd_dout(p, l, &r, dow, &dos);
+            bwd_lo(p, &r, its, n_qb, 0, 1, dout, dos, ws, lo, scratch);
             bwd_lead(p, l, &r, 0, 1, its, n_qb, dout, dos, ws, lo, dq, scratch);
             bwd_write_dq(p, l, &r, &dq, 1, 0, r.nq);
         }
@@ -228,15 +234,17 @@ static void bwd_team(void *arg)
         for (int64_t l = 0; l < p->n_lead; l++) {
             const bwd_rows r = lead_rows(a, l);
             int64_t n_qb = 0;
-            if (scratch) { /* the member's share of the rows' D (and of a 16-bit dO widened), and of lo */
+            if (scratch) /* the member's share of the rows' D (and of a 16-bit dO widened) */
                 bwd_rows_d(p, l, &r, r.nq * t / team, r.nq * (t + 1) / team, p->D, p->dow, orow);
+#pragma omp barrier
+            const void *dout = bwd_dout(p, l, &r, p->dow, &dos);
+            if (scratch) { /* then its share of the query blocks' lo (and D anew where lo is not 0) */
                 n_qb = bwd_items(p, l, &r, its);
-                bwd_lo(p, &r, its, n_qb, t, team, p->lo, scratch);
+                bwd_lo(p, &r, its, n_qb, t, team, dout, dos, p->D, p->lo, scratch);
             }
 #pragma omp barrier
             if (scratch) {
                 memset(dq, 0, (size_t)(r.nq * p->dkp) * p->esz);
-                const void *dout = bwd_dout(p, l, &r, p->dow, &dos);
                 bwd_lead(p, l, &r, t, team, its, n_qb, dout, dos, p->D, p->lo, dq, scratch);
             }
 #pragma omp barrier

@@ -162,9 +162,10 @@ typedef void (*fa_bwd_unit_fn)(const fa_attention_args *a, const fa_tiles *t, co
                                int64_t j0, int64_t nb, void *dk, int64_t dk_rs, void *dv, int64_t dv_rs,
                                void *dq, void *scratch);
 /* The lo of one query block's rows (kernel/backward.h, fa_bwd_lse_lo): what
- * their lse lost, over the nk keys of its leading index, for the units. */
+ * their lse lost, over the nk keys of its leading index, for the units; and
+ * where lo is not 0, their D from those weights (dout: the block's dO rows). */
 typedef void (*fa_bwd_lo_fn)(const fa_attention_args *a, const fa_tiles *t, const fa_item *it, int64_t nk,
-                             void *lo, void *scratch);
+                             const void *dout, int64_t do_rs, void *D, void *lo, void *scratch);
 /* Work item w of a call as the drivers number them (attention.c). */
 void fa_fill_item(const fa_attention_args *a, const fa_tiles *t, const void *mask_pack, int64_t n_qb,
                   int64_t w, size_t esz, size_t msz, fa_item *it);
@@ -418,9 +419,11 @@ static inline int64_t fa_softmax_scratch_elems(int64_t n)
                                int64_t, int64_t, void *, int64_t, void *, int64_t,    \
                                void *, void *);                                       \
     void fa_bwd_lse_lo_f32_##isa(const fa_attention_args *, const fa_tiles *,         \
-                                 const fa_item *, int64_t, void *, void *);           \
+                                 const fa_item *, int64_t, const void *, int64_t,     \
+                                 void *, void *, void *);                             \
     void fa_bwd_lse_lo_f64_##isa(const fa_attention_args *, const fa_tiles *,         \
-                                 const fa_item *, int64_t, void *, void *);           \
+                                 const fa_item *, int64_t, const void *, int64_t,     \
+                                 void *, void *, void *);                             \
     void fa_softmax_row_f32_##isa(const void *, int64_t, void *, int64_t, int64_t,    \
                                   void *);                                            \
     void fa_softmax_row_f64_##isa(const void *, int64_t, void *, int64_t, int64_t,    \
@@ -448,7 +451,8 @@ static inline int64_t fa_softmax_scratch_elems(int64_t n)
                                   int64_t, int64_t, void *, int64_t, void *, int64_t, \
                                   void *, void *);                                    \
     void fa_bwd_lse_lo_##kv##_##isa(const fa_attention_args *, const fa_tiles *,      \
-                                    const fa_item *, int64_t, void *, void *);        \
+                                    const fa_item *, int64_t, const void *, int64_t,  \
+                                    void *, void *, void *);                          \
     void fa_kv_widen_##kv##_##isa(const void *, float *, int64_t);
 
 FA_DECLARE_ISA(generic)

@@ -3,7 +3,7 @@
  * sum(dO * out) with respect to q, k and v, FlashAttention-2's algorithm.
  * With P = exp(S - lse - lo) recomputed tile by tile from the forward's lse
  * (lo: 0, but for rows whose lse is too large for that to be exact,
- * fa_bwd_lse_lo) and D_i = sum_c dO[i][c] out[i][c]:
+ * fa_bwd_lse_lo) and D_i = sum_c dO[i][c] out[i][c] (those rows: sum_j P dP):
  *   dV += P^T . dO      dP = dO . V^T      dS = P * (dP - D)
  *   dK += dS^T . Q * scale                 dQ += dS . K * scale
  * A work unit is one key block of one leading index: it walks every query
@@ -25,7 +25,7 @@
  *   dKb (bk, dkp), dVb (bk, dvp)  the unit's gradients so far
  *   Dl  (3 ld)     D of the block's rows (from D, below), their lse (+inf
  *                  past bq, so that padding lanes get P = 0), then their lo (0
- *                  past bq); fa_bwd_lse_lo's row sums in its first ld
+ *                  past bq); fa_bwd_lse_lo's sums of p and p dP in its first and last ld
  *   W   (ceil(bk / 32), ld)  a bool mask tile as bits (tile_scores)
  *   Kw  (nb, dk), Vw (nb, dv)  16-bit K and V (FA_KV): the unit's rows widened
  *                  once, read by every query block in place of K and V
@@ -95,30 +95,38 @@ static void pack_both(const T *x, int64_t xs, int64_t n, int64_t np, int64_t d, 
     }
 }
 
-/* Whether a row's lse is too large for P = exp(s - lse) to be exact: its
- * rounding (half an ulp) would scale all the row's weights by as much as
- * 2^-17 (float32) or 2^-41 (float64), as far off as the tests allow, or more:
- * where one large finite constant (finfo.min) hides all of a row's keys, lse
- * rounds to that constant, and the weights' sum (n_k) is lost altogether. */
+/* Whether a row's lse is too large for P = exp(s - lse) to be exact enough:
+ * s and lse, rounded at their magnitude, are then off by 2^-19 (float32;
+ * float64 2^-45) or more, and the weights, which the forward formed from
+ * scores rounded in another order, no longer sum to 1 within the tests'
+ * tolerance; where one large finite constant (finfo.min) hides all of a row's
+ * keys, lse rounds to that constant and the weights' sum (n_k) is lost. */
 INLINE int lse_lossy(T lse)
 {
-    const T bound = sizeof(T) == 4 ? (T)0x1p7 : (T)0x1p12;
+    const T bound = sizeof(T) == 4 ? (T)0x1p5 : (T)0x1p8;
     return (lse >= bound || lse <= -bound) && lse - lse == 0;
 }
 
-/* The item's rows' lo (lo (bq), written): 0 where lse_lossy(lse) is false,
- * else lo = log(sum_j exp(s_j - lse)) over every key the row sees (all
- * nk of its leading index, blocks of tl->bk), s as the unit computes it, so
- * that fa_bwd_unit's P = exp(s - lse - lo) sums to 1 over the row again.
- * Scratch as fa_bwd_unit's (Qt, St, Dl, W and, 16-bit K, Kw). */
-void FN(fa_bwd_lse_lo)(const fa_attention_args *a, const fa_tiles *tl, const fa_item *it, int64_t nk, void *lo_,
-                       void *scratch)
+/* For the item's rows whose lse_lossy(lse), over every key the row sees (all nk
+ * of its leading index, blocks of tl->bk; s and dP as the unit computes them,
+ * p = exp(s - lse)):
+ *   lo (bq)  written: log(sum_j p_j), 0 for the other rows, so that the unit's
+ *            P = exp(s - lse - lo) sums to 1 over the row again;
+ *   D  (bq)  replaced for those rows by sum_j p_j dP_j / sum_j p_j, D from the
+ *            unit's own P: their scores are large, the weights peaked, and
+ *            dP - D cancels, so a D from the forward's output (whose scores
+ *            round otherwise) would leave an error that |q| amplifies in dK.
+ *   dO (bq, dv) row stride dos: the block's rows.
+ * Scratch as fa_bwd_unit's (Qt, dOt, St, dPt, Dl and W; 16-bit K and V: Kw, Vw). */
+void FN(fa_bwd_lse_lo)(const fa_attention_args *a, const fa_tiles *tl, const fa_item *it, int64_t nk,
+                       const void *dO_, int64_t dos, void *D_, void *lo_, void *scratch)
 {
-    T *lo = lo_;
+    const T *dO = dO_;
+    T *D = D_, *lo = lo_;
     const T *lse = it->lse;
     const int64_t ld = tl->ld, bk = tl->bk, dk = a->dk, dv = a->dv, bq = it->bq, bqp = (bq + L - 1) / L * L;
     const int64_t dkp = (dk + L - 1) / L * L, dvp = (dv + L - 1) / L * L;
-    T *Qt = scratch, *St = Qt + (dk + dv) * ld, *Dl = St + 2 * bk * ld;
+    T *Qt = scratch, *dOt = Qt + dk * ld, *St = dOt + dv * ld, *dPt = St + bk * ld, *Dl = dPt + bk * ld;
     IT *W = (IT *)(Dl + 3 * ld + tl->bq * (dkp + dvp) + bk * (2 * dkp + dvp));
     int any = 0;
     for (int64_t i = 0; i < bq; i++) {
@@ -129,8 +137,10 @@ void FN(fa_bwd_lse_lo)(const fa_attention_args *a, const fa_tiles *tl, const fa_
     const band_t b = item_band(a, it);
     const int64_t jl = b.j_lo > 0 ? b.j_lo : 0, jh = b.j_hi < nk ? b.j_hi : nk;
     pack_queries(a, tl, it, scratch, Qt, ld, bqp);
+    pack_both(dO, dos, bq, bqp, dv, dvp, 1, dOt, ld, NULL);
+    /* Dl: sum p, then lse, then sum p dP */
     for (int64_t i = 0; i < bqp; i++) {
-        Dl[i] = 0;
+        Dl[i] = Dl[2 * ld + i] = 0;
         Dl[ld + i] = i < bq ? lse[i * a->lse_rs] : (T)INFINITY;
     }
     T qmax = -1;
@@ -138,26 +148,35 @@ void FN(fa_bwd_lse_lo)(const fa_attention_args *a, const fa_tiles *tl, const fa_
     for (int64_t j0 = jl; j0 < jh; j0 += bk) {
         const int64_t n = jh - j0 < bk ? jh - j0 : bk;
 #if FA_KV
-        T *Kw = (T *)(W + (bk + 31) / 32 * ld);
-        for (int64_t j = 0; j < n; j++) widen_row(Kw + j * dk, (const KT *)it->k + (j0 + j) * a->k_rs, dk);
-        const T *K = Kw;
-        const int64_t krs = dk;
+        T *Kw = (T *)(W + (bk + 31) / 32 * ld), *Vw = Kw + bk * dk;
+        for (int64_t j = 0; j < n; j++) {
+            widen_row(Kw + j * dk, (const KT *)it->k + (j0 + j) * a->k_rs, dk);
+            widen_row(Vw + j * dv, (const KT *)it->v + (j0 + j) * a->v_rs, dv);
+        }
+        const T *K = Kw, *V = Vw;
+        const int64_t krs = dk, vrs = dv;
 #else
-        const T *K = (const T *)it->k + j0 * a->k_rs;
-        const int64_t krs = a->k_rs;
+        const T *K = (const T *)it->k + j0 * a->k_rs, *V = (const T *)it->v + j0 * a->v_rs;
+        const int64_t krs = a->k_rs, vrs = a->v_rs;
 #endif
         const int bits = tile_scores(a, it, &b, St, Qt, &qmax, W, ld, bqp, j0, n, K, krs, NULL, NULL, NULL, &kr);
         if (bits < 0) continue;
         if (bits) apply_bits(St, W, ld, bqp, n);
+        qk_block(dPt, V, vrs, dOt, ld, bqp, dv, n, NULL, NULL, NULL);
         for (int64_t j = 0; j < n; j++)
-            for (int64_t i = 0; i < bqp; i += L) { /* as fa_bwd_unit's P, before lo */
+            for (int64_t i = 0; i < bqp; i += L) { /* as fa_bwd_unit's P, before lo; p dP 0 where p is */
                 const vec l = vload(Dl + ld + i), x = vload(St + j * ld + i) - l;
                 const vec p = vsel(l == vset1(-INFINITY), vset1(0), vexp_neg(vsel(x > 0, vset1(0), x)));
                 vstore(Dl + i, vload(Dl + i) + p);
+                vstore(Dl + 2 * ld + i,
+                       vload(Dl + 2 * ld + i) + vsel(p == vset1(0), vset1(0), p * vload(dPt + j * ld + i)));
             }
     }
     for (int64_t i = 0; i < bq; i++)
-        if (lse_lossy(Dl[ld + i]) && Dl[i] > 0) lo[i] = (T)log((double)Dl[i]);
+        if (lse_lossy(Dl[ld + i]) && Dl[i] > 0) {
+            lo[i] = (T)log((double)Dl[i]);
+            D[i] = Dl[2 * ld + i] / Dl[i];
+        }
 }
 
 /* P (in St) and dS (in dPt) of a tile, n keys (rows) by bqp queries, from its
