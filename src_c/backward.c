@@ -11,8 +11,8 @@
  * before its key blocks (bwd_rows_d: by the thread that takes it, or shared
  * among the team), where a 16-bit dO is widened too; then its rows' lo, the
  * log of the weights' sum that a large lse lost, and their D anew from those
- * weights (bwd_lo, fa_bwd_lse_lo: lo 0 but in a query block with such a row;
- * each block by one thread).  Packed sequences: the
+ * weights (bwd_lo, fa_bwd_lse_lo: lo 0 but for such rows; each query block
+ * by one thread, so a team shares them by query blocks).  Packed sequences: the
  * state's counts (n_qb, n_kb, the dQ rows) are for the longest sequence; each
  * leading index's own rows and offsets come from lead_rows.
  */

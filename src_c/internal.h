@@ -156,7 +156,8 @@ typedef void (*fa_attn_group_fn)(const fa_attention_args *a, const fa_tiles *t,
  * and lse.  scratch: 2 dv elements. */
 /* One unit of the backward pass (kernel/backward.h, fa_bwd_unit): the keys
  * [j0, j0 + nb) of the leading index of the query blocks its[0..n_qb); D its
- * rows' sum(dO * out) (backward.c, bwd_rows_d). */
+ * rows' sum(dO * out) (backward.c, bwd_rows_d) and lo their lse's correction
+ * (fa_bwd_lse_lo, which sets D anew where lo is not 0). */
 typedef void (*fa_bwd_unit_fn)(const fa_attention_args *a, const fa_tiles *t, const fa_item *its,
                                int64_t n_qb, const void *dout, int64_t do_rs, const void *D, const void *lo,
                                int64_t j0, int64_t nb, void *dk, int64_t dk_rs, void *dv, int64_t dv_rs,

@@ -349,19 +349,28 @@ def test_large_lse_rows(isa, kind, threads):
                 got, want = grads(q, k, v, mask=mask, causal=causal, num_threads=threads,
                                   seed=int(rng.integers(1 << 30)))
             check(got, want, (q, k, v), dt)
-    # a peaked row of large |q|: dP - D cancels there, so D must come from the backward's weights
+    # a peaked row of large |q|: dP - D cancels there, so D must come from the backward's
+    # weights (the first case failed without); then over several key blocks
     r = np.random.default_rng(2)
-    q, k, v = (r.standard_normal((40, 128)).astype(F32) for _ in range(3))
-    q[5] *= 90
-    got, want = grads(q, k, v, do=r.standard_normal((40, 128)).astype(F32), num_threads=threads)
-    check(got, want, (q, k, v), F32)
-    # packed sequences: rows of large scores in each
-    cu = np.array([0, 30, 75])
-    q, k, v = (rng.standard_normal((75, 2, 16)).astype(dt) for _ in range(3))
-    q[[5, 40, 74]] *= 80
+    for n_k in (40, 200):
+        q = r.standard_normal((1, 40, 128)).astype(F32)
+        k, v = (r.standard_normal((1, n_k, 128)).astype(F32) for _ in range(2))
+        q[..., 5, :] *= 90
+        if kind == "float16 K, V":
+            k, v = k.astype(np.float16), v.astype(np.float16)
+        with _core.forcing(bk=64):
+            got, want = grads(q, k, v, do=r.standard_normal((1, 40, 128)).astype(F32), num_threads=threads)
+        check(got, want, (q, k, v), F32)
+    # packed sequences, rows of large scores in each: with two threads, the team shares
+    # each sequence's key blocks (and query blocks in the pass)
+    cu = np.array([0, 130, 300])
+    q, k, v = (rng.standard_normal((300, 1, 16)).astype(dt) for _ in range(3))
+    q[[5, 100, 140, 299]] *= 80
+    if kind == "float16 K, V":
+        k, v = k.astype(np.float16), v.astype(np.float16)
     out, lse = fastattn.attention_varlen(q, k, v, cu, cu, causal=True, return_lse=True, num_threads=threads)
     assert (np.abs(lse) >= 32).any()
-    do = rng.standard_normal(out.shape).astype(dt)
+    do = rng.standard_normal(out.shape).astype(out.dtype)
     dq, dk, dv = fastattn.attention_varlen_backward(do, q, k, v, out, lse, cu, cu, causal=True, num_threads=threads)
     for b in (0, 1):
         sl = slice(cu[b], cu[b + 1])

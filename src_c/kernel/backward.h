@@ -96,11 +96,12 @@ static void pack_both(const T *x, int64_t xs, int64_t n, int64_t np, int64_t d, 
 }
 
 /* Whether a row's lse is too large for P = exp(s - lse) to be exact enough:
- * s and lse, rounded at their magnitude, are then off by 2^-19 (float32;
- * float64 2^-45) or more, and the weights, which the forward formed from
- * scores rounded in another order, no longer sum to 1 within the tests'
- * tolerance; where one large finite constant (finfo.min) hides all of a row's
- * keys, lse rounds to that constant and the weights' sum (n_k) is lost. */
+ * s and lse are rounded at their magnitude (half an ulp: 2^-19 at 32 in
+ * float32, 2^-45 at 256 in float64, and more above), and the forward's scores
+ * round in another order than the unit's; a large |q| then amplifies in dK
+ * what the weights lose (fa_bwd_lse_lo).  Where one large finite constant
+ * (finfo.min) hides all of a row's keys, lse rounds to that constant and the
+ * weights' sum (n_k) is lost altogether. */
 INLINE int lse_lossy(T lse)
 {
     const T bound = sizeof(T) == 4 ? (T)0x1p5 : (T)0x1p8;
@@ -110,14 +111,20 @@ INLINE int lse_lossy(T lse)
 /* For the item's rows whose lse_lossy(lse), over every key the row sees (all nk
  * of its leading index, blocks of tl->bk; s and dP as the unit computes them,
  * p = exp(s - lse)):
- *   lo (bq)  written: log(sum_j p_j), 0 for the other rows, so that the unit's
- *            P = exp(s - lse - lo) sums to 1 over the row again;
+ *   lo (bq)  written: log(sum_j p_j) (0 for the other rows, and where that sum
+ *            is not positive), so that the unit's P = exp(s - lse - lo) sums
+ *            to 1 over the row again (but for rounding: p caps s - lse at 0,
+ *            the unit s - lse - lo);
  *   D  (bq)  replaced for those rows by sum_j p_j dP_j / sum_j p_j, D from the
  *            unit's own P: their scores are large, the weights peaked, and
  *            dP - D cancels, so a D from the forward's output (whose scores
  *            round otherwise) would leave an error that |q| amplifies in dK.
  *   dO (bq, dv) row stride dos: the block's rows.
- * Scratch as fa_bwd_unit's (Qt, dOt, St, dPt, Dl and W; 16-bit K and V: Kw, Vw). */
+ * Both sums are compensated (vacc_add of each tile's fresh sum, its error in Cs),
+ * as the forward's are (docs/accuracy.md): a long flat row would otherwise
+ * round once a key against an ever larger total.
+ * Scratch as fa_bwd_unit's (Qt, dOt, St, dPt, Dl and W; 16-bit K and V: Kw, Vw),
+ * and Cs (2 ld) where the unit keeps Qp (bq (dkp + dvp) >= 2 ld). */
 void FN(fa_bwd_lse_lo)(const fa_attention_args *a, const fa_tiles *tl, const fa_item *it, int64_t nk,
                        const void *dO_, int64_t dos, void *D_, void *lo_, void *scratch)
 {
@@ -127,6 +134,7 @@ void FN(fa_bwd_lse_lo)(const fa_attention_args *a, const fa_tiles *tl, const fa_
     const int64_t ld = tl->ld, bk = tl->bk, dk = a->dk, dv = a->dv, bq = it->bq, bqp = (bq + L - 1) / L * L;
     const int64_t dkp = (dk + L - 1) / L * L, dvp = (dv + L - 1) / L * L;
     T *Qt = scratch, *dOt = Qt + dk * ld, *St = dOt + dv * ld, *dPt = St + bk * ld, *Dl = dPt + bk * ld;
+    T *Cs = Dl + 3 * ld;
     IT *W = (IT *)(Dl + 3 * ld + tl->bq * (dkp + dvp) + bk * (2 * dkp + dvp));
     int any = 0;
     for (int64_t i = 0; i < bq; i++) {
@@ -138,9 +146,9 @@ void FN(fa_bwd_lse_lo)(const fa_attention_args *a, const fa_tiles *tl, const fa_
     const int64_t jl = b.j_lo > 0 ? b.j_lo : 0, jh = b.j_hi < nk ? b.j_hi : nk;
     pack_queries(a, tl, it, scratch, Qt, ld, bqp);
     pack_both(dO, dos, bq, bqp, dv, dvp, 1, dOt, ld, NULL);
-    /* Dl: sum p, then lse, then sum p dP */
+    /* Dl: sum p, then lse, then sum p dP; Cs: the two sums' rounding errors */
     for (int64_t i = 0; i < bqp; i++) {
-        Dl[i] = Dl[2 * ld + i] = 0;
+        Dl[i] = Dl[2 * ld + i] = Cs[i] = Cs[ld + i] = 0;
         Dl[ld + i] = i < bq ? lse[i * a->lse_rs] : (T)INFINITY;
     }
     T qmax = -1;
@@ -163,20 +171,26 @@ void FN(fa_bwd_lse_lo)(const fa_attention_args *a, const fa_tiles *tl, const fa_
         if (bits < 0) continue;
         if (bits) apply_bits(St, W, ld, bqp, n);
         qk_block(dPt, V, vrs, dOt, ld, bqp, dv, n, NULL, NULL, NULL);
-        for (int64_t j = 0; j < n; j++)
-            for (int64_t i = 0; i < bqp; i += L) { /* as fa_bwd_unit's P, before lo; p dP 0 where p is */
-                const vec l = vload(Dl + ld + i), x = vload(St + j * ld + i) - l;
+        for (int64_t i = 0; i < bqp; i += L) {
+            const vec l = vload(Dl + ld + i);
+            vec sp = vset1(0), spd = vset1(0);
+            for (int64_t j = 0; j < n; j++) { /* as fa_bwd_unit's P; p dP 0 where p is */
+                const vec x = vload(St + j * ld + i) - l;
                 const vec p = vsel(l == vset1(-INFINITY), vset1(0), vexp_neg(vsel(x > 0, vset1(0), x)));
-                vstore(Dl + i, vload(Dl + i) + p);
-                vstore(Dl + 2 * ld + i,
-                       vload(Dl + 2 * ld + i) + vsel(p == vset1(0), vset1(0), p * vload(dPt + j * ld + i)));
+                sp += p;
+                spd += vsel(p == vset1(0), vset1(0), p * vload(dPt + j * ld + i));
             }
-    }
-    for (int64_t i = 0; i < bq; i++)
-        if (lse_lossy(Dl[ld + i]) && Dl[i] > 0) {
-            lo[i] = (T)log((double)Dl[i]);
-            D[i] = Dl[2 * ld + i] / Dl[i];
+            vacc_add(Dl + i, Cs + i, sp);
+            vacc_add(Dl + 2 * ld + i, Cs + ld + i, spd);
         }
+    }
+    for (int64_t i = 0; i < bq; i++) {
+        const T sp = Dl[i] + Cs[i], spd = Dl[2 * ld + i] + Cs[ld + i];
+        if (lse_lossy(Dl[ld + i]) && sp > 0) {
+            lo[i] = (T)log((double)sp);
+            D[i] = spd / sp;
+        }
+    }
 }
 
 /* P (in St) and dS (in dPt) of a tile, n keys (rows) by bqp queries, from its
