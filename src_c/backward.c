@@ -35,9 +35,9 @@ typedef struct {
     size_t esz, msz, scratch_bytes, dq_bytes, items_bytes, d_bytes, w_bytes;
     int per_lead;  /* 1: threads take whole leading indices */
     void **dq;     /* each team member's dQ rows (nq, dkp) */
-    void *D;       /* per_lead 0: the leading index's D (nq), then its lo (nq), and a 16-bit dO */
-    void *lo;
-    float *dow;    /* widened (nq, dv), shared by the team (bwd_rows_d) */
+    void *D;       /* per_lead 0: the leading index's D (nq), */
+    void *lo;      /* its lo (nq, bwd_lo) */
+    float *dow;    /* and a 16-bit dO widened (nq, dv), shared by the team (bwd_rows_d) */
     int status;
 } bwd_state;
 

@@ -5,6 +5,7 @@ thread modes of the driver (whole leading indices, or key blocks shared), each
 SIMD path, and bitwise determinism."""
 
 
+import ml_dtypes
 import numpy as np
 import pytest
 from conftest import tol
@@ -323,7 +324,7 @@ def test_no_query_rows():
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("kind", ["float32", "float64", "float16 K, V"])
+@pytest.mark.parametrize("kind", ["float32", "float64", "float16 K, V", "bfloat16 K, V"])
 def test_large_lse_rows(isa, kind, threads):
     """Rows whose lse is too large for exp(s - lse) to give their weights exactly get
     the weights' sum recomputed (docs/gradients.md), with nonzero dO: rows whose every
@@ -334,6 +335,7 @@ def test_large_lse_rows(isa, kind, threads):
     not; threads on whole heads, or sharing a head's key blocks."""
     rng = np.random.default_rng(43)
     dt = F64 if kind == "float64" else F32
+    half = {"float16 K, V": np.float16, "bfloat16 K, V": ml_dtypes.bfloat16}.get(kind)
     lead = (1, 1) if threads == 2 else (2, 2)
     for const in (np.finfo(dt).min, -1e9, -1e4):
         for causal in (False, True):
@@ -343,8 +345,8 @@ def test_large_lse_rows(isa, kind, threads):
             mask[10, 5:] = const
             q[..., [3, 40, 69], :] = 0
             q[..., 66, :] *= 60   # scores of some hundreds: |lse| >= 32
-            if kind == "float16 K, V":
-                k, v = k.astype(np.float16), v.astype(np.float16)
+            if half:
+                k, v = k.astype(half), v.astype(half)
             with _core.forcing(bq=32, bk=64):
                 got, want = grads(q, k, v, mask=mask, causal=causal, num_threads=threads,
                                   seed=int(rng.integers(1 << 30)))
@@ -356,8 +358,8 @@ def test_large_lse_rows(isa, kind, threads):
         q = r.standard_normal((1, 40, 128)).astype(F32)
         k, v = (r.standard_normal((1, n_k, 128)).astype(F32) for _ in range(2))
         q[..., 5, :] *= 90
-        if kind == "float16 K, V":
-            k, v = k.astype(np.float16), v.astype(np.float16)
+        if half:
+            k, v = k.astype(half), v.astype(half)
         with _core.forcing(bk=64):
             got, want = grads(q, k, v, do=r.standard_normal((1, 40, 128)).astype(F32), num_threads=threads)
         check(got, want, (q, k, v), F32)
@@ -366,8 +368,8 @@ def test_large_lse_rows(isa, kind, threads):
     cu = np.array([0, 130, 300])
     q, k, v = (rng.standard_normal((300, 1, 16)).astype(dt) for _ in range(3))
     q[[5, 100, 140, 299]] *= 80
-    if kind == "float16 K, V":
-        k, v = k.astype(np.float16), v.astype(np.float16)
+    if half:
+        k, v = k.astype(half), v.astype(half)
     out, lse = fastattn.attention_varlen(q, k, v, cu, cu, causal=True, return_lse=True, num_threads=threads)
     assert (np.abs(lse) >= 32).any()
     do = rng.standard_normal(out.shape).astype(out.dtype)

@@ -95,6 +95,33 @@ static void pack_both(const T *x, int64_t xs, int64_t n, int64_t np, int64_t d, 
     }
 }
 
+/* The weight of a score s in a row of log-sum-exp lse, from x = s - lse (and
+ * less lo, fa_bwd_lse_lo): a row that sees no key (lse -inf) has none, P = 0;
+ * x <= 0 but for rounding, so vexp_neg on x capped at 0 (NaN stays NaN). */
+INLINE vec bwd_weight(vec x, vec lse)
+{
+    return vsel(lse == vset1(-INFINITY), vset1(0), vexp_neg(vsel(x > 0, vset1(0), x)));
+}
+
+/* The K and V rows [j0, j0 + n) of the item's leading index as the products
+ * read them, row strides *krs and *vrs: in place, or (16-bit K and V) widened
+ * into Kw (n, dk) and Vw (n, dv). */
+INLINE void bwd_kv_rows(const fa_attention_args *a, const fa_item *it, int64_t j0, int64_t n, T *Kw, T *Vw,
+                        const T **K, const T **V, int64_t *krs, int64_t *vrs)
+{
+#if FA_KV
+    for (int64_t j = 0; j < n; j++) {
+        widen_row(Kw + j * a->dk, (const KT *)it->k + (j0 + j) * a->k_rs, a->dk);
+        widen_row(Vw + j * a->dv, (const KT *)it->v + (j0 + j) * a->v_rs, a->dv);
+    }
+    *K = Kw, *V = Vw, *krs = a->dk, *vrs = a->dv;
+#else
+    (void)Kw, (void)Vw, (void)n;
+    *K = (const T *)it->k + j0 * a->k_rs, *V = (const T *)it->v + j0 * a->v_rs;
+    *krs = a->k_rs, *vrs = a->v_rs;
+#endif
+}
+
 /* Whether a row's lse is too large for P = exp(s - lse) to be exact enough:
  * s and lse are rounded at their magnitude (half an ulp: 2^-19 at 32 in
  * float32, 2^-45 at 256 in float64, and more above), and the forward's scores
@@ -141,7 +168,7 @@ void FN(fa_bwd_lse_lo)(const fa_attention_args *a, const fa_tiles *tl, const fa_
         lo[i] = 0;
         any |= lse_lossy(lse[i * a->lse_rs]);
     }
-    if (!any || bq <= 0) return;
+    if (!any) return;
     const band_t b = item_band(a, it);
     const int64_t jl = b.j_lo > 0 ? b.j_lo : 0, jh = b.j_hi < nk ? b.j_hi : nk;
     pack_queries(a, tl, it, scratch, Qt, ld, bqp);
@@ -151,22 +178,13 @@ void FN(fa_bwd_lse_lo)(const fa_attention_args *a, const fa_tiles *tl, const fa_
         Dl[i] = Dl[2 * ld + i] = Cs[i] = Cs[ld + i] = 0;
         Dl[ld + i] = i < bq ? lse[i * a->lse_rs] : (T)INFINITY;
     }
-    T qmax = -1;
+    T qmax = -1, *Kw = (T *)(W + (bk + 31) / 32 * ld), *Vw = Kw + bk * dk; /* (Kw, Vw: 16-bit K and V) */
     key_runs kr;
     for (int64_t j0 = jl; j0 < jh; j0 += bk) {
         const int64_t n = jh - j0 < bk ? jh - j0 : bk;
-#if FA_KV
-        T *Kw = (T *)(W + (bk + 31) / 32 * ld), *Vw = Kw + bk * dk;
-        for (int64_t j = 0; j < n; j++) {
-            widen_row(Kw + j * dk, (const KT *)it->k + (j0 + j) * a->k_rs, dk);
-            widen_row(Vw + j * dv, (const KT *)it->v + (j0 + j) * a->v_rs, dv);
-        }
-        const T *K = Kw, *V = Vw;
-        const int64_t krs = dk, vrs = dv;
-#else
-        const T *K = (const T *)it->k + j0 * a->k_rs, *V = (const T *)it->v + j0 * a->v_rs;
-        const int64_t krs = a->k_rs, vrs = a->v_rs;
-#endif
+        const T *K, *V;
+        int64_t krs, vrs;
+        bwd_kv_rows(a, it, j0, n, Kw, Vw, &K, &V, &krs, &vrs);
         const int bits = tile_scores(a, it, &b, St, Qt, &qmax, W, ld, bqp, j0, n, K, krs, NULL, NULL, NULL, &kr);
         if (bits < 0) continue;
         if (bits) apply_bits(St, W, ld, bqp, n);
@@ -174,9 +192,8 @@ void FN(fa_bwd_lse_lo)(const fa_attention_args *a, const fa_tiles *tl, const fa_
         for (int64_t i = 0; i < bqp; i += L) {
             const vec l = vload(Dl + ld + i);
             vec sp = vset1(0), spd = vset1(0);
-            for (int64_t j = 0; j < n; j++) { /* as fa_bwd_unit's P; p dP 0 where p is */
-                const vec x = vload(St + j * ld + i) - l;
-                const vec p = vsel(l == vset1(-INFINITY), vset1(0), vexp_neg(vsel(x > 0, vset1(0), x)));
+            for (int64_t j = 0; j < n; j++) { /* as fa_bwd_unit's P, before lo; p dP 0 where p is */
+                const vec p = bwd_weight(vload(St + j * ld + i) - l, l);
                 sp += p;
                 spd += vsel(p == vset1(0), vset1(0), p * vload(dPt + j * ld + i));
             }
@@ -202,12 +219,8 @@ INLINE void weights_and_ds(const int with_lo, T *restrict St, T *restrict dPt, c
     for (int64_t j = 0; j < n; j++)
         for (int64_t i = 0; i < bqp; i += L) {
             const vec lse = vload(Dl + ld + i), s = vload(St + j * ld + i) - lse;
-            const vec x = with_lo ? s - vload(Dl + 2 * ld + i) : s;
-            /* a row that sees no key (lse -inf) has no weights: P = 0; and where
-             * P = 0 (a hidden key) dS = 0, even if V's row holds inf or NaN.
-             * x <= 0 but for rounding (lse: the row's log-sum-exp; lo 0 but
-             * where lse_lossy), so vexp_neg on x capped at 0 (NaN stays NaN) */
-            const vec p = vsel(lse == vset1(-INFINITY), vset1(0), vexp_neg(vsel(x > 0, vset1(0), x)));
+            /* where P = 0 (a hidden key) dS = 0, even if V's row holds inf or NaN */
+            const vec p = bwd_weight(with_lo ? s - vload(Dl + 2 * ld + i) : s, lse);
             vstore(St + j * ld + i, p);
             vstore(dPt + j * ld + i, vsel(p == vset1(0), vset1(0), p * (vload(dPt + j * ld + i) - vload(Dl + i))));
         }
@@ -236,18 +249,12 @@ void FN(fa_bwd_unit)(const fa_attention_args *a, const fa_tiles *tl, const fa_it
     T *dVb = dKb + bk * dkp;
     IT *W = (IT *)(dVb + bk * dvp);
     /* the unit's K and V rows (key j0 first) as the products read them, row strides krs and vrs */
+    const T *K, *V;
+    int64_t krs, vrs;
+    T *Kw = (T *)(W + (bk + 31) / 32 * ld);
+    bwd_kv_rows(a, &its[0], j0, nb, Kw, Kw + bk * dk, &K, &V, &krs, &vrs);
 #if FA_KV
-    T *Kw = (T *)(W + (bk + 31) / 32 * ld), *Vw = Kw + bk * dk;
-    for (int64_t j = 0; j < nb; j++) {
-        widen_row(Kw + j * dk, (const KT *)its[0].k + (j0 + j) * a->k_rs, dk);
-        widen_row(Vw + j * dv, (const KT *)its[0].v + (j0 + j) * a->v_rs, dv);
-    }
     if (a->stats) __atomic_fetch_add(&a->stats->kv_widened, nb, __ATOMIC_RELAXED);
-    const T *K = Kw, *V = Vw;
-    const int64_t krs = dk, vrs = dv;
-#else
-    const T *K = (const T *)its[0].k + j0 * a->k_rs, *V = (const T *)its[0].v + j0 * a->v_rs;
-    const int64_t krs = a->k_rs, vrs = a->v_rs;
 #endif
     memset(dKb, 0, (size_t)(bk * dkp) * sizeof(T));
     memset(dVb, 0, (size_t)(bk * dvp) * sizeof(T));
