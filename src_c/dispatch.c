@@ -207,9 +207,11 @@ static fa_isa_table table_avx512 = {.name = "avx512", .tune = TUNE_AVX512("avx51
  * decoding without software prefetch; the group kernel's items of several rows
  * in chunks of keys, up to 8 float64 rows of a (B, n, H, d) cache from
  * memory in the group kernel, and up to 10 float32 rows (float64: 8) from
- * memory in the row kernel's pipelined loop. */
-#define TUNE_XEON_A7                                                                                         \
-    {.name = "xeon-a7", .rows_max = {12, 12}, .rows_max_big = {8, 2}, .rows_max_dk = {24, 12},              \
+ * memory in the row kernel's pipelined loop.  The same table, as `xeon-cf`,
+ * for Emerald Rapids (model 207), where it beat the avx512 default from
+ * memory by as much (docs/tuning.md, "Intel Xeon, model 207"). */
+#define TUNE_XEON(nm)                                                                                        \
+    {.name = nm, .rows_max = {12, 12}, .rows_max_big = {8, 2}, .rows_max_dk = {24, 12},                      \
      .rows_max_big_dk = {10, 0}, .tile_spread = 1, .pipe_pf_l2 = 0,                                         \
      .rows_full = {14, 0}, .tail_max = {8, 4}, .decode_pf = {1, 0}, .fuse = 1, .stream = 0, .bk_tiled = 64, \
      .bk_tiled_mem = 16, .q_tile_bytes = 131072, .q_tile_bytes_band = 32768, .bk_rows = 512,               \
@@ -241,7 +243,10 @@ static const cpu_table cpu_tables[] = {
     {"AuthenticAMD", 0x1a, 0x00, 0x4f, 0, "avx512", TUNE_ZEN5},
     {"AuthenticAMD", 0x1a, 0x60, 0x7f, 0, "avx512", TUNE_ZEN5},
     /* not Rocket Lake, the desktop CPU of that model (16 MiB L3) */
-    {"GenuineIntel", 0x06, 0xa7, 0xa7, (int64_t)256 << 20, "avx512", TUNE_XEON_A7},
+    {"GenuineIntel", 0x06, 0xa7, 0xa7, (int64_t)256 << 20, "avx512", TUNE_XEON("xeon-a7")},
+    /* Sapphire Rapids (0x8f, not measured) and Emerald Rapids (0xcf): the same cores */
+    {"GenuineIntel", 0x06, 0x8f, 0x8f, 0, "avx512", TUNE_XEON("xeon-cf")},
+    {"GenuineIntel", 0x06, 0xcf, 0xcf, 0, "avx512", TUNE_XEON("xeon-cf")},
 };
 
 static void read_cpu(fa_cpu *out);
