@@ -244,6 +244,8 @@ static const cpu_table cpu_tables[] = {
     {"AuthenticAMD", 0x1a, 0x60, 0x7f, 0, "avx512", TUNE_ZEN5},
     /* not Rocket Lake, the desktop CPU of that model (16 MiB L3) */
     {"GenuineIntel", 0x06, 0xa7, 0xa7, (int64_t)256 << 20, "avx512", TUNE_XEON("xeon-a7")},
+    /* Granite Rapids as it reports itself outside such a VM (0xad, 0xae; not measured) */
+    {"GenuineIntel", 0x06, 0xad, 0xae, 0, "avx512", TUNE_XEON("xeon-a7")},
     /* Sapphire Rapids (0x8f, not measured) and Emerald Rapids (0xcf): the same cores */
     {"GenuineIntel", 0x06, 0x8f, 0x8f, 0, "avx512", TUNE_XEON("xeon-cf")},
     {"GenuineIntel", 0x06, 0xcf, 0xcf, 0, "avx512", TUNE_XEON("xeon-cf")},
