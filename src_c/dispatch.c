@@ -209,8 +209,10 @@ static fa_isa_table table_avx512 = {.name = "avx512", .tune = TUNE_AVX512("avx51
  * memory in the group kernel, and up to 10 float32 rows (float64: 8) from
  * memory in the row kernel's pipelined loop.  The same table, as `xeon-cf`,
  * for Emerald Rapids (model 207), where it beat the avx512 default from
- * memory by as much (docs/tuning.md, "Intel Xeon, model 207"). */
-#define TUNE_XEON(nm)                                                                                        \
+ * memory by as much, but for no far prefetch (far: kv_far_bytes; there
+ * decoding 16-bit K and V without it was faster; docs/tuning.md, "Intel
+ * Xeon, model 207"). */
+#define TUNE_XEON(nm, far)                                                                                   \
     {.name = nm, .rows_max = {12, 12}, .rows_max_big = {8, 2}, .rows_max_dk = {24, 12},                      \
      .rows_max_big_dk = {10, 0}, .tile_spread = 1, .pipe_pf_l2 = 0,                                         \
      .rows_full = {14, 0}, .tail_max = {8, 4}, .decode_pf = {1, 0}, .fuse = 1, .stream = 0, .bk_tiled = 64, \
@@ -219,7 +221,7 @@ static fa_isa_table table_avx512 = {.name = "avx512", .tune = TUNE_AVX512("avx51
      .bk_decode = 256, .group_bk_max = 64,                                                                  \
      .group_tile_bytes = 256 << 10, .group_touch = 0, .group_chunks_rows = 1,                               \
      .pipe_rows = {10, 8}, .group_rows = {8, 8}, .fold_rows = 8, .fold_rows_big = 12,                       \
-     .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = (int64_t)16 << 20,       \
+     .fold_big_bytes = 4 << 20, .kv_mem_bytes = (int64_t)48 << 20, .kv_far_bytes = far,                     \
      .bwd_bq = 64, .bwd_bk = 256, .rows_full_dk = 0, .rows_max_kv = 0, .tail_mem = 0, .tile_pf_l1 = 1,      \
      .decode_far = 0, .decode_inorder = 0}
 
@@ -243,12 +245,12 @@ static const cpu_table cpu_tables[] = {
     {"AuthenticAMD", 0x1a, 0x00, 0x4f, 0, "avx512", TUNE_ZEN5},
     {"AuthenticAMD", 0x1a, 0x60, 0x7f, 0, "avx512", TUNE_ZEN5},
     /* not Rocket Lake, the desktop CPU of that model (16 MiB L3) */
-    {"GenuineIntel", 0x06, 0xa7, 0xa7, (int64_t)256 << 20, "avx512", TUNE_XEON("xeon-a7")},
+    {"GenuineIntel", 0x06, 0xa7, 0xa7, (int64_t)256 << 20, "avx512", TUNE_XEON("xeon-a7", (int64_t)16 << 20)},
     /* Granite Rapids as it reports itself outside such a VM (0xad, 0xae; not measured) */
-    {"GenuineIntel", 0x06, 0xad, 0xae, 0, "avx512", TUNE_XEON("xeon-a7")},
+    {"GenuineIntel", 0x06, 0xad, 0xae, 0, "avx512", TUNE_XEON("xeon-a7", (int64_t)16 << 20)},
     /* Sapphire Rapids (0x8f, not measured) and Emerald Rapids (0xcf): the same cores */
-    {"GenuineIntel", 0x06, 0x8f, 0x8f, 0, "avx512", TUNE_XEON("xeon-cf")},
-    {"GenuineIntel", 0x06, 0xcf, 0xcf, 0, "avx512", TUNE_XEON("xeon-cf")},
+    {"GenuineIntel", 0x06, 0x8f, 0x8f, 0, "avx512", TUNE_XEON("xeon-cf", INT64_MAX)},
+    {"GenuineIntel", 0x06, 0xcf, 0xcf, 0, "avx512", TUNE_XEON("xeon-cf", INT64_MAX)},
 };
 
 static void read_cpu(fa_cpu *out);
