@@ -256,8 +256,9 @@ void FN(fa_bwd_unit)(const fa_attention_args *a, const fa_tiles *tl, const fa_it
 #if FA_KV
     if (a->stats) __atomic_fetch_add(&a->stats->kv_widened, nb, __ATOMIC_RELAXED);
 #endif
-    memset(dKb, 0, (size_t)(bk * dkp) * sizeof(T));
-    memset(dVb, 0, (size_t)(bk * dvp) * sizeof(T));
+    /* the unit's nb rows only: packed sequences' units are far shorter than bk */
+    memset(dKb, 0, (size_t)(nb * dkp) * sizeof(T));
+    memset(dVb, 0, (size_t)(nb * dvp) * sizeof(T));
     /* K for dQ += dS . K: inf and NaN as 0, so that a key hidden from a row
      * (dS = 0 there) adds nothing to it even where a padded cache holds NaN
      * (a row that sees such a key has a NaN score, lse and dS already) */
